@@ -1,0 +1,53 @@
+"""traceml_jupyter: is my DataLoader starving my GPU? `%%traceml` on a training cell answers.
+
+    %load_ext traceml_jupyter
+
+Heavy imports (torch, bqplot, pynvml, numpy) wait until a traced cell runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["load_ipython_extension", "unload_ipython_extension", "last", "runs", "trace"]
+
+if TYPE_CHECKING:
+    from .run import Run
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    from .magic import TraceMLMagics
+
+    ipython.register_magics(TraceMLMagics)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    ipython.magics_manager.magics["cell"].pop("traceml", None)
+    ipython.magics_manager.magics["line"].pop("traceml", None)
+
+
+def last() -> "Run | None":
+    """The most recent run of this kernel, or None."""
+    from .run import last as _last
+
+    return _last()
+
+
+def runs() -> "list[Run]":
+    """Every run of this kernel, oldest first."""
+    from .run import runs as _runs
+
+    return _runs()
+
+
+def trace(name: str | None = None, warmup: int | None = None, show: bool = True) -> Any:
+    """Time a loop outside the magic::
+
+        with traceml_jupyter.trace("baseline") as run:
+            for x, y in run.loop(loader):
+                ...
+    """
+    from .run import trace as _trace
+
+    return _trace(name, warmup, show)

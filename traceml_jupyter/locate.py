@@ -1,0 +1,158 @@
+"""Finding the step loop in a cell's (or a function's) syntax tree. Pure functions."""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+MARK = re.compile(r"#\s*traceml\s*:\s*loop\b")
+LOOPS = (ast.For, ast.While, ast.AsyncFor)
+SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+@dataclass(frozen=True)
+class LoopChoice:
+    """A `for` statement chosen as the step loop: where it is, and why it was chosen."""
+
+    lineno: int
+    col_offset: int
+    reason: str  # "--loop", "marked", "trains", "steps", "innermost"
+    function: str | None = None  # name of the enclosing function, if any
+
+
+def _for_loops(tree: ast.AST) -> Iterator[tuple[ast.For, int, str | None]]:
+    """Every `for` statement with its loop depth and its enclosing function name."""
+
+    def visit(node: ast.AST, depth: int, func: str | None) -> Iterator[tuple[ast.For, int, str | None]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield from visit(child, 0, child.name)
+            elif isinstance(child, ast.For):
+                yield child, depth, func
+                yield from visit(child, depth + 1, func)
+            elif isinstance(child, LOOPS):
+                yield from visit(child, depth + 1, func)
+            else:
+                yield from visit(child, depth, func)
+
+    yield from visit(tree, 0, None)
+
+
+def _own_calls(loop: ast.For) -> Iterator[ast.Call]:
+    """Calls in the loop's body and else, not inside a nested loop or definition."""
+    stack: list[ast.AST] = list(loop.body) + list(loop.orelse)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, LOOPS + SCOPES):
+            continue
+        if isinstance(node, ast.Call):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _calls_method(loop: ast.For, name: str) -> bool:
+    return any(
+        isinstance(call.func, ast.Attribute) and call.func.attr == name for call in _own_calls(loop)
+    )
+
+
+def _is_range(loop: ast.For) -> bool:
+    it = loop.iter
+    return isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range"
+
+
+def _has_nested_for(loop: ast.For) -> bool:
+    return any(isinstance(n, (ast.For, ast.AsyncFor)) for b in loop.body for n in ast.walk(b))
+
+
+def _choice(loop: ast.For, reason: str, func: str | None) -> LoopChoice:
+    return LoopChoice(loop.lineno, loop.col_offset, reason, func)
+
+
+def for_loop_lines(tree: ast.AST) -> list[int]:
+    return sorted(loop.lineno for loop, _, _ in _for_loops(tree))
+
+
+def find_training_loop(tree: ast.AST, lines: Sequence[str] = ()) -> LoopChoice | None:
+    """A loop marked `# traceml: loop`; else the first whose own body calls `.backward(`;
+    else the innermost whose own body calls `.step(`."""
+    loops = sorted(_for_loops(tree), key=lambda t: (t[0].lineno, t[0].col_offset))
+    for loop, _, func in loops:
+        if 0 < loop.lineno <= len(lines) and MARK.search(lines[loop.lineno - 1]):
+            return _choice(loop, "marked", func)
+    for loop, _, func in loops:
+        if _calls_method(loop, "backward"):
+            return _choice(loop, "trains", func)
+    stepping = [(loop, depth, func) for loop, depth, func in loops if _calls_method(loop, "step")]
+    if stepping:
+        loop, _, func = max(stepping, key=lambda t: t[1])
+        return _choice(loop, "steps", func)
+    return None
+
+
+def find_innermost_loop(tree: ast.AST) -> LoopChoice | None:
+    """The first innermost `for` over something other than `range(...)`."""
+    loops = sorted(_for_loops(tree), key=lambda t: (t[0].lineno, t[0].col_offset))
+    for loop, _, func in loops:
+        if not _is_range(loop) and not _has_nested_for(loop):
+            return _choice(loop, "innermost", func)
+    return None
+
+
+def loop_at_line(tree: ast.AST, line: int) -> LoopChoice | None:
+    """The `for` starting on `line`, else the innermost `for` whose lines contain it."""
+    best: tuple[ast.For, str | None] | None = None
+    for loop, _, func in _for_loops(tree):
+        if loop.lineno == line:
+            return _choice(loop, "--loop", func)
+        end = getattr(loop, "end_lineno", loop.lineno) or loop.lineno
+        if loop.lineno <= line <= end and (best is None or loop.lineno > best[0].lineno):
+            best = (loop, func)
+    return _choice(best[0], "--loop", best[1]) if best else None
+
+
+def find_node(tree: ast.AST, choice: LoopChoice) -> ast.For:
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.For)
+            and node.lineno == choice.lineno
+            and node.col_offset == choice.col_offset
+        ):
+            return node
+    raise LookupError(f"no for loop at line {choice.lineno}")
+
+
+def called_names(tree: ast.AST) -> list[tuple[str, ...]]:
+    """Dotted names of the calls in a tree, in source order: `train(...)` -> ("train",),
+    `trainer.fit(...)` -> ("trainer", "fit")."""
+    out: list[tuple[str, ...]] = []
+    calls = sorted(
+        (n for n in ast.walk(tree) if isinstance(n, ast.Call)),
+        key=lambda n: (n.lineno, n.col_offset),
+    )
+    for call in calls:
+        parts: list[str] = []
+        func: ast.expr = call.func
+        while isinstance(func, ast.Attribute):
+            parts.append(func.attr)
+            func = func.value
+        if isinstance(func, ast.Name):
+            parts.append(func.id)
+            name = tuple(reversed(parts))
+            if name not in out:
+                out.append(name)
+    return out
+
+
+def dataloader_lines(tree: ast.AST) -> list[int]:
+    """Lines that construct a DataLoader (`DataLoader(...)`, `data.DataLoader(...)`)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name == "DataLoader":
+                lines.append(node.lineno)
+    return sorted(set(lines))

@@ -1,0 +1,78 @@
+"""IPython glue: the `%%traceml` cell magic and the `%traceml` line commands."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+
+@magics_class
+class TraceMLMagics(Magics):
+    @magic_arguments()
+    @argument("--name", type=str, default=None, help="label of the run (default: 'run N')")
+    @argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="steps kept out of the verdict (default: a few, at most a tenth of the run)",
+    )
+    @argument("--no-live", action="store_true", help="no live chart while the cell runs")
+    @argument("--save", type=str, default=None, metavar="PATH", help="write the run as JSON")
+    @argument(
+        "--loop",
+        type=int,
+        default=None,
+        metavar="LINE",
+        help="the step loop is the `for` on this line of the cell (the %%%%traceml line is 1)",
+    )
+    @argument("command", nargs="*", help="line form only: `compare [A B]`")
+    @line_cell_magic
+    def traceml(self, line: str, cell: str | None = None) -> Any:
+        """Time every step of the training loop in this cell: data wait vs compute.
+
+        Usage::
+
+            %%traceml [--name NAME] [--warmup N] [--no-live] [--save PATH] [--loop LINE]
+            for x, y in loader:
+                ...
+
+        The loop is found for you: the `for` whose body calls `.backward()` (else
+        `.step()`), else one inside a function that the cell calls, else the innermost
+        `for` over something other than `range`, else every DataLoader iterator driven
+        during the cell. Mark another with `# traceml: loop` on its line, or `--loop LINE`.
+
+        While the cell runs, a live chart shows data wait and compute per step; when it
+        ends, a report gives the verdict (INPUT-BOUND, INPUT STRAGGLER, COMPUTE-BOUND, ...),
+        the numbers behind it and a checklist. `traceml_jupyter.last()` returns the run.
+
+        Example::
+
+            %load_ext traceml_jupyter
+
+            %%traceml --name slow
+            for epoch in range(2):
+                for x, y in loader:
+                    opt.zero_grad(); crit(model(x), y).backward(); opt.step()
+        """
+        __tracebackhide__ = True  # noqa: F841
+        args = parse_argstring(self.traceml, line)
+        if cell is None:
+            return self._command(args.command)
+        if args.command:
+            raise UsageError(f"%%traceml: unexpected argument(s): {' '.join(args.command)}")
+        if args.warmup is not None and args.warmup < 0:
+            raise UsageError("%%traceml: --warmup must be 0 or more")
+        from .traced_cell import CellOptions, run_traced_cell
+
+        opts = CellOptions(
+            name=args.name, warmup=args.warmup, live=not args.no_live, save=args.save, loop=args.loop
+        )
+        return run_traced_cell(self.shell, line, cell, opts)
+
+    def _command(self, words: list[str]) -> Any:
+        if not words:
+            raise UsageError("%traceml needs a cell (%%traceml) or a command: compare [A B]")
+        raise UsageError(f"%traceml: unknown command {words[0]!r} (known: compare)")
