@@ -73,10 +73,12 @@ def summarize(
     med_step = med["step_ms"]
 
     def share(phase: str) -> float | None:
-        value = med[phase]
-        if value is None or not med_step:
+        """Median over the steps of each step's share (robust when step times are bimodal)."""
+        part = wait if phase == "data_wait_ms" else compute
+        ok = step > 0
+        if not ok.any():
             return None
-        return value / med_step
+        return float(np.median(part[ok] / step[ok]))
 
     lost, n_spikes = straggler_share(wait, step)
     n_analysed = int(analysed.sum())

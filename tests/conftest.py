@@ -1,0 +1,46 @@
+"""Shared fixtures: a real IPython shell with the extension loaded, and a guard that fails any
+test leaving a patch, a hook name or a thread behind (like tqdm's leaked-bar check)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator
+
+import pytest
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from traceml_jupyter.rewrite import HOOK
+
+
+@pytest.fixture(scope="session")
+def ip() -> Any:
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "traceml_jupyter")
+    return shell
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    iter_before = DataLoader.__dict__["__iter__"]
+    next_before = _BaseDataLoaderIter.__dict__["__next__"]
+    threads_before = set(threading.enumerate())
+    yield
+    assert DataLoader.__dict__["__iter__"] is iter_before, "DataLoader.__iter__ left patched"
+    assert _BaseDataLoaderIter.__dict__["__next__"] is next_before, "__next__ left patched"
+    leaked = [
+        t
+        for t in set(threading.enumerate()) - threads_before
+        if t.is_alive() and t.name.startswith("traceml")
+    ]
+    assert not leaked, f"threads left running: {leaked}"
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    if shell is not None:
+        assert HOOK not in shell.user_ns, "loop hook left in the user namespace"

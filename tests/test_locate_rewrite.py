@@ -1,0 +1,141 @@
+"""Locating the step loop and rewriting it: source in, behaviour out (pure functions)."""
+
+from __future__ import annotations
+
+import ast
+from typing import Any, Iterable, Iterator
+
+from traceml_jupyter.locate import (
+    called_names,
+    dataloader_lines,
+    find_innermost_loop,
+    find_training_loop,
+    loop_at_line,
+)
+from traceml_jupyter.rewrite import HOOK, instrument_loop
+
+
+def pick(src: str) -> int | None:
+    tree = ast.parse(src)
+    choice = find_training_loop(tree, src.splitlines()) or find_innermost_loop(tree)
+    return choice.lineno if choice else None
+
+
+def test_the_loop_that_calls_backward_wins_over_the_epoch_loop() -> None:
+    src = """
+for epoch in range(3):
+    for x, y in loader:
+        loss = f(x, y)
+        loss.backward()
+        opt.step()
+    sched.step()
+"""
+    assert pick(src) == 3
+
+
+def test_step_only_loops_pick_the_innermost() -> None:
+    src = """
+for epoch in range(3):
+    for batch in loader:
+        opt.step()
+    sched.step()
+"""
+    assert pick(src) == 3
+
+
+def test_a_marked_loop_wins() -> None:
+    src = """
+for x in loader:  # traceml: loop
+    pass
+for x in other:
+    loss.backward()
+"""
+    assert pick(src) == 2
+
+
+def test_without_training_calls_the_innermost_non_range_loop() -> None:
+    assert pick("for i in range(3):\n    for b in batches:\n        total += b\n") == 2
+    assert pick("for i in range(3):\n    total += i\n") is None
+    assert pick("x = 1\n") is None
+
+
+def test_loops_inside_functions_are_found_and_named() -> None:
+    src = "def train(loader):\n    for x in loader:\n        x.backward()\n"
+    choice = find_training_loop(ast.parse(src), src.splitlines())
+    assert choice is not None and choice.function == "train" and choice.lineno == 2
+
+
+def test_loop_at_line_takes_a_line_inside_the_loop() -> None:
+    tree = ast.parse("for a in A:\n    for b in B:\n        pass\n")
+    got = loop_at_line(tree, 3)
+    assert got is not None and got.lineno == 2
+    assert loop_at_line(tree, 9) is None
+
+
+def test_called_names_and_dataloader_lines() -> None:
+    tree = ast.parse("import torch\nloader = torch.utils.data.DataLoader(ds)\ntrainer.fit(m)\ntrain()\n")
+    assert ("trainer", "fit") in called_names(tree) and ("train",) in called_names(tree)
+    assert dataloader_lines(tree) == [2]
+
+
+class Spy:
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def __call__(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        self.seen.append(iterable)
+        yield from iterable
+
+
+def run_both(src: str, names: list[str]) -> tuple[dict[str, Any], dict[str, Any], Spy]:
+    tree = ast.parse(src)
+    choice = find_training_loop(tree, src.splitlines()) or find_innermost_loop(tree)
+    assert choice is not None
+    plain: dict[str, Any] = {}
+    exec(compile(tree, "<plain>", "exec"), plain)
+    spy = Spy()
+    traced: dict[str, Any] = {HOOK: spy}
+    exec(compile(instrument_loop(tree, choice), "<traced>", "exec"), traced)
+    return {n: plain[n] for n in names}, {n: traced[n] for n in names}, spy
+
+
+def test_rewrite_keeps_break_continue_else_and_targets() -> None:
+    src = """
+out = []
+for i, (a, b) in enumerate(zip("abcdef", range(6))):  # traceml: loop
+    if b == 1:
+        continue
+    if b == 4:
+        break
+    out.append((i, a))
+else:
+    out.append("else")
+"""
+    plain, traced, spy = run_both(src, ["out"])
+    assert plain == traced and len(spy.seen) == 1
+
+
+def test_rewrite_keeps_return_inside_functions_and_the_else_branch() -> None:
+    src = """
+def first_big(xs):
+    for x in xs:  # traceml: loop
+        if x > 2:
+            return x
+    else:
+        return None
+a = first_big([1, 5, 3])
+b = first_big([0, 1])
+"""
+    plain, traced, spy = run_both(src, ["a", "b"])
+    assert plain == traced == {"a": 5, "b": None} and len(spy.seen) == 2
+
+
+def test_rewrite_keeps_line_numbers() -> None:
+    src = "total = 0\nfor x in [1, 2]:  # traceml: loop\n    total += x\n    1/0\n"
+    tree = ast.parse(src)
+    choice = find_innermost_loop(tree)
+    assert choice is not None
+    new = instrument_loop(tree, choice)
+    assert [n.lineno for n in ast.walk(new) if isinstance(n, ast.stmt)] == [
+        n.lineno for n in ast.walk(tree) if isinstance(n, ast.stmt)
+    ]

@@ -1,0 +1,64 @@
+"""The Recorder keeps every step up to its cap, then a uniform sample with exact totals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from traceml_jupyter import recorder as recorder_module
+from traceml_jupyter.recorder import Recorder
+
+
+def fill(rec: Recorder, n: int, wait_ns: int = 1000, compute_ns: int = 3000) -> None:
+    t = 0
+    for _ in range(n):
+        rec.add(t, t + wait_ns, t + wait_ns + compute_ns)
+        t += wait_ns + compute_ns
+
+
+def test_every_step_is_kept_exactly_up_to_the_cap() -> None:
+    rec = Recorder()
+    rec.origin_ns = 0
+    n = 150_000  # more than the 100k the issue asks for, folded twice
+    fill(rec, n)
+    cols = rec.columns()
+    assert rec.stride == 1 and len(cols["step"]) == n
+    assert np.array_equal(cols["step"], np.arange(n))
+    assert np.allclose(cols["data_wait_ms"], 0.001) and np.allclose(cols["step_ms"], 0.004)
+    assert cols["time_s"][1] == pytest.approx(4e-6)
+
+
+def test_past_the_cap_memory_is_flat_and_totals_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recorder_module, "CHUNK", 64)
+    monkeypatch.setattr(recorder_module, "HISTORY_CAP", 256)
+    rec = Recorder()
+    rec.origin_ns = 0
+    sizes = []
+    for _ in range(8):
+        fill(rec, 1000)
+        sizes.append(len(rec.columns()["step"]))
+    assert rec.n_steps == 8000
+    assert rec.stride > 1 and max(sizes[2:]) <= 256 + 64
+    cols = rec.columns()
+    assert np.all(cols["step"] % rec.stride == 0)  # a uniform sample
+    totals = rec.totals()
+    assert totals["data_wait_ms"] == pytest.approx(8000 * 0.001)
+    assert totals["compute_ms"] == pytest.approx(8000 * 0.003)
+
+
+def test_tail_is_exact_across_a_fold(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recorder_module, "CHUNK", 64)
+    rec = Recorder()
+    rec.origin_ns = 0
+    fill(rec, 70)
+    tail = rec.tail(20)
+    assert list(tail["step"]) == list(range(50, 70))
+
+
+def test_gpu_timings_arrive_late_and_in_order() -> None:
+    rec = Recorder()
+    rec.origin_ns = 0
+    fill(rec, 3)
+    rec.add_gpu(1.0, 2.0)
+    cols = rec.columns()
+    assert cols["step_gpu_ms"][0] == 3.0 and np.isnan(cols["step_gpu_ms"][1:]).all()
