@@ -162,9 +162,9 @@ def time_loader_iterators(steps: LoaderSteps) -> Iterator[None]:
         return item
 
     DataLoader.__iter__ = __iter__
-    _BaseDataLoaderIter.__next__ = __next__
+    _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
     try:
         yield
     finally:
         DataLoader.__iter__ = original_iter
-        _BaseDataLoaderIter.__next__ = original_next
+        _BaseDataLoaderIter.__next__ = original_next  # type: ignore[method-assign]

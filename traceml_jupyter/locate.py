@@ -42,7 +42,7 @@ def _for_loops(tree: ast.AST) -> Iterator[tuple[ast.For, int, str | None]]:
 
 def _own_calls(loop: ast.For) -> Iterator[ast.Call]:
     """Calls in the loop's body and else, not inside a nested loop or definition."""
-    stack: list[ast.AST] = list(loop.body) + list(loop.orelse)
+    stack: list[ast.AST] = [*loop.body, *loop.orelse]
     while stack:
         node = stack.pop()
         if isinstance(node, LOOPS + SCOPES):

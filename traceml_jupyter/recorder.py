@@ -134,7 +134,8 @@ class Recorder:
         self._gpu = [array("d", g[n:]) if k > n else array("d") for g, k in zip(self._gpu, n_gpu)]
 
     def nbytes(self) -> int:
-        raw = sum(a.buffer_info()[1] * a.itemsize for a in (self._t0, self._t1, self._t2, *self._gpu))
+        arrays: list[array[Any]] = [self._t0, self._t1, self._t2, *self._gpu]
+        raw = sum(a.buffer_info()[1] * a.itemsize for a in arrays)
         return raw + sum(v.nbytes for v in self._kept.values())
 
     def describe(self) -> dict[str, Any]:

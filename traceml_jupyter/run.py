@@ -7,13 +7,16 @@ import time
 import weakref
 from contextlib import contextmanager
 from time import perf_counter_ns
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from .cuda_clock import CudaClock, cuda_in_use, gpu_memory_in_use
 from .recorder import Recorder
 from .summary import summarize
 from .textbox import report_text, verdict_box
 from .verdict import Verdict, diagnose
+
+if TYPE_CHECKING:
+    import numpy as np
 
 SCHEMA_VERSION = 1
 REFRESH_NS = 250_000_000  # observers (the live view) run at most 4 times a second
@@ -92,6 +95,18 @@ class Run:
         self._summary: dict[str, Any] | None = None
         self._verdict: Verdict | None = None
         self.loader_seen: Callable[[], Any] | None = None  # last DataLoader whose __iter__ ran
+        # Optional watches (sync_stalls.GpuWatch, line_costs): per-step columns they measure,
+        # aligned to the recorder's steps on demand, and the few facts the verdict quotes.
+        self.extra_columns: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
+        self.watch_summary: dict[str, Any] = {}
+        self.gpu_watch: Any = None  # has loop_started() and step_ended(t2); CUDA path only
+        self.in_loop = False  # a pass of the step loop is running (CUDA path)
+        self.h2d: dict[str, Any] | None = None  # host-to-device copies by line (h2d.py)
+        self.sync_stalls: dict[str, Any] | None = None  # synchronising calls by line
+        self.line_costs: dict[str, Any] | None = None  # ms per step of each body line
+        self._gpu_samples: dict[str, Any] | None = None
+        self.gpu_note: str | None = None  # why GPU figures are missing (nvml.py), else None
+        self.gpu_device: str | None = None  # e.g. "NVIDIA H200, 0000:17:00.0, 143771 MiB"
         _RUNS.append(self)
 
     # -- hooks on the user's loop -----------------------------------------------------------
@@ -101,6 +116,8 @@ class Run:
             if self._cuda is None:
                 self._cuda = CudaClock(self.recorder)
             self._gpu_used = self._gpu_used or gpu_memory_in_use()
+            if self.gpu_watch is not None:
+                self.gpu_watch.loop_started()
             return self._loop_cuda(iterable, self._cuda)
         return self._loop_cpu(iterable)
 
@@ -114,6 +131,9 @@ class Run:
         except StopIteration:
             self._loop_started(iterable, None)
             return
+        except BaseException:
+            self._loop_started(iterable, None)  # the loader is still worth describing
+            raise
         t1 = clock()
         self._loop_started(iterable, item)
         while True:
@@ -122,9 +142,10 @@ class Run:
             finally:
                 t2 = clock()
                 add(t0, t1, t2)
+            t0 = t2
             if t2 >= self._next_tick:
                 self._tick(t2)
-            t0 = t2
+                t0 = clock()  # the view's own time is nobody's data wait
             try:
                 item = next(it)
             except StopIteration:
@@ -134,35 +155,46 @@ class Run:
     def _loop_cuda(self, iterable: Iterable[Any], cuda: CudaClock) -> Iterator[Any]:
         __tracebackhide__ = True  # noqa: F841
         clock, add, mark, step = perf_counter_ns, self.recorder.add, cuda.mark, cuda.step
-        t0 = clock()
-        a = mark()
-        it = iter(iterable)
+        ended = self.gpu_watch.step_ended if self.gpu_watch is not None else None
+        self.in_loop = True
         try:
-            item = next(it)
-        except StopIteration:
-            self._loop_started(iterable, None)
-            return
-        t1 = clock()
-        b = mark()
-        self._loop_started(iterable, item)
-        while True:
-            try:
-                yield item
-            finally:
-                c = mark()
-                t2 = clock()
-                add(t0, t1, t2)
-                step(a, b, c)
-            if t2 >= self._next_tick:
-                self._gpu_used = self._gpu_used or gpu_memory_in_use()
-                self._tick(t2)
-            t0, a = t2, c
+            t0 = clock()
+            a = mark()
+            it = iter(iterable)
             try:
                 item = next(it)
             except StopIteration:
+                self._loop_started(iterable, None)
                 return
+            except BaseException:
+                self._loop_started(iterable, None)
+                raise
             t1 = clock()
             b = mark()
+            self._loop_started(iterable, item)
+            while True:
+                try:
+                    yield item
+                finally:
+                    c = mark()
+                    t2 = clock()
+                    add(t0, t1, t2)
+                    step(a, b, c)
+                    if ended is not None:
+                        ended(t2)
+                t0, a = t2, c
+                if t2 >= self._next_tick:
+                    self._gpu_used = self._gpu_used or gpu_memory_in_use()
+                    self._tick(t2)
+                    t0, a = clock(), mark()  # the view's own time is nobody's data wait
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                t1 = clock()
+                b = mark()
+        finally:
+            self.in_loop = False
 
     def _loop_started(self, iterable: Any, first: Any) -> None:
         """Once per pass over the loader: note the loader, the batch size, the expected steps."""
@@ -191,7 +223,7 @@ class Run:
         except TypeError:
             self.loader_ref = None
         try:
-            self.expected_steps = len(iterable)  # type: ignore[arg-type]
+            self.expected_steps = len(iterable)  # type: ignore[arg-type,unused-ignore]
         except TypeError:
             self.expected_steps = self.loader_info.get("len")
 
@@ -232,12 +264,37 @@ class Run:
         self._observers.clear()
         return self
 
+    def columns(self) -> dict[str, np.ndarray]:
+        """The recorder's kept steps, with the columns of the optional watches and the NVML
+        samples (gpu_util_pct, gpu_mem_used_mib) placed on the same steps."""
+        cols = self.recorder.columns()
+        for name, column in self.extra_columns.items():
+            cols[name] = column(cols["step"])
+        samples = self._gpu_samples
+        if samples is not None and len(samples.get("time_s", ())):
+            from .nvml import at_steps
+
+            cols.update(at_steps(samples, cols["time_s"]))
+        return cols
+
+    @property
+    def gpu_samples(self) -> dict[str, Any] | None:
+        """NVML samples of the run's GPU (time_s, gpu_util_pct, gpu_mem_used_mib), set by the
+        live view when it closes; setting them refreshes the summary."""
+        return self._gpu_samples
+
+    @gpu_samples.setter
+    def gpu_samples(self, samples: dict[str, Any] | None) -> None:
+        self._gpu_samples = samples
+        self._summary, self._verdict = None, None
+
     def _analysis(self) -> tuple[dict[str, Any], Verdict]:
         if self._summary is None or self._verdict is None or not self.finished:
             rec = self.recorder
             summary = summarize(
-                rec.columns(), rec.n_steps, self.warmup, self._gpu_used, rec.totals()
+                self.columns(), rec.n_steps, self.warmup, self._gpu_used, rec.totals()
             )
+            summary.update(self.watch_summary)
             summary["batch_size"] = self.batch_size
             mean = summary["stats"]["step_ms"]["mean"]
             summary["samples_per_s"] = (
@@ -278,7 +335,7 @@ class Run:
     def steps(self) -> dict[str, Any]:
         """Per-step columns (numpy arrays): step, time_s, data_wait_ms, compute_ms, step_ms,
         and the GPU columns (NaN where not measured)."""
-        return self.recorder.columns()
+        return self.columns()
 
     def box(self) -> str:
         return verdict_box(self.verdict, self.summary)
@@ -314,11 +371,24 @@ class Run:
             "summary": _jsonable(self.summary),
             "loop": {"line": self.loop_line, "where": self.loop_where},
             "loader": _jsonable(self.loader_info),
+            "checklist": self._checklist(),
             "error": self.error,
             "notes": list(self.notes),
             "steps": {k: _jsonable(v.tolist()) for k, v in cols.items()},
             "stride": self.recorder.stride,
+            "h2d": _jsonable(self.h2d),
+            "sync_stalls": _jsonable(self.sync_stalls),
+            "line_costs": _jsonable(self.line_costs),
         }
+
+    def _checklist(self) -> list[dict[str, Any]] | None:
+        from .report import checklist_for
+
+        try:
+            return checklist_for(self)
+        except Exception as exc:
+            self.notes.append(f"checklist unavailable: {type(exc).__name__}: {exc}")
+            return None
 
     def save(self, path: str) -> str:
         with open(path, "w", encoding="utf-8") as fh:

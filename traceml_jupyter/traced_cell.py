@@ -39,6 +39,7 @@ class CellOptions:
     live: bool = True
     save: str | None = None
     loop: int | None = None
+    lines: bool = True  # time each top-level statement of the loop body (line_costs.py)
 
 
 def _import_torch() -> None:
@@ -47,9 +48,22 @@ def _import_torch() -> None:
         import torch  # noqa: F401
 
 
+def cell_number(shell: Any) -> int:
+    """The number IPython gave the running cell (execution_count has already moved on when
+    the cell is stored in history): read off the outer cell's code name on the stack."""
+    names = getattr(shell.compile, "_filename_map", None) or {}
+    frame = sys._getframe(1)
+    while frame is not None:
+        number = names.get(frame.f_code.co_filename)
+        if number is not None:
+            return int(number)
+        frame = frame.f_back  # type: ignore[assignment]
+    return int(getattr(shell, "execution_count", 0))
+
+
 def cache_cell(shell: Any, code: str, raw: str) -> str:
     """Register the cell's source with IPython, so tracebacks show its lines as `Cell In[n]`."""
-    number = getattr(shell, "execution_count", 0)
+    number = cell_number(shell)
     try:
         return str(shell.compile.cache(code, number, raw_code=raw))
     except TypeError:  # IPython 7
@@ -69,6 +83,16 @@ def name_in(namespace: dict[str, Any], name: str, value: Any) -> Iterator[None]:
             namespace.pop(name, None)
 
 
+def _keep_leading_blank_lines(cell: str, transformed: str) -> str:
+    """IPython drops a cell's leading blank lines; put them back so line numbers match."""
+    lines = cell.splitlines()
+    blank = next((i for i, line in enumerate(lines) if line.strip()), len(lines))
+    body = transformed.splitlines(keepends=True)
+    while body and not body[0].strip():
+        body.pop(0)
+    return "\n" * blank + "".join(body)
+
+
 def _split_last_expression(tree: ast.Module) -> tuple[ast.Module, ast.Expression | None]:
     """The cell without its last expression statement, and that expression (shown as Out[n])."""
     if tree.body and isinstance(tree.body[-1], ast.Expr):
@@ -84,10 +108,10 @@ def _locate(
     if opts.loop is not None:
         choice = loop_at_line(tree, opts.loop)
         if choice is None:
-            found = ", ".join(map(str, for_loop_lines(tree))) or "none"
+            starts = ", ".join(map(str, for_loop_lines(tree))) or "none"
             raise UsageError(
                 f"--loop {opts.loop}: no for loop on line {opts.loop} of this cell "
-                f"(for loops start on lines: {found})"
+                f"(for loops start on lines: {starts})"
             )
         return choice, None
     choice = find_training_loop(tree, lines)
@@ -115,7 +139,7 @@ def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -
     """Execute `cell` as IPython would, timing its step loop. Returns the last expression."""
     __tracebackhide__ = True  # noqa: F841
     first_line = ("%%traceml " + magic_line).rstrip()
-    transformed = shell.transform_cell(cell)
+    transformed = _keep_leading_blank_lines(cell, shell.transform_cell(cell))
     filename = cache_cell(shell, first_line + "\n" + transformed, first_line + "\n" + cell)
     try:
         tree = ast.parse(transformed, filename)
@@ -139,6 +163,14 @@ def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -
         run.loop_where = _describe_function_loop(shell, func_loop)
 
     code_tree = instrument_loop(tree, choice, HOOK) if choice is not None else tree
+    line_clock = None
+    if opts.lines and choice is not None:
+        from .line_costs import new_clock, time_lines
+
+        code_tree, statements = time_lines(code_tree, choice, lines)
+        line_clock = new_clock(statements, run, opts.warmup)
+    elif opts.lines:
+        run.notes.append("--lines: cost per line is measured only for a loop written in this cell.")
     body, last = _split_last_expression(code_tree)
     flags = getattr(shell.compile, "flags", 0)
     code = compile(body, filename, "exec", flags, dont_inherit=True)
@@ -165,6 +197,15 @@ def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -
                 patches.enter_context(time_loader_iterators(fallback))
             else:
                 patches.enter_context(watch_loaders(remember))
+                from .sync_stalls import gpu_watched
+
+                patches.enter_context(gpu_watched(run))
+            if line_clock is not None:
+                from .line_costs import LINES, SAMPLE, line_costs_kept
+
+                patches.enter_context(name_in(ns, LINES, line_clock))
+                patches.enter_context(name_in(ns, SAMPLE, line_clock.sample))
+                patches.enter_context(line_costs_kept(run, line_clock))
             if opts.live and fallback is None:
                 from .display import start_live_view
 

@@ -1,0 +1,530 @@
+"""The live view of a traced cell, through the real shell: what its widgets send (counted by a
+recording comm), what a front-end without widgets gets, and that refreshes stay bounded."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+from IPython.utils.capture import capture_output
+
+from traceml_jupyter import environment, live
+from traceml_jupyter.live import WIDGET_VIEW
+
+Message = tuple[str, str, dict[str, Any], list[Any]]
+
+SLOW_LOOP = """
+import time
+data = list(range(80))
+for epoch in range(2):
+    for x in data:
+        time.sleep(0.005)
+"""
+
+
+class Recording:
+    """Every comm message the widgets publish, with the model behind each comm."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self.models: dict[str, str] = {}
+
+    def record(self, comm_id: str, msg_type: str, data: Any, buffers: Any) -> None:
+        data = data or {}
+        if msg_type == "comm_open":
+            self.models[comm_id] = data.get("state", {}).get("_model_name", "?")
+        self.messages.append((comm_id, msg_type, data, list(buffers or [])))
+
+    def updates(self, model: str) -> list[Message]:
+        return [m for m in self.messages if m[1] == "comm_msg" and self.models.get(m[0]) == model]
+
+    def comm_ids(self, model: str) -> list[str]:
+        return [cid for cid, name in self.models.items() if name == model]
+
+
+def array(message: Message, key: str) -> np.ndarray:
+    """A bqplot array trait of an update message, rebuilt from its binary buffer."""
+    _, _, data, buffers = message
+    spec = data["state"][key]
+    index = data["buffer_paths"].index([key, "value"])
+    return np.frombuffer(buffers[index], dtype=spec["dtype"]).reshape(spec["shape"])
+
+
+@pytest.fixture
+def recording(monkeypatch: pytest.MonkeyPatch) -> Recording:
+    """Widgets get a comm that records what it would send to the front-end.
+
+    ipywidgets 8 and 7.8 both create comms through `comm.create_comm` (the comm package).
+    """
+    import comm
+
+    rec = Recording()
+
+    class RecordingComm(comm.DummyComm):
+        def publish_msg(
+            self,
+            msg_type: str,
+            data: Any = None,
+            metadata: Any = None,
+            buffers: Any = None,
+            **keys: Any,
+        ) -> None:
+            rec.record(self.comm_id, msg_type, data, buffers)
+
+    monkeypatch.setattr(comm, "create_comm", lambda *a, **k: RecordingComm(*a, **k))
+    return rec
+
+
+@pytest.fixture
+def views(monkeypatch: pytest.MonkeyPatch) -> list[live.LiveView]:
+    """The views the traced cells start."""
+    started: list[live.LiveView] = []
+    real_start = live.start
+
+    def start(run: Any) -> Any:
+        view = real_start(run)
+        if view is not None:
+            started.append(view)
+        return view
+
+    monkeypatch.setattr(live, "start", start)
+    return started
+
+
+@pytest.fixture
+def widget_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This test shell opts in to the widget front-end (it has none of its own)."""
+    monkeypatch.setenv(environment.LIVE_ENV, "widget")
+
+
+def traceml(ip: Any, cell: str, line: str = "") -> Any:
+    # IPython drops a cell's leading blank lines before the loop is located; strip them here
+    # so run.loop_line and run.cell_source agree (see the report to the lead).
+    return ip.run_cell(f"%%traceml {line}\n{cell.lstrip(chr(10))}")
+
+
+def no_traceml_thread() -> bool:
+    return not [t for t in threading.enumerate() if t.name.startswith("traceml") and t.is_alive()]
+
+
+# -- the widget view ------------------------------------------------------------------------
+
+
+def test_refreshes_are_throttled_and_each_is_one_batched_update_per_widget(
+    ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
+) -> None:
+    with capture_output():
+        result = traceml(ip, SLOW_LOOP)
+    assert result.error_in_exec is None
+    (view,) = views
+    run = view.run
+    seconds = run.recorder.totals()["step_ms"] / 1e3
+    assert run.n_steps == 160
+    # The hook refreshes at the first step, then at most every 250 ms, then once at the end.
+    assert 2 <= view.refreshes <= 4 * seconds + 2
+    headers = recording.updates("HTMLModel")
+    bars = recording.updates("BarsModel")
+    assert len(headers) <= view.refreshes
+    (main_bars, overview_bars) = recording.comm_ids("BarsModel")
+    window = [m for m in bars if m[0] == main_bars]
+    assert 1 <= len(window) <= view.refreshes
+    # x and y of a refresh travel together, in one message
+    assert all(set(m[2]["state"]) == {"x", "y"} for m in bars)
+    # nothing else is updated after creation: scales fit the data in the browser
+    updated = {recording.models[m[0]] for m in recording.messages if m[1] == "comm_msg"}
+    assert updated <= {"HTMLModel", "BarsModel"}
+    assert len(headers) + len(bars) <= 3 * view.refreshes
+    assert no_traceml_thread()
+
+
+def test_the_final_refresh_carries_the_last_step(
+    ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
+) -> None:
+    with capture_output():
+        traceml(ip, SLOW_LOOP)
+    (view,) = views
+    n = view.run.n_steps
+    assert view.final_done and view.closed
+    last_header = recording.updates("HTMLModel")[-1][2]["state"]["value"]
+    assert f"done: {n} steps" in last_header
+    assert "COMPUTE-BOUND" in last_header
+    main_bars = recording.comm_ids("BarsModel")[0]
+    last_window = [m for m in recording.updates("BarsModel") if m[0] == main_bars][-1]
+    x, y = array(last_window, "x"), array(last_window, "y")
+    assert x[-1] == n and len(x) == min(n, live.WINDOW)
+    assert y.shape == (2, len(x))
+    assert np.all(y[1] >= 4.0)  # compute: the 5 ms sleep of each step
+    overview = [m for m in recording.updates("BarsModel") if m[0] != main_bars][-1]
+    centre = array(overview, "x")
+    assert centre[0] < centre[-1] <= n + 1
+
+
+def test_the_chart_is_displayed_with_a_text_fallback_and_left_in_place(
+    ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
+) -> None:
+    with capture_output() as cap:
+        traceml(ip, SLOW_LOOP)
+    widget_outputs = [o for o in cap.outputs if WIDGET_VIEW in o.data]
+    assert len(widget_outputs) == 1
+    data = widget_outputs[0].data
+    (box,) = recording.comm_ids("VBoxModel")
+    assert data[WIDGET_VIEW]["model_id"] == box
+    assert data[WIDGET_VIEW]["version_major"] == 2
+    assert "Box(" not in data["text/plain"] and "traceml" in data["text/plain"]
+    # the chart stays: its widgets are not closed, so the saved notebook keeps its state
+    assert not [m for m in recording.messages if m[1] == "comm_close"]
+    assert views[0].chart is not None
+
+
+def test_the_header_says_where_the_run_is_and_what_bounds_it(
+    ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
+) -> None:
+    cell = """
+import time, torch
+from torch.utils.data import DataLoader, TensorDataset
+EPOCHS = 2
+loader = DataLoader(TensorDataset(torch.randn(64, 3), torch.randn(64, 1)), batch_size=8)
+model = torch.nn.Linear(3, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(EPOCHS):
+    for x, y in loader:
+        time.sleep(0.02)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+"""
+    with capture_output():
+        result = traceml(ip, cell)
+    assert result.error_in_exec is None
+    headers = [m[2]["state"]["value"] for m in recording.updates("HTMLModel")]
+    assert "step 1 / 16" in headers[0]  # len(loader) x EPOCHS
+    assert any("ETA" in h for h in headers[1:-1]) or len(headers) == 2
+    final = headers[-1]
+    assert "done: 16 steps" in final
+    assert "samples/s" in final  # batch size 8 read from the batch
+    assert "GPU n/a" in final or "GPU " in final
+
+
+def test_an_error_in_the_cell_still_ends_the_view(
+    ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
+) -> None:
+    cell = """
+for i in list(range(50)):
+    if i == 30:
+        raise ValueError("boom")
+"""
+    with capture_output():
+        result = traceml(ip, cell)
+    assert isinstance(result.error_in_exec, ValueError)
+    (view,) = views
+    assert view.closed
+    last_header = recording.updates("HTMLModel")[-1][2]["state"]["value"]
+    assert "stopped after 31 steps (ValueError: boom)" in last_header  # i = 0..30
+    assert no_traceml_thread()
+
+
+def test_a_loop_that_runs_no_step_says_so(
+    ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
+) -> None:
+    with capture_output():
+        result = traceml(ip, "for x in []:\n    pass\n")
+    assert result.error_in_exec is None
+    (view,) = views
+    assert view.final_done and view.closed
+    last_header = recording.updates("HTMLModel")[-1][2]["state"]["value"]
+    assert "done: the loop ran no step" in last_header and "NO DATA" in last_header
+    assert not recording.updates("BarsModel")
+
+
+def test_the_gpu_note_is_left_on_the_run_for_the_report(
+    ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
+) -> None:
+    import traceml_jupyter
+
+    with capture_output():
+        traceml(ip, SLOW_LOOP)
+    run = traceml_jupyter.last()
+    assert run is not None
+    samples = run.gpu_samples
+    assert samples is not None
+    assert set(samples) == {"time_s", "gpu_util_pct", "gpu_mem_used_mib"}
+    note = getattr(run, "gpu_note", None)
+    if not len(samples["time_s"]):  # no GPU here: the report says why
+        assert note is not None and note.startswith("GPU n/a")
+        last_header = recording.updates("HTMLModel")[-1][2]["state"]["value"]
+        assert note in last_header
+    else:
+        assert note is None
+
+
+def test_colab_gets_its_widget_manager_once_before_the_first_widget(
+    ip: Any,
+    recording: Recording,
+    views: list[live.LiveView],
+    widget_mode: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[int] = []
+    google = types.ModuleType("google")
+    colab = types.ModuleType("google.colab")
+    output = types.ModuleType("google.colab.output")
+    output.enable_custom_widget_manager = lambda: seen.append(len(recording.messages))  # type: ignore[attr-defined]
+    colab.output = output  # type: ignore[attr-defined]
+    google.colab = colab  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "google", google)
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    monkeypatch.setitem(sys.modules, "google.colab.output", output)
+    monkeypatch.setattr(environment, "_colab_widgets_enabled", False)
+    with capture_output():
+        traceml(ip, "for x in list(range(5)):\n    pass\n")
+        traceml(ip, "for x in list(range(5)):\n    pass\n")
+    assert seen == [0]  # once, before any widget was created
+    assert len(views) == 2
+
+
+def test_without_bqplot_a_widget_kernel_gets_the_html_display(
+    ip: Any,
+    recording: Recording,
+    views: list[live.LiveView],
+    widget_mode: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "bqplot", None)  # `from bqplot import ...` fails
+    with capture_output() as cap:
+        result = traceml(ip, SLOW_LOOP)
+    assert result.error_in_exec is None
+    assert isinstance(views[0].chart, live.HtmlChart)
+    assert not [m for m in recording.messages if recording.models.get(m[0]) == "BarsModel"]
+    assert any(o.update for o in cap.outputs)
+
+
+# -- front-ends without widgets -------------------------------------------------------------
+
+
+def test_a_terminal_gets_no_widget_and_no_traceback(
+    ip: Any, recording: Recording, views: list[live.LiveView], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(environment.LIVE_ENV, raising=False)
+    with capture_output() as cap:
+        result = traceml(ip, SLOW_LOOP)
+    assert result.error_in_exec is None and result.error_before_exec is None
+    texts = [cap.stdout, cap.stderr] + [str(o.data) for o in cap.outputs]
+    assert not any("Box(" in t or "children=" in t for t in texts)
+    assert not any(WIDGET_VIEW in o.data for o in cap.outputs)
+    assert not recording.messages  # no widget was even created
+    assert "Traceback" not in cap.stderr
+    (view,) = views  # the GPU is still sampled for the report; nothing is shown
+    assert view.chart is None and view.closed
+    assert no_traceml_thread()
+
+
+def test_a_kernel_without_widgets_gets_an_updating_html_display(
+    ip: Any, recording: Recording, views: list[live.LiveView], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(environment.LIVE_ENV, "html")
+    with capture_output() as cap:
+        result = traceml(ip, SLOW_LOOP)
+    assert result.error_in_exec is None
+    assert not recording.messages
+    live_outputs = [o for o in cap.outputs if "traceml-live-header" in o.data.get("text/html", "")]
+    first, updates = live_outputs[0], live_outputs[1:]
+    display_id = first.transient["display_id"]
+    assert not first.update
+    assert updates and all(o.update and o.transient["display_id"] == display_id for o in updates)
+    assert len(updates) <= views[0].refreshes
+    final = updates[-1].data
+    assert "done: 160 steps" in final["text/html"] and "<svg" in final["text/html"]
+    assert final["text/plain"].startswith("traceml ") and "done: 160 steps" in final["text/plain"]
+
+
+def test_no_live_starts_no_view(ip: Any, views: list[live.LiveView], widget_mode: None) -> None:
+    with capture_output():
+        traceml(ip, "for x in list(range(5)):\n    pass\n", "--no-live")
+    assert views == []
+
+
+# -- bounded work and the pure pieces --------------------------------------------------------
+
+
+class FakeChart(live.HtmlChart):
+    def __init__(self) -> None:
+        super().__init__("fake")
+        self.windows: list[int] = []
+
+    def draw_window(self, step: np.ndarray, wait: np.ndarray, compute: np.ndarray) -> None:
+        self.windows.append(len(step))
+
+
+def test_a_refresh_reads_only_the_window_however_long_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from traceml_jupyter.run import _RUNS, Run
+
+    run = Run("long")
+    try:
+        origin = run.recorder.origin_ns or 0
+        for i in range(200_000):
+            t = origin + i * 100_000
+            run.recorder.add(t, t + 10_000, t + 100_000)
+
+        def whole_history() -> Any:
+            raise AssertionError("the live view read the whole history")
+
+        monkeypatch.setattr(run.recorder, "columns", whole_history)
+        chart = FakeChart()
+        view = live.LiveView(run, chart)
+        view.refresh(run)
+        assert chart.windows == [live.WINDOW]
+        assert "step 200,000" in chart._header
+        assert view.overview.count.sum() == 200_000
+        view.sampler.stop()
+    finally:
+        _RUNS.remove(run)
+
+
+def test_gpu_figures_reach_the_header_and_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from traceml_jupyter import nvml
+    from traceml_jupyter.run import _RUNS, Run
+
+    fake = types.ModuleType("pynvml")
+    fake.nvmlInit = fake.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetHandleByPciBusId = lambda bus: "gpu"  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetName = lambda h: "NVIDIA Fake"  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=93)  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=3 * 2**30, total=80 * 2**30)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(nvml, "cuda_available", lambda: True)
+    monkeypatch.setattr(nvml, "cuda_device_of_loop", lambda: ("pci", "0000:17:00.0"))
+    run = Run("gpu")
+    try:
+        chart = FakeChart()
+        view = live.LiveView(run, chart)
+        origin = run.recorder.origin_ns or 0
+        for i in range(10):
+            t = origin + i * 1_000_000
+            run.recorder.add(t, t + 100_000, t + 1_000_000)
+        view.refresh(run)
+        assert view.sampler.running
+        for _ in range(500):  # the first sample is taken as the thread starts
+            if len(view.sampler.samples):
+                break
+            threading.Event().wait(0.01)
+        view.refresh(run)
+        assert "GPU 93 % | mem 3.0 / 80 GiB" in chart._header
+        run.finish()
+        view.refresh(run)
+        assert not view.sampler.running
+        assert "GPU 93 % on average" in chart._header
+        assert run.gpu_samples is not None and len(run.gpu_samples["gpu_util_pct"]) >= 1
+        assert getattr(run, "gpu_note", "unset") is None
+        assert getattr(run, "gpu_device", None) == "NVIDIA Fake, 0000:17:00.0, 81920 MiB"
+        view.close()
+    finally:
+        _RUNS.remove(run)
+
+
+def test_passes_are_read_off_the_loops_around_the_step_loop() -> None:
+    cell = "%%traceml\nfor epoch in range(1, EPOCHS + 1):\n    for x in loader:\n        pass\n"
+    loops = live.loops_around(cell, 3)
+    assert live.passes_of(loops, {"EPOCHS": 3}) == 3
+    assert live.passes_of(loops, {}) is None
+    assert live.passes_of(live.loops_around(cell, 2), {}) == 1
+    nested = "%%traceml\nfor a in tqdm(range(2)):\n    for b in range(3):\n        for x in dl:\n            pass\n"
+    assert live.passes_of(live.loops_around(nested, 4), {}) == 6
+    looped = "%%traceml\nwhile True:\n    for x in loader:\n        break\n    break\n"
+    assert live.loops_around(looped, 3) is None
+    in_def = "%%traceml\ndef train():\n    for x in loader:\n        pass\ntrain()\n"
+    assert live.loops_around(in_def, 3) is None
+    assert live.loops_around("%%traceml\n!ls\nfor x in y:\n  pass\n", 3) is None
+
+
+def test_header_wording() -> None:
+    numbers: dict[str, Any] = {
+        "name": "run 1",
+        "step": 1234,
+        "total": 2000,
+        "pass": None,
+        "steps_per_s": 812.4,
+        "samples_per_s": 25996.8,
+        "eta_s": 0.94,
+        "verdict": "INPUT-BOUND",
+        "severity": "critical",
+        "share": live.verdict_share("INPUT-BOUND", {"data_wait_share": 0.94}),
+        "finished": False,
+        "elapsed_s": None,
+        "error": None,
+    }
+    text = live.header_text(numbers, "GPU n/a (no NVML)")
+    assert text == (
+        "traceml run 1 | step 1,234 / 2,000 | 812 steps/s | 25,997 samples/s | ETA 0.9 s | "
+        "INPUT-BOUND: data wait 94 % of step | GPU n/a (no NVML)"
+    )
+    html = live.header_html(numbers, "GPU n/a (no NVML)")
+    assert '<b style="color:#c0392b">INPUT-BOUND</b>' in html
+    assert (
+        html.index("data wait 94 %")
+        < html.index("GPU n/a")
+        < html.index("&#9632;</span> data wait")
+    )
+    numbers.update(total=None, pass_info=None, **{"pass": (234, 1000, 2)})
+    assert "step 1,234 (pass 2: 234 / 1,000)" in live.header_text(numbers, "")
+    numbers.update(finished=True, elapsed_s=75.0)
+    assert "done: 1,234 steps in 1 min 15 s" in live.header_text(numbers, "")
+    assert "ETA" not in live.header_text(numbers, "")
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0.04, "<0.1 s"),
+        (0.94, "0.9 s"),
+        (12.4, "12 s"),
+        (185, "3 min 05 s"),
+        (3725, "1 h 02 min"),
+        (None, "?"),
+    ],
+)
+def test_durations(seconds: float | None, text: str) -> None:
+    assert live.format_duration(seconds) == text
+
+
+def test_verdict_shares() -> None:
+    summary = {"data_wait_share": 0.3, "compute_share": 0.7, "straggler_share": 0.15}
+    assert live.verdict_share("COMPUTE-BOUND", summary) == "compute 70 % of step"
+    assert live.verdict_share("MIXED", summary) == "data wait 30 %, compute 70 % of step"
+    assert live.verdict_share("INPUT STRAGGLER", summary) == "stalls cost 15 % of the time"
+    assert live.verdict_share("WARMUP", summary) == "warming up"
+
+
+def test_the_overview_bins_the_whole_run() -> None:
+    overview = live.Overview(bins=16)
+    step = np.arange(1000)
+    overview.add(step[:600], np.full(600, 1.0), np.full(600, 3.0))
+    overview.add(step[600:], np.full(400, 2.0), np.full(400, 3.0))
+    centre, wait, compute = overview.means()
+    assert overview.width == 64
+    assert overview.count.sum() == 1000
+    assert np.all(np.diff(centre) > 0) and centre[-1] <= 1000 + overview.width
+    assert wait[0] == 1.0 and wait[-1] == 2.0 and np.all(compute == 3.0)
+
+
+def test_the_gpu_clock_is_used_for_steps_whose_timings_resolved() -> None:
+    tail = {
+        "step": np.arange(4),
+        "step_ms": np.full(4, 2.0),
+        "step_gpu_ms": np.array([1.0, 1.0, 1.0, np.nan]),
+    }
+    cols, on_gpu = live.clock_columns(tail, gpu_used=True)
+    assert on_gpu and cols["step"].tolist() == [0, 1, 2]
+    cols, on_gpu = live.clock_columns(tail, gpu_used=False)
+    assert not on_gpu and len(cols["step"]) == 4
+
+
+def test_the_html_fallback_chart_is_a_small_svg() -> None:
+    svg = live.svg_chart(np.array([1.0, 2.0, 0.5]), np.array([3.0, 3.0, 3.0]))
+    assert svg.startswith("<svg") and svg.count("<polygon") == 2 and "nan" not in svg
+    assert live.svg_chart(np.array([1.0]), np.array([1.0])) == ""

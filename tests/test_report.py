@@ -1,0 +1,364 @@
+"""The report a notebook user sees when a traced cell ends, read from the displayed HTML."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from IPython.utils.capture import capture_output
+
+import traceml_jupyter
+from traceml_jupyter.checklist import default_start_method, evaluate, suggested_workers
+from traceml_jupyter.report import (
+    ROOT_CLASS,
+    checklist_for,
+    cpu_count,
+    facts_for,
+    fmt_ms,
+    gpu_utilisation,
+    render_html,
+)
+from traceml_jupyter.run import Run
+
+# pin_memory=True on this CPU-only machine is the point of one test; torch warns about it.
+pytestmark = pytest.mark.filterwarnings("ignore:.*pin_memory.*:UserWarning")
+
+SETUP = '''
+import time, torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+class SlowSamples(Dataset):
+    """Every sample takes 3 ms to make, as if decoded from a file."""
+    def __init__(self, n=64):
+        self.n = n
+    def __len__(self):
+        return self.n
+    def __getitem__(self, i):
+        time.sleep(0.003)
+        return torch.randn(8), torch.randn(1)
+
+model = nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+loss_fn = nn.MSELoss()
+'''
+
+# The issue's example: num_workers=0 seen on line 3 (the %%traceml line is line 1).
+SLOW_CELL = """%%traceml --no-live --name slow
+import torch
+loader = DataLoader(SlowSamples(), batch_size=4, num_workers=0, pin_memory=True)
+for x, y in loader:
+    opt.zero_grad()
+    loss_fn(model(x), y).backward()
+    opt.step()
+"""
+
+VOID = {"br", "hr", "img", "input", "meta", "link", "wbr"}
+
+
+class Element:
+    def __init__(self, tag: str, attrs: dict[str, str | None], ancestors: set[str]) -> None:
+        self.tag, self.attrs = tag, attrs
+        self.classes = set((attrs.get("class") or "").split())
+        self.ancestors = ancestors
+        self.parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return " ".join(" ".join(self.parts).split())
+
+
+class Page(HTMLParser):
+    """The report's elements with their visible text, to read it as a user would."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__()
+        self.stack: list[Element] = []
+        self.elements: list[Element] = []
+        self.feed(html)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in VOID:
+            return
+        ancestors = set().union(*(e.classes for e in self.stack)) if self.stack else set()
+        element = Element(tag, dict(attrs), ancestors)
+        self.stack.append(element)
+        self.elements.append(element)
+
+    def handle_endtag(self, tag: str) -> None:
+        while self.stack and self.stack.pop().tag != tag:
+            pass
+
+    def handle_data(self, data: str) -> None:
+        for element in self.stack:
+            element.parts.append(data)
+
+    def by_class(self, name: str) -> list[Element]:
+        return [e for e in self.elements if name in e.classes]
+
+    def one(self, name: str) -> Element:
+        found = self.by_class(name)
+        assert len(found) == 1, f"{len(found)} elements of class {name}"
+        return found[0]
+
+    def line(self, number: int) -> Element:
+        return [e for e in self.by_class("tml-line") if e.attrs["title"].startswith(f"line {number}")][0]
+
+
+@pytest.fixture(scope="module")
+def shell(ip: Any) -> Any:
+    result = ip.run_cell(SETUP, store_history=True)
+    assert result.error_in_exec is None
+    return ip
+
+
+def run_cell(ip: Any, cell: str) -> tuple[Run, Page, Any]:
+    """Run a cell as the notebook does and return the run and the report it displayed."""
+    before = traceml_jupyter.last()
+    with capture_output() as captured:
+        result = ip.run_cell(cell, store_history=True)
+    run = traceml_jupyter.last()
+    assert run is not None and run is not before
+    html = [o.data["text/html"] for o in captured.outputs if "text/html" in o.data]
+    assert len(html) == 1, captured.stdout + captured.stderr
+    return run, Page(html[0]), result
+
+
+def next_cell_number(ip: Any) -> int:
+    """The `In [n]` number the next stored cell gets."""
+    return len(ip.history_manager.input_hist_raw)
+
+
+def test_report_of_a_loader_with_num_workers_0_on_line_3(shell: Any) -> None:
+    run, page, result = run_cell(shell, SLOW_CELL)
+    assert result.error_in_exec is None
+    assert run.verdict == "INPUT-BOUND"
+
+    banner = page.one("tml-verdict")
+    assert "Step Time: INPUT-BOUND" in banner.text
+    assert run.verdict_detail.why in banner.text and run.verdict_detail.next in banner.text
+    numbers = [e.text for e in page.by_class("tml-number")]
+    s = run.summary
+    assert numbers[0].startswith(f"Data wait {fmt_ms(s['data_wait_ms'])}")
+    assert numbers[1].startswith(f"CPU compute {fmt_ms(s['compute_ms'])}")
+    assert numbers[2].startswith(f"Step time {fmt_ms(s['step_ms'])}")
+    evidence = page.one("tml-evidence").text
+    p90 = fmt_ms(s["stats"]["data_wait_ms"]["p90"])
+    assert f"Data wait {fmt_ms(s['data_wait_ms'])} {p90}" in evidence
+
+    assert "tml-dataloader" in page.line(3).classes
+    assert "tml-loop" in page.line(4).classes
+    assert "tml-change" in page.line(3).classes
+    assert "loader = DataLoader(SlowSamples(), batch_size=4" in page.line(3).text
+    assert [e for e in page.by_class("tml-loop")] == [page.line(4)]
+
+    item = page.one("tml-item-num_workers")
+    assert "tml-fix" in item.classes
+    assert "tml-folded" not in item.ancestors
+    assert f"0 → {suggested_workers(cpu_count())}" in item.text
+    assert page.by_class("tml-where")  # the line chips
+    assert "line 3" in [e.text for e in page.by_class("tml-where") if e in _inside(page, item)]
+
+    as_json = {i["key"]: i for i in checklist_for(run)}
+    assert as_json["num_workers"]["status"] == "fix"
+    assert (as_json["num_workers"]["seen"], as_json["num_workers"]["line"]) == ("0", 3)
+    per_sample = as_json["per_sample_cost"]
+    assert (per_sample["status"], per_sample["seen"]) == ("check", "time.sleep()")
+    assert per_sample["cell"] is not None and per_sample["cell"].startswith("In [")
+    json.dumps(as_json)
+
+
+def _inside(page: Page, parent: Element) -> list[Element]:
+    start = page.elements.index(parent)
+    return [e for e in page.elements[start + 1 :] if e.ancestors >= parent.classes]
+
+
+def test_pin_memory_on_a_cpu_only_run_is_ok_and_folded(shell: Any) -> None:
+    run, page, _ = run_cell(shell, SLOW_CELL)
+    assert run.clock == "cpu"
+    item = page.one("tml-item-pin_memory")
+    assert "tml-ok" in item.classes
+    assert "tml-folded" in item.ancestors
+    assert "Not applicable" in item.text
+    assert "tml-ok" in page.one("tml-item-non_blocking").classes
+
+
+@pytest.mark.filterwarnings("ignore:Got pickle error:UserWarning")
+def test_a_notebook_dataset_with_spawned_workers_gets_the_start_method_fix(shell: Any) -> None:
+    cell = """%%traceml --no-live
+class CellData(Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return torch.zeros(2)
+loader = DataLoader(CellData(), batch_size=2, num_workers=2, multiprocessing_context="spawn")
+for x in loader:
+    opt.step()
+"""
+    run, page, result = run_cell(shell, cell)
+    assert result.error_in_exec is not None  # workers cannot load a class from __main__
+    assert "Stopped by:" in page.one("tml-error").text
+    item = page.one("tml-item-start_method")
+    assert "tml-fix" in item.classes
+    assert "tml-folded" not in item.ancestors
+    assert "move CellData into a .py module" in item.text
+    by_key = {i["key"]: i for i in checklist_for(run)}
+    assert (by_key["start_method"]["line"], by_key["start_method"]["cell"]) == (2, None)
+    assert by_key["start_method"]["seen"] == "spawn; CellData defined in a notebook cell"
+
+
+def test_python_314_forkserver_default_with_a_notebook_dataset(shell: Any) -> None:
+    run, _, _ = run_cell(shell, SLOW_CELL)
+    forkserver = default_start_method((3, 14), "linux")
+    items = {i.key: i for i in evaluate(facts_for(run, shell, start_method=forkserver))}
+    assert items["num_workers"].status == "fix"
+    fix = items["start_method"]
+    assert (fix.status, fix.seen) == ("fix", "forkserver; SlowSamples defined in a notebook cell")
+    assert fix.site is not None and fix.site.cell is not None  # the setup cell
+    html = render_html(run, checklist=list(items.values()))
+    assert "move SlowSamples into a .py module and import it" in html
+
+
+def test_a_loader_built_in_an_earlier_cell_is_found_with_its_cell(shell: Any) -> None:
+    built_in = next_cell_number(shell)
+    shell.run_cell("n_batches = 4\nloader = DataLoader(SlowSamples(16), batch_size=4)", store_history=True)
+    shell.run_cell("val_loader = DataLoader(SlowSamples(8), batch_size=8)", store_history=True)
+    cell = """%%traceml --no-live
+for x, y in loader:
+    opt.zero_grad()
+    loss_fn(model(x), y).backward()
+    opt.step()
+"""
+    run, page, _ = run_cell(shell, cell)
+    by_key = {i["key"]: i for i in checklist_for(run)}
+    assert by_key["num_workers"]["where"] == f"In [{built_in}], line 2"
+    assert not page.by_class("tml-dataloader")  # not in this cell
+    elsewhere = [e.text for e in page.by_class("tml-elsewhere")]
+    assert any(
+        f"DataLoader in In [{built_in}], line 2" in text and "loader = DataLoader(SlowSamples(16)" in text
+        for text in elsewhere
+    ), elsewhere
+    assert f"In [{built_in}], line 2" in page.one("tml-item-num_workers").text
+
+
+def test_a_loop_in_a_function_of_an_earlier_cell_is_named(shell: Any) -> None:
+    defined_in = next_cell_number(shell)
+    shell.run_cell(
+        "def train(data):\n    for x, y in data:\n        loss_fn(model(x), y).backward()\n",
+        store_history=True,
+    )
+    cell = "%%traceml --no-live\nloader = DataLoader(SlowSamples(16), batch_size=4)\ntrain(loader)\n"
+    run, page, _ = run_cell(shell, cell)
+    assert run.loop_where is not None and run.loop_where.startswith("function train")
+    assert not page.by_class("tml-loop")
+    assert "tml-dataloader" in page.line(2).classes
+    text = page.one("tml-code-pane").text
+    assert "The step loop is in function train" in text
+    assert f"step loop in In [{defined_in}], line 2" in text
+
+
+def test_cell_text_is_escaped(shell: Any) -> None:
+    cell = """%%traceml --no-live
+label = "<script>alert('x')</script>"
+for x, y in DataLoader(SlowSamples(8), batch_size=2):
+    loss_fn(model(x), y).backward()
+"""
+    run, page, _ = run_cell(shell, cell)
+    html = render_html(run)
+    assert "<script" not in html
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in html
+    assert "label = \"<script>alert('x')</script>\"" in page.line(2).text
+
+
+def test_unmeasured_values_show_n_a_never_zero(shell: Any) -> None:
+    cell = "%%traceml --no-live\nfor x in DataLoader(SlowSamples(0)):\n    x.sum().backward()\n"
+    run, page, _ = run_cell(shell, cell)
+    assert run.verdict == "NO DATA"
+    for tile in page.by_class("tml-number"):
+        assert "n/a" in tile.text and "0.0" not in tile.text
+    assert "n/a" in page.one("tml-evidence").text
+    assert "0.0" not in page.one("tml-evidence").text
+
+
+def test_the_report_is_self_contained_and_scoped(shell: Any) -> None:
+    run, page, _ = run_cell(shell, SLOW_CELL)
+    html = render_html(run)
+    assert html.startswith(f'<div class="{ROOT_CLASS}"')
+    for banned in ("<script", "<style", "<link", "src=", "href=", "@import", "url("):
+        assert banned not in html
+    text = page.one("tml-text")
+    assert text.tag == "details"
+    assert "Step Time: INPUT-BOUND" in text.text
+    assert "tml-folded" in {c for e in page.elements if e.tag == "details" for c in e.classes}
+
+
+def test_a_run_traced_from_code_has_no_cell_pane() -> None:
+    with traceml_jupyter.trace("from code", show=False) as run:
+        for _ in run.loop([1, 2, 3, 4]):
+            pass
+    page = Page(render_html(run))
+    assert "No cell source" in page.one("tml-code-pane").text
+    assert "tml-item-dataloader" in {c for e in page.by_class("tml-item") for c in e.classes}
+
+
+def test_gpu_utilisation_from_nvml_samples_or_why_not() -> None:
+    samples = {
+        "time_s": np.array([0.1, 0.2, 0.3]),
+        "gpu_util_pct": np.array([40.0, 90.0, 60.0]),
+        "gpu_mem_used_mib": np.array([1024.0, 2048.0, 1536.0]),
+    }
+    run: Any = SimpleNamespace(gpu_samples=samples)
+    assert gpu_utilisation(run) == "median 60 %, max 90 %, memory up to 2.0 GiB (3 samples, NVML)"
+    assert gpu_utilisation(SimpleNamespace(gpu_samples=None, gpu_note="no NVML")) == "n/a (no NVML)"
+    assert gpu_utilisation(SimpleNamespace(gpu_samples=None, _gpu_used=False)) == "n/a (no GPU used)"
+
+
+def test_a_checklist_that_cannot_be_read_never_costs_the_report(
+    shell: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import traceml_jupyter.report as report
+
+    def broken(_: Any) -> list[str]:
+        raise RuntimeError("history unavailable")
+
+    monkeypatch.setattr(report, "history_cells", broken)
+    run, page, result = run_cell(shell, SLOW_CELL)
+    assert result.error_in_exec is None
+    assert "Step Time: INPUT-BOUND" in page.one("tml-verdict").text
+    assert "The checklist could not be evaluated: RuntimeError: history unavailable" in (
+        page.one("tml-notes").text
+    )
+    assert "tml-line" in page.line(3).classes
+
+
+def test_a_gpu_clock_run_reports_gpu_compute_utilisation_and_the_blocking_copy() -> None:
+    run = Run("gpu")
+    t = run.recorder.origin_ns or 0
+    for _ in range(40):  # 2 ms host wait, 8 ms host body; on the GPU 3 ms starved, 7 ms busy
+        run.recorder.add(t, t + 2_000_000, t + 10_000_000)
+        run.recorder.add_gpu(3.0, 7.0)
+        t += 10_000_000
+    run._gpu_used = True
+    run.cell_source = "%%traceml\nfor x, y in loader:\n    x = x.to('cuda')\n    model(x).sum().backward()\n"
+    run.loop_line, run.loop_where = 2, "this cell"
+    run.loader_info = {"num_workers": 2, "pin_memory": False, "dataset_type": "Images", "dataset_module": "mydata"}
+    run.finish()
+    run.gpu_samples = {
+        "time_s": np.linspace(0.0, 0.4, 5),
+        "gpu_util_pct": np.array([50.0, 60.0, 70.0, 80.0, 90.0]),
+        "gpu_mem_used_mib": np.full(5, 4096.0),
+    }
+    assert run.clock == "gpu"
+    page = Page(render_html(run))
+    assert page.by_class("tml-number")[1].text.startswith("GPU compute 7.00 ms")
+    facts = page.one("tml-facts").text
+    assert "GPU (CUDA events)" in facts
+    assert "median 70 %, max 90 %, memory up to 4.0 GiB (5 samples, NVML)" in facts
+    copy = page.one("tml-item-non_blocking")
+    assert "tml-fix" in copy.classes and "x.to('cuda') → non_blocking=True line 3" in copy.text
+    assert "tml-fix" in page.one("tml-item-pin_memory").classes
+    assert "tml-change" in page.line(3).classes

@@ -1,0 +1,640 @@
+"""The checklist: pure rules that read the real DataLoader settings and the cell's code, and say
+item by item what is ok, what to fix and what to check, with the value to try and the line."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+OK, FIX, CHECK = "ok", "fix", "check"
+
+INPUT_VERDICTS = frozenset({"INPUT-BOUND", "INPUT STRAGGLER"})
+WORKER_VERDICTS = INPUT_VERDICTS | {"MIXED"}
+TRANSFER_VERDICTS = frozenset({"INPUT-BOUND", "H2D-BOUND", "MIXED"})
+DEFAULT_PREFETCH = 2
+PREFETCH_TO_TRY = 4
+
+# Calls in __getitem__ that usually cost per sample and could be done once and cached.
+COSTLY_CALL = re.compile(
+    r"decode|open|read|load|imread|tokeni[sz]|encode|augment|transform|sleep|resize|crop|"
+    r"flip|rotate|jitter|normal",
+    re.IGNORECASE,
+)
+DTYPES = re.compile(r"^(torch\.)?(u?int\d*|float\d*|bfloat16|half|double|long|bool|complex\d*)$")
+UNSAFE_START_METHODS = frozenset({"spawn", "forkserver"})
+
+
+@dataclass(frozen=True)
+class CodeSite:
+    """A line as the user sees it: in the traced cell (`cell` None), another cell ("In [3]"),
+    or a file ("mydata.py")."""
+
+    line: int
+    cell: str | None = None
+
+    def label(self) -> str:
+        return f"line {self.line}" if self.cell is None else f"{self.cell}, line {self.line}"
+
+
+@dataclass(frozen=True)
+class Item:
+    """One evaluated checklist item."""
+
+    key: str
+    title: str
+    status: str  # "ok", "fix" or "check"
+    seen: str
+    to_try: str | None
+    site: CodeSite | None
+    reason: str
+    bears_on_verdict: bool
+
+    @property
+    def line(self) -> int | None:
+        return self.site.line if self.site is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "title": self.title,
+            "status": self.status,
+            "seen": self.seen,
+            "to_try": self.to_try,
+            "line": self.line,
+            "cell": self.site.cell if self.site is not None else None,
+            "where": self.site.label() if self.site is not None else None,
+            "reason": self.reason,
+            "bears_on_verdict": self.bears_on_verdict,
+        }
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A `.to(...)` or `.cuda(...)` call in the loop body."""
+
+    site: CodeSite
+    text: str
+    non_blocking: bool
+
+
+@dataclass(frozen=True)
+class SampleCode:
+    """What the dataset's `__getitem__` does per sample, read from its source."""
+
+    dataset: str
+    calls: tuple[tuple[str, CodeSite], ...]  # costly calls seen, with their lines
+    site: CodeSite | None  # the `def __getitem__` line
+    class_site: CodeSite | None  # the `class ...` line
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Everything the rules read: the loader's settings, the code around the loop, the run."""
+
+    verdict: str
+    loader: Mapping[str, Any] | None
+    cpu_count: int | None
+    on_gpu: bool = False
+    several_passes: bool = False
+    loader_site: CodeSite | None = None
+    transfers: tuple[Transfer, ...] | None = None  # None: the loop body could not be read
+    sample_code: SampleCode | None = None
+    start_method: str | None = None
+    straggler_steps: int = 0
+    wait_median_ms: float | None = None
+    wait_p99_ms: float | None = None
+    pinned_share: float | None = None  # measured share of copied bytes from pinned memory
+    non_blocking_share: float | None = None  # measured share of bytes copied non_blocking
+
+
+# -- reading code (pure AST) -----------------------------------------------------------------
+
+
+def parse_cell(source: str, transform: Callable[[str], str] | None = None) -> ast.Module | None:
+    """A cell's tree with lines numbered as the user sees them: a first `%%traceml` line is
+    line 1 and the code starts on line 2. Other cell magics are not Python: None."""
+    offset = 0
+    if source.startswith("%%"):
+        first, _, source = source.partition("\n")
+        if not re.match(r"%%traceml\b", first):
+            return None
+        offset = 1
+    try:
+        code = transform(source) if transform is not None else source
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return None
+    except Exception:  # a transformer that fails on odd input
+        return None
+    if offset:
+        ast.increment_lineno(tree, offset)
+    return tree
+
+
+def _call_name(call: ast.Call) -> str | None:
+    func = call.func
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    if isinstance(func, ast.Name):
+        return func.id
+    return None
+
+
+def _short(node: ast.AST, width: int = 48) -> str:
+    text = ast.unparse(node)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def loop_at(tree: ast.AST, line: int) -> ast.For | ast.AsyncFor | None:
+    """The `for` statement that starts on `line`."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.AsyncFor)) and node.lineno == line:
+            return node
+    return None
+
+
+def nested_in_loop(tree: ast.AST, line: int) -> bool:
+    """True when the `for` on `line` runs inside another loop (an epoch loop, usually)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)) and node.lineno != line:
+            for inner in ast.walk(node):
+                if inner is not node and isinstance(inner, (ast.For, ast.AsyncFor)):
+                    if inner.lineno == line:
+                        return True
+    return False
+
+
+def iter_names(loop: ast.For | ast.AsyncFor) -> set[str]:
+    """Names in the loop's iterable: `enumerate(train_loader)` -> {"enumerate", "train_loader"}."""
+    return {n.id for n in ast.walk(loop.iter) if isinstance(n, ast.Name)}
+
+
+def dataloader_sites(tree: ast.AST) -> list[tuple[int, frozenset[str]]]:
+    """Lines that construct a DataLoader, each with the names its statement assigns."""
+    sites: dict[int, set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _call_name(node) == "DataLoader":
+            sites.setdefault(node.lineno, set())
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
+            targets = [node.target]
+        else:
+            continue
+        names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Call) and _call_name(inner) == "DataLoader":
+                sites[inner.lineno] |= names
+    return [(line, frozenset(names)) for line, names in sorted(sites.items())]
+
+
+def pick_loader_line(sites: Sequence[tuple[int, frozenset[str]]], names: set[str]) -> int | None:
+    """The construction whose statement assigns one of `names`, if any."""
+    for line, assigned in sites:
+        if assigned & names:
+            return line
+    return None
+
+
+def assigned_line(tree: ast.AST, names: set[str]) -> int | None:
+    """The first statement that assigns one of `names` (where a loader built elsewhere, by a
+    function or a library, comes into the notebook)."""
+    lines = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)):
+            targets = [node.target]
+        if any(isinstance(n, ast.Name) and n.id in names for t in targets for n in ast.walk(t)):
+            lines.append(targets[0].lineno)
+    return min(lines) if lines else None
+
+
+def _own_nodes(body: Sequence[ast.stmt]) -> Iterator[ast.AST]:
+    """Nodes of a body, not inside a nested function or class definition."""
+    stack: list[ast.AST] = list(body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _is_dtype_only(call: ast.Call) -> bool:
+    """`x.to(torch.float16)` or `x.to(dtype=...)` changes the type, not the device."""
+    if call.keywords and all(k.arg == "dtype" for k in call.keywords) and not call.args:
+        return True
+    if len(call.args) == 1 and not call.keywords:
+        return bool(DTYPES.match(ast.unparse(call.args[0])))
+    return False
+
+
+def transfers_in(loop: ast.For | ast.AsyncFor, cell: str | None = None) -> list[Transfer]:
+    """The loop body's `.to(...)` / `.cuda(...)` calls, with whether they pass non_blocking."""
+    found = []
+    for node in _own_nodes(loop.body):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr not in ("to", "cuda") or _is_dtype_only(node):
+            continue
+        non_blocking = any(
+            k.arg == "non_blocking" and not (isinstance(k.value, ast.Constant) and not k.value.value)
+            for k in node.keywords
+        )
+        found.append(Transfer(CodeSite(node.lineno, cell), _short(node), non_blocking))
+    return sorted(found, key=lambda t: t.site.line)
+
+
+def class_def(tree: ast.AST, name: str) -> ast.ClassDef | None:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    return None
+
+
+def method_def(tree: ast.AST, line: int) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The function defined on `line` (its `def` line or one of its decorators' lines)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if line == node.lineno or line in [d.lineno for d in node.decorator_list]:
+                return node
+    return None
+
+
+def costly_calls(
+    func: ast.FunctionDef | ast.AsyncFunctionDef, cell: str | None = None
+) -> list[tuple[str, CodeSite]]:
+    """Calls in a `__getitem__` that decode, read, tokenize, augment or sleep, in line order."""
+    found: dict[str, CodeSite] = {}
+    for node in _own_nodes(func.body):
+        if isinstance(node, ast.Call):
+            name = _call_name(node)
+            if name and COSTLY_CALL.search(name):
+                text = _short(node.func, 32) + "()"
+                if text not in found or node.lineno < found[text].line:
+                    found[text] = CodeSite(node.lineno, cell)
+    return sorted(found.items(), key=lambda kv: kv[1].line)
+
+
+def sample_code_in(tree: ast.AST, class_name: str, cell: str | None = None) -> SampleCode | None:
+    """Read `class_name.__getitem__` in a cell's tree (when the class is defined there)."""
+    cls = class_def(tree, class_name)
+    if cls is None:
+        return None
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in (
+            "__getitem__",
+            "__getitems__",
+        ):
+            return SampleCode(
+                class_name,
+                tuple(costly_calls(node, cell)),
+                CodeSite(node.lineno, cell),
+                CodeSite(cls.lineno, cell),
+            )
+    return SampleCode(class_name, (), None, CodeSite(cls.lineno, cell))
+
+
+def default_start_method(version: tuple[int, int], platform: str) -> str:
+    """How multiprocessing starts workers when nothing chose it: spawn on macOS and Windows,
+    fork on Linux up to Python 3.13, forkserver from 3.14."""
+    if platform.startswith(("win", "darwin")):
+        return "spawn"
+    return "forkserver" if version >= (3, 14) else "fork"
+
+
+def suggested_workers(cpu_count: int | None) -> int:
+    """About half the CPUs, at least 2."""
+    return max(2, (cpu_count or 0) // 2)
+
+
+# -- rules -----------------------------------------------------------------------------------
+
+
+def _needs_change(bears: bool) -> str:
+    """A setting worth changing is a fix when it bears on the verdict, else worth a check."""
+    return FIX if bears else CHECK
+
+
+def _workers(f: Facts) -> int:
+    assert f.loader is not None
+    return int(f.loader.get("num_workers") or 0)
+
+
+def dataloader_item(f: Facts) -> Item:
+    """Without a DataLoader object the loader settings cannot be read."""
+    return Item(
+        "dataloader",
+        "DataLoader settings",
+        CHECK,
+        "no torch DataLoader seen",
+        None,
+        None,
+        "The loop does not iterate a torch DataLoader (or wraps it where it cannot be seen), "
+        "so workers, prefetching and pinned memory could not be read.",
+        f.verdict in INPUT_VERDICTS,
+    )
+
+
+def num_workers_item(f: Facts) -> Item:
+    n, cpus = _workers(f), f.cpu_count
+    want = suggested_workers(cpus)
+    bears = f.verdict in WORKER_VERDICTS
+    of_cpus = f"about half of {cpus} CPUs" if cpus else "at least 2"
+    title = "Worker processes (num_workers)"
+    if n == 0:
+        return Item(
+            "num_workers", title, _needs_change(bears), "0", str(want), f.loader_site,
+            "With num_workers=0 every batch is loaded in the training process between steps, "
+            f"so the loop waits for all of it; {want} workers ({of_cpus}) load the next "
+            "batches while this one trains.",
+            bears,
+        )
+    if cpus and n > cpus:
+        return Item(
+            "num_workers", title, CHECK, str(n), str(want), f.loader_site,
+            f"{n} workers on {cpus} CPUs compete with each other and with the training process.",
+            bears,
+        )
+    if n < want and f.verdict == "INPUT-BOUND":
+        return Item(
+            "num_workers", title, FIX, str(n), str(want), f.loader_site,
+            f"{n} worker(s) do not keep up with the loop; try {want} ({of_cpus}).",
+            bears,
+        )
+    if f.verdict == "INPUT-BOUND":
+        return Item(
+            "num_workers", title, CHECK, str(n), None, f.loader_site,
+            f"{n} workers already use {of_cpus}: make each sample cheaper rather than adding "
+            "workers.",
+            bears,
+        )
+    return Item(
+        "num_workers", title, OK, str(n), None, f.loader_site,
+        f"{n} worker process(es) load batches in the background.",
+        bears,
+    )
+
+
+def persistent_workers_item(f: Facts) -> Item:
+    n, persistent = _workers(f), bool(f.loader and f.loader.get("persistent_workers"))
+    bears = f.verdict in INPUT_VERDICTS
+    title = "Keep workers between epochs (persistent_workers)"
+    seen = str(persistent)
+    if n == 0:
+        reason = "Not applicable without workers"
+        reason += (
+            "; with num_workers > 0 and several epochs, set persistent_workers=True too."
+            if f.several_passes
+            else "."
+        )
+        return Item("persistent_workers", title, OK, seen, None, f.loader_site, reason, False)
+    if persistent:
+        return Item(
+            "persistent_workers", title, OK, seen, None, f.loader_site,
+            "Workers stay alive between epochs.", bears,
+        )
+    if not f.several_passes:
+        return Item(
+            "persistent_workers", title, OK, seen, "True (if you run several epochs)",
+            f.loader_site,
+            "The loader was iterated once, so its workers started once.",
+            False,
+        )
+    return Item(
+        "persistent_workers", title, _needs_change(bears), seen, "True", f.loader_site,
+        f"Each epoch starts {n} new worker(s) and the loop waits for their first batches; "
+        "persistent workers stay alive between epochs.",
+        bears,
+    )
+
+
+def prefetch_factor_item(f: Facts) -> Item:
+    n = _workers(f)
+    raw = f.loader.get("prefetch_factor") if f.loader else None
+    title = "Batches prefetched per worker (prefetch_factor)"
+    if n == 0:
+        return Item(
+            "prefetch_factor", title, OK, "n/a (no workers)", None, f.loader_site,
+            "Not applicable without workers: prefetching happens in worker processes.", False,
+        )
+    pf = int(raw) if raw is not None else DEFAULT_PREFETCH
+    seen = str(pf) if raw is not None else f"{DEFAULT_PREFETCH} (default)"
+    if pf < PREFETCH_TO_TRY and f.verdict == "INPUT STRAGGLER":
+        return Item(
+            "prefetch_factor", title, FIX, seen, str(PREFETCH_TO_TRY), f.loader_site,
+            f"With {pf} batch(es) queued per worker, one slow batch stalls the loop; a deeper "
+            "queue hides uneven sample times.",
+            True,
+        )
+    if pf < PREFETCH_TO_TRY and f.verdict == "INPUT-BOUND":
+        return Item(
+            "prefetch_factor", title, CHECK, seen, str(PREFETCH_TO_TRY), f.loader_site,
+            "A deeper queue hides uneven sample times, but not workers that are too slow on "
+            "average: add workers first.",
+            True,
+        )
+    return Item(
+        "prefetch_factor", title, OK, seen, None, f.loader_site,
+        f"Each worker keeps {pf} batch(es) ready.", f.verdict in INPUT_VERDICTS,
+    )
+
+
+def _measured(share: float | None, what: str) -> str:
+    return "" if share is None else f" ({100 * share:.0f} % of copied bytes {what})"
+
+
+def pin_memory_item(f: Facts) -> Item:
+    pinned = bool(f.loader and f.loader.get("pin_memory"))
+    title = "Page-locked batches (pin_memory)"
+    measured = _measured(f.pinned_share, "pinned")
+    if not f.on_gpu:
+        return Item(
+            "pin_memory", title, OK, str(pinned), None, f.loader_site,
+            "Not applicable: this run used the CPU only, and pinned memory speeds up copies "
+            "to a GPU.",
+            False,
+        )
+    bears = f.verdict in TRANSFER_VERDICTS
+    if pinned:
+        return Item(
+            "pin_memory", title, OK, "True" + measured, None, f.loader_site,
+            "Batches arrive in page-locked memory, ready for asynchronous copies.", bears,
+        )
+    return Item(
+        "pin_memory", title, _needs_change(bears), "False" + measured, "True", f.loader_site,
+        "Copies from pageable memory go through a staging buffer and cannot overlap compute; "
+        "pinned batches can (with .to(device, non_blocking=True)).",
+        bears,
+    )
+
+
+def non_blocking_item(f: Facts) -> Item:
+    title = "Asynchronous copies (.to(device, non_blocking=True))"
+    if not f.on_gpu:
+        return Item(
+            "non_blocking", title, OK, "n/a (CPU run)", None, None,
+            "Not applicable: no copies to a GPU in a CPU-only run.", False,
+        )
+    bears = f.verdict in TRANSFER_VERDICTS
+    if f.transfers is None:
+        return Item(
+            "non_blocking", title, CHECK, "loop body not readable", None, None,
+            "Pass non_blocking=True where batches are moved to the GPU.", bears,
+        )
+    if not f.transfers:
+        return Item(
+            "non_blocking", title, CHECK, "no .to() or .cuda() in the loop body", None, None,
+            "Batches are moved elsewhere (a function, the model): pass non_blocking=True there.",
+            bears,
+        )
+    blocking = [t for t in f.transfers if not t.non_blocking]
+    if not blocking:
+        return Item(
+            "non_blocking", title, OK, "non_blocking=True", None, f.transfers[0].site,
+            "Copies are asynchronous.", bears,
+        )
+    first = blocking[0]
+    more = f" (+{len(blocking) - 1} more)" if len(blocking) > 1 else ""
+    measured = _measured(f.non_blocking_share, "non_blocking")
+    return Item(
+        "non_blocking", title, _needs_change(bears), first.text + more + measured,
+        "non_blocking=True", first.site,
+        "A blocking copy makes the host wait for the transfer before it can queue the next "
+        "kernels; with pinned memory a non-blocking copy overlaps compute.",
+        bears,
+    )
+
+
+def collate_item(f: Facts) -> Item:
+    assert f.loader is not None
+    name = str(f.loader.get("collate_fn") or "default_collate")
+    bears = f.verdict in INPUT_VERDICTS
+    title = "Batch assembly (collate_fn)"
+    if f.loader.get("custom_collate"):
+        return Item(
+            "collate_fn", title, CHECK, name, "time it on one batch", f.loader_site,
+            "A custom collate_fn runs once per batch, in the training process when "
+            "num_workers=0; padding or stacking Python lists there can cost as much as the step.",
+            bears,
+        )
+    return Item(
+        "collate_fn", title, OK, name, None, f.loader_site,
+        "torch's default collate stacks tensors.", bears,
+    )
+
+
+def per_sample_item(f: Facts) -> Item:
+    title = "Per-sample work in __getitem__"
+    bears = f.verdict in INPUT_VERDICTS
+    code = f.sample_code
+    if code is None or code.site is None:
+        what = f"{code.dataset}.__getitem__" if code else "the dataset's __getitem__"
+        return Item(
+            "per_sample_cost", title, CHECK, "source not available", None, None,
+            f"Time {what} on one sample: decoding, tokenization or augmentation done for every "
+            "sample, every epoch, can often be done once and cached.",
+            bears,
+        )
+    if not code.calls:
+        # Names cannot show every cost: on an input-bound run the sample still needs timing.
+        return Item(
+            "per_sample_cost", title, CHECK if bears else OK,
+            "no decode, I/O or tokenizer call recognised", None, code.site,
+            f"{code.dataset}.__getitem__ calls nothing that is known to cost per sample"
+            + ("; time it on one sample (%timeit dataset[0]) to be sure." if bears else "."),
+            bears,
+        )
+    names = ", ".join(c for c, _ in code.calls[:4]) + (" ..." if len(code.calls) > 4 else "")
+    return Item(
+        "per_sample_cost", title, CHECK, names, "cache or precompute", code.calls[0][1],
+        f"{code.dataset}.__getitem__ repeats this for every sample and every epoch; work "
+        "that gives the same result each time can be done once and cached.",
+        bears,
+    )
+
+
+def storage_item(f: Facts) -> Item:
+    bears = f.verdict == "INPUT STRAGGLER"
+
+    def ms(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.1f} ms"
+
+    seen = (
+        f"{f.straggler_steps} slow fetch(es); p99 wait {ms(f.wait_p99_ms)} vs median "
+        f"{ms(f.wait_median_ms)}"
+    )
+    return Item(
+        "storage",
+        "Storage and shard balance",
+        CHECK,
+        seen,
+        "look at what the slow steps read",
+        None,
+        "Rare slow fetches often come from a few large or remote files, a cold cache, or "
+        "shards of uneven size that leave one worker behind.",
+        bears,
+    )
+
+
+def start_method_item(f: Facts, workers_advised: bool) -> Item:
+    assert f.loader is not None
+    n = _workers(f)
+    module = str(f.loader.get("dataset_module") or "")
+    dataset = str(f.loader.get("dataset_type") or "the Dataset")
+    method = f.start_method or "fork"
+    title = "Workers can import the Dataset (start method)"
+    site = f.sample_code.class_site if f.sample_code else None
+    in_notebook = module == "__main__"
+    if not in_notebook or method not in UNSAFE_START_METHODS:
+        where = "a notebook cell" if in_notebook else f"module {module}"
+        reason = f"Workers started with {method} can use a Dataset defined in {where}."
+        if in_notebook:
+            reason += (
+                " From Python 3.14, Linux starts workers with forkserver, which cannot: "
+                "keep Datasets in a .py module to be ready."
+            )
+        return Item(
+            "start_method", title, OK, f"{method}; {dataset} from {where}", None, site,
+            reason, False,
+        )
+    status = FIX if n > 0 or workers_advised else CHECK
+    return Item(
+        "start_method", title, status, f"{method}; {dataset} defined in a notebook cell",
+        f"move {dataset} into a .py module and import it", site,
+        f"Workers started with {method} import the Dataset class by name, and a class defined "
+        "in a notebook cell lives in __main__, which they cannot import: loading fails with "
+        "\"Can't get attribute\" or \"Can't pickle\" (the same holds for a collate_fn "
+        "defined in a cell).",
+        status == FIX,
+    )
+
+
+def evaluate(f: Facts) -> list[Item]:
+    """Every item, those that bear on the verdict first (each group in checklist order)."""
+    items: list[Item] = []
+    if f.loader is None:
+        items.append(dataloader_item(f))
+    else:
+        workers = num_workers_item(f)
+        items += [
+            workers,
+            persistent_workers_item(f),
+            prefetch_factor_item(f),
+            pin_memory_item(f),
+        ]
+    items.append(non_blocking_item(f))
+    if f.loader is not None:
+        items.append(collate_item(f))
+    items.append(per_sample_item(f))
+    items.append(storage_item(f))
+    if f.loader is not None:
+        items.append(start_method_item(f, workers_advised=workers.status == FIX))
+    return sorted(items, key=lambda item: not item.bears_on_verdict)

@@ -1,0 +1,678 @@
+"""The live view of a traced cell: a header line and a bqplot chart of data wait vs compute per step.
+
+A thin view over the Run: `start(run)` registers `view.refresh` as an observer (the step hook
+calls it on the main thread at most 4 times a second, and once more when the run finishes).
+Each refresh reads a bounded tail of the recorder and sends one batched update per widget it
+changes. Without a widget front-end it becomes an updating HTML display, or nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import html
+from collections.abc import Mapping
+from time import perf_counter_ns
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import environment
+from .nvml import GpuSampler
+
+if TYPE_CHECKING:
+    from .run import Run
+
+WINDOW = 300  # steps in the rolling chart
+OVERVIEW_BINS = 128  # bins of the overview strip over the whole run
+OVERVIEW_EVERY = 4  # refreshes between two overview updates (about once a second)
+OVERVIEW_READ_CAP = 1 << 17  # most new steps read in one refresh for the overview
+WAIT_COLOUR = "#f28e2b"  # warm: the loop waits for data
+COMPUTE_COLOUR = "#4e79a7"  # cool: the loop body runs
+SEVERITY_COLOUR = {"critical": "#c0392b", "warn": "#b9770e", "info": "#2e7d32"}
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+# -- pure pieces ------------------------------------------------------------------------------
+
+
+def _int_value(node: ast.expr, names: Mapping[str, Any]) -> int | None:
+    """An int from a literal, a name bound to an int, or + - * // of those."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return int(node.value)
+    if isinstance(node, ast.Name):
+        value = names.get(node.id)
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            return None
+        try:
+            return int(value.__index__())  # type: ignore[union-attr]
+        except Exception:
+            return None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _int_value(node.operand, names)
+        return None if inner is None else -inner
+    if isinstance(node, ast.BinOp):
+        a, b = _int_value(node.left, names), _int_value(node.right, names)
+        if a is None or b is None:
+            return None
+        if isinstance(node.op, ast.Add):
+            return a + b
+        if isinstance(node.op, ast.Sub):
+            return a - b
+        if isinstance(node.op, ast.Mult):
+            return a * b
+        if isinstance(node.op, ast.FloorDiv) and b:
+            return a // b
+    return None
+
+
+def range_length(node: ast.expr, names: Mapping[str, Any]) -> int | None:
+    """len() of `range(...)`, `trange(...)`, `tqdm(range(...))` or `enumerate(range(...))`."""
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+    if func in ("tqdm", "enumerate") and node.args:
+        return range_length(node.args[0], names)
+    if func not in ("range", "trange") or not 1 <= len(node.args) <= 3 or node.keywords:
+        return None
+    args = [_int_value(arg, names) for arg in node.args]
+    if any(a is None for a in args) or (len(args) == 3 and not args[2]):
+        return None
+    return len(range(*args))  # type: ignore[arg-type]
+
+
+def _path_to(node: ast.AST, line: int) -> list[ast.AST] | None:
+    """The nodes from `node` down to the `for` statement on `line` (that statement excluded)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.For) and child.lineno == line:
+            return [node]
+        end = getattr(child, "end_lineno", None)
+        if end is not None and not child.lineno <= line <= end:  # type: ignore[attr-defined]
+            continue
+        found = _path_to(child, line)
+        if found is not None:
+            return [node] + found
+    return None
+
+
+def loops_around(source: str | None, loop_line: int | None) -> list[ast.For] | None:
+    """The `for` statements of the cell that enclose the step loop on `loop_line`, outermost
+    first; None when that is unknowable (not in the cell's own code, inside a while or a def)."""
+    if not source or loop_line is None:
+        return None
+    lines = source.splitlines()
+    if lines and lines[0].lstrip().startswith("%%"):
+        lines[0] = ""  # keep the cell's line numbers (the %%traceml line is line 1)
+    try:
+        tree = ast.parse("\n".join(lines))
+    except SyntaxError:
+        return None
+    path = _path_to(tree, loop_line)
+    if path is None:
+        return None
+    unknown = (ast.While, ast.AsyncFor, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+    if any(isinstance(node, unknown) for node in path):
+        return None
+    return [node for node in path if isinstance(node, ast.For)]
+
+
+def passes_of(loops: list[ast.For] | None, names: Mapping[str, Any]) -> int | None:
+    """How many times the step loop runs: the product of the range loops around it."""
+    if loops is None:
+        return None
+    total = 1
+    for loop in loops:
+        n = range_length(loop.iter, names)
+        if n is None:
+            return None
+        total *= max(n, 0)
+    return total
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None or not np.isfinite(seconds):
+        return "?"
+    seconds = max(0.0, seconds)
+    if seconds < 0.1:
+        return "<0.1 s"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def _pct(share: float | None) -> str:
+    return "n/a" if share is None else f"{100 * share:.0f} %"
+
+
+def verdict_share(label: str, summary: Mapping[str, Any]) -> str:
+    """The share behind a verdict, as the header says it ("data wait 94 % of step")."""
+    if label == "INPUT-BOUND":
+        return f"data wait {_pct(summary.get('data_wait_share'))} of step"
+    if label == "INPUT STRAGGLER":
+        return f"stalls cost {_pct(summary.get('straggler_share'))} of the time"
+    if label == "COMPUTE-BOUND":
+        return f"compute {_pct(summary.get('compute_share'))} of step"
+    if label == "MIXED":
+        return (
+            f"data wait {_pct(summary.get('data_wait_share'))}, "
+            f"compute {_pct(summary.get('compute_share'))} of step"
+        )
+    if label == "WARMUP":
+        return "warming up"
+    return "no step yet"
+
+
+def window_throughput(tail: Mapping[str, np.ndarray]) -> float | None:
+    """Steps per second over the steps of the window (from the first fetch to the last body end)."""
+    n = len(tail["step"])
+    if n < 2:
+        return None
+    span = float(tail["time_s"][-1] + tail["step_ms"][-1] / 1e3 - tail["time_s"][0])
+    return n / span if span > 0 else None
+
+
+def clock_columns(
+    tail: Mapping[str, np.ndarray], gpu_used: bool
+) -> tuple[dict[str, np.ndarray], bool]:
+    """The window's steps on the GPU clock when the loop used the GPU and at least two of them
+    have resolved GPU timings (the newest may not have yet), else every step on the CPU clock."""
+    if gpu_used and "step_gpu_ms" in tail:
+        done = np.isfinite(tail["step_gpu_ms"])
+        if int(done.sum()) >= 2:
+            return {k: v[done] for k, v in tail.items()}, True
+    return dict(tail), False
+
+
+def live_numbers(
+    run: Run,
+    tail: Mapping[str, np.ndarray],
+    total: int | None,
+    pass_info: tuple[int, int, int] | None,
+) -> dict[str, Any]:
+    """What the header says: position, throughput, ETA and the running verdict.
+
+    While the loop runs the verdict comes from the window (bounded work); at the end it is the
+    run's own verdict, as the report shows it.
+    """
+    from .summary import summarize
+    from .verdict import diagnose
+
+    step = run.n_steps
+    if run.finished:
+        summary, verdict = run.summary, run.verdict_detail
+        steps_per_s = summary.get("steps_per_s")
+    else:
+        cols, on_gpu = clock_columns(tail, bool(run._gpu_used))
+        summary = summarize(cols, step, run.warmup, on_gpu)
+        verdict = diagnose(summary)
+        steps_per_s = window_throughput(tail)
+    eta: float | None = None
+    if steps_per_s and not run.finished:
+        if total is not None and total >= step:
+            eta = (total - step) / steps_per_s
+        elif pass_info is not None:
+            eta = (pass_info[1] - pass_info[0]) / steps_per_s
+    batch = run.batch_size
+    return {
+        "name": run.name,
+        "step": step,
+        "total": total,
+        "pass": pass_info,
+        "steps_per_s": steps_per_s,
+        "samples_per_s": steps_per_s * batch if steps_per_s and batch else None,
+        "eta_s": eta,
+        "verdict": verdict.label,
+        "severity": verdict.severity,
+        "share": verdict_share(verdict.label, summary),
+        "finished": run.finished,
+        "elapsed_s": _loop_seconds(run) if run.finished else None,
+        "error": run.error,
+    }
+
+
+def _loop_seconds(run: Run) -> float:
+    """Time inside the loop (every step, fetch and body), in seconds."""
+    return float(run.recorder.totals().get("step_ms", 0.0)) / 1e3
+
+
+def _count(n: float | None, unit: str) -> str:
+    if n is None:
+        return f"? {unit}"
+    return f"{n:,.0f} {unit}" if n >= 100 else f"{n:,.1f} {unit}"
+
+
+def header_parts(numbers: Mapping[str, Any], gpu: str) -> list[str]:
+    """The header's pieces, in order, as plain text."""
+    step, total, pass_info = numbers["step"], numbers["total"], numbers["pass"]
+    if numbers["finished"]:
+        where = f"done: {step:,} steps in {format_duration(numbers['elapsed_s'])}"
+        if not step:
+            where = "done: the loop ran no step"
+        if numbers["error"]:
+            where = f"stopped after {step:,} steps ({numbers['error']})"
+    elif total is not None:
+        where = f"step {step:,} / {total:,}"
+    elif pass_info is not None:
+        where = f"step {step:,} (pass {pass_info[2]}: {pass_info[0]:,} / {pass_info[1]:,})"
+    else:
+        where = f"step {step:,}"
+    parts = [where]
+    if numbers["steps_per_s"] is not None or not numbers["finished"]:
+        parts.append(_count(numbers["steps_per_s"], "steps/s"))
+    if numbers["samples_per_s"] is not None:
+        parts.append(_count(numbers["samples_per_s"], "samples/s"))
+    if not numbers["finished"] and numbers["eta_s"] is not None:
+        parts.append(f"ETA {format_duration(numbers['eta_s'])}")
+    parts.append(f"{numbers['verdict']}: {numbers['share']}")
+    parts.append(gpu)
+    return parts
+
+
+def header_text(numbers: Mapping[str, Any], gpu: str) -> str:
+    return f"traceml {numbers['name']} | " + " | ".join(header_parts(numbers, gpu))
+
+
+def header_html(numbers: Mapping[str, Any], gpu: str) -> str:
+    parts = [html.escape(p) for p in header_parts(numbers, gpu)]
+    colour = SEVERITY_COLOUR.get(numbers["severity"], "#555")
+    verdict = html.escape(str(numbers["verdict"]))
+    parts[-2] = parts[-2].replace(verdict, f'<b style="color:{colour}">{verdict}</b>', 1)
+    sep = ' <span style="color:#999">&middot;</span> '
+    parts.append(LEGEND_HTML)
+    return (
+        '<div class="traceml-live-header" style="font-family:var(--jp-ui-font-family,sans-serif);'
+        'font-size:13px;line-height:1.5">'
+        f"<b>traceml</b> {html.escape(str(numbers['name']))}{sep}{sep.join(parts)}</div>"
+    )
+
+
+LEGEND_HTML = (
+    f'<span style="color:{WAIT_COLOUR}">&#9632;</span> data wait '
+    f'<span style="color:{COMPUTE_COLOUR}">&#9632;</span> compute'
+)
+
+
+def waiting_html(name: str) -> str:
+    return (
+        '<div class="traceml-live-header" style="font-size:13px">'
+        f"<b>traceml</b> {html.escape(name)}: waiting for the first step&hellip;</div>"
+    )
+
+
+class Overview:
+    """The whole run in at most OVERVIEW_BINS bins of equal width (a power of two of steps):
+    mean data wait and compute per bin, accumulated from the steps each refresh adds."""
+
+    def __init__(self, bins: int = OVERVIEW_BINS) -> None:
+        self.bins = bins
+        self.width = 1
+        self.count = np.zeros(bins)
+        self.wait = np.zeros(bins)
+        self.compute = np.zeros(bins)
+
+    def add(self, step: np.ndarray, wait: np.ndarray, compute: np.ndarray) -> None:
+        """Add steps in order. Where the recorder kept one step in k (very long runs), a row
+        stands for the steps up to the next row, and counts that many times."""
+        if not len(step):
+            return
+        while int(step[-1]) // self.width >= self.bins:
+            self.width *= 2
+            for values in (self.count, self.wait, self.compute):
+                merged = values.reshape(-1, 2).sum(axis=1)
+                values[:] = 0.0
+                values[: len(merged)] = merged
+        weight = np.diff(step, append=step[-1] + 1).astype(np.float64)
+        ok = np.isfinite(wait) & np.isfinite(compute)
+        index = (step[ok] // self.width).astype(np.int64)
+        weight = weight[ok]
+        size = self.bins
+        self.count += np.bincount(index, weights=weight, minlength=size)[:size]
+        self.wait += np.bincount(index, weights=wait[ok] * weight, minlength=size)[:size]
+        self.compute += np.bincount(index, weights=compute[ok] * weight, minlength=size)[:size]
+
+    def means(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Bin centres (1-based steps), mean data wait and mean compute in ms, filled bins only."""
+        used = self.count > 0
+        centre = (np.flatnonzero(used) + 0.5) * self.width + 0.5
+        n = self.count[used]
+        return centre, self.wait[used] / n, self.compute[used] / n
+
+
+def svg_chart(wait: np.ndarray, compute: np.ndarray, width: int = 640, height: int = 110) -> str:
+    """Stacked areas (data wait under compute) as a small inline SVG, for front-ends without widgets."""
+    n = len(wait)
+    if n < 2:
+        return ""
+    top = wait + compute
+    peak = float(np.nanmax(top)) or 1.0
+    x = np.linspace(0.0, width, n)
+
+    def points(upper: np.ndarray, lower: np.ndarray) -> str:
+        ys = height - np.concatenate([upper, lower[::-1]]) / peak * (height - 4)
+        xs = np.concatenate([x, x[::-1]])
+        return " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(xs, ys, strict=True))
+
+    zero = np.zeros(n)
+    return (
+        f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        'xmlns="http://www.w3.org/2000/svg" style="display:block">'
+        f'<polygon fill="{COMPUTE_COLOUR}" points="{points(top, wait)}"/>'
+        f'<polygon fill="{WAIT_COLOUR}" points="{points(wait, zero)}"/>'
+        f'<text x="4" y="12" font-size="11" fill="#333">max {peak:.3g} ms / step</text></svg>'
+    )
+
+
+# -- front-ends ---------------------------------------------------------------------------------
+
+
+class WidgetDisplay:
+    """Displays a widget with a plain-text fallback (never "VBox(children=...)"), the same way
+    under ipywidgets 7 and 8 (both speak version 2 of the widget view format)."""
+
+    def __init__(self, widget: Any, text: str) -> None:
+        self.widget = widget
+        self.text = text
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        return {
+            "text/plain": self.text,
+            WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": self.widget.model_id},
+        }
+
+
+def vertical_axis() -> dict[str, str]:
+    """A y axis on the left: `orientation` in bqplot 0.12 (ipywidgets 7), `side` alone in 0.13.
+    Set at creation, so bqplot sends no update for it afterwards."""
+    from bqplot import Axis
+
+    if "orientation" in Axis.class_traits():
+        return {"orientation": "vertical", "side": "left"}
+    return {"side": "left"}
+
+
+class WidgetChart:
+    """Header (ipywidgets.HTML), a bqplot figure of the window, and a thin overview strip.
+
+    Scales fit their data in the browser, so a refresh changes only the mark data and the
+    header text: one update message per changed widget, x and y batched with hold_sync.
+    """
+
+    def __init__(self, run_name: str) -> None:
+        import ipywidgets as widgets
+        from bqplot import Axis, Bars, Figure, LinearScale
+
+        self.header = widgets.HTML(value=waiting_html(run_name))
+        x, y = LinearScale(), LinearScale(min=0.0)
+        empty_x, empty_y = np.zeros(0), np.zeros((2, 0))
+        self.bars = Bars(
+            x=empty_x,
+            y=empty_y,
+            scales={"x": x, "y": y},
+            type="stacked",
+            colors=[WAIT_COLOUR, COMPUTE_COLOUR],
+            labels=["data wait", "compute"],
+            padding=0.1,
+        )
+        self.figure = Figure(
+            marks=[self.bars],
+            axes=[
+                Axis(scale=x, label="step", tick_format="d"),
+                Axis(scale=y, label="ms per step", tick_format=".3~g", **vertical_axis()),
+            ],
+            layout=widgets.Layout(width="100%", height="240px"),
+            fig_margin={"top": 10, "bottom": 40, "left": 60, "right": 30},
+            animation_duration=0,
+        )
+        ox, oy = LinearScale(), LinearScale(min=0.0)
+        self.overview_bars = Bars(
+            x=empty_x,
+            y=empty_y,
+            scales={"x": ox, "y": oy},
+            type="stacked",
+            colors=[WAIT_COLOUR, COMPUTE_COLOUR],
+            padding=0.0,
+        )
+        self.overview = Figure(
+            marks=[self.overview_bars],
+            axes=[Axis(scale=ox, tick_format="d", num_ticks=6)],
+            title="whole run (mean per bin)",
+            title_style={"font-size": "11px"},
+            layout=widgets.Layout(width="100%", height="80px"),
+            fig_margin={"top": 18, "bottom": 22, "left": 60, "right": 30},
+            animation_duration=0,
+        )
+        self.box = widgets.VBox([self.header, self.figure, self.overview])
+
+    def show(self, text: str) -> Any:
+        return WidgetDisplay(self.box, text)
+
+    def draw_header(self, value: str) -> None:
+        if self.header.value != value:
+            self.header.value = value
+
+    def draw_window(self, step: np.ndarray, wait: np.ndarray, compute: np.ndarray) -> None:
+        with self.bars.hold_sync():
+            self.bars.x = step.astype(np.float64)
+            self.bars.y = np.vstack([wait, compute])
+
+    def draw_overview(self, centre: np.ndarray, wait: np.ndarray, compute: np.ndarray) -> None:
+        with self.overview_bars.hold_sync():
+            self.overview_bars.x = centre
+            self.overview_bars.y = np.vstack([wait, compute])
+
+
+class HtmlStatus:
+    """The updating HTML display used where widgets cannot be drawn."""
+
+    def __init__(self, text: str, body: str) -> None:
+        self.text, self.body = text, body
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        return {"text/plain": self.text, "text/html": self.body}
+
+
+class HtmlChart:
+    """Header and a small SVG of the window in one display, updated through its display handle."""
+
+    def __init__(self, run_name: str) -> None:
+        self.status = HtmlStatus(
+            f"traceml {run_name}: waiting for the first step", waiting_html(run_name)
+        )
+        self.handle: Any = None
+        self._header = ""
+        self._svg = ""
+
+    def show(self, text: str) -> Any:
+        return self.status
+
+    def draw_header(self, value: str) -> None:
+        self._header = value
+
+    def draw_window(self, step: np.ndarray, wait: np.ndarray, compute: np.ndarray) -> None:
+        self._svg = svg_chart(wait, compute)
+
+    def draw_overview(self, centre: np.ndarray, wait: np.ndarray, compute: np.ndarray) -> None:
+        pass
+
+    def publish(self, text: str) -> None:
+        self.status = HtmlStatus(text, self._header + self._svg)
+        if self.handle is not None:
+            self.handle.update(self.status)
+
+
+# -- the view -----------------------------------------------------------------------------------
+
+
+class LiveView:
+    """Refreshed by the run (observer); `close()` ends it, leaving the last picture displayed."""
+
+    def __init__(self, run: Run, chart: WidgetChart | HtmlChart | None, shell: Any = None) -> None:
+        self.run = run
+        self.chart = chart
+        self.shell = shell
+        self.sampler = GpuSampler(run.recorder.origin_ns)
+        self.overview = Overview()
+        self.refreshes = 0  # refreshes done (the final one included)
+        self.refresh_ns = 0  # time spent refreshing, for the overhead benchmark
+        self.final_done = False
+        self.closed = False
+        self._handed_over = False
+        self._seen = 0
+        self._loops: list[ast.For] | None = None
+        self._loops_parsed = False
+        self._passes: int | None = None
+
+    def display(self) -> None:
+        if self.chart is None:
+            return
+        from IPython.display import display as ipython_display
+
+        display: Any = ipython_display  # untyped in IPython
+        text = f"traceml {self.run.name}: live chart (shown by notebook front-ends with widgets)"
+        if isinstance(self.chart, HtmlChart):
+            self.chart.handle = display(self.chart.show(text), display_id=True)
+        else:
+            display(self.chart.show(text))
+
+    # -- numbers the header needs ----------------------------------------------------------
+    def _total(self) -> tuple[int | None, tuple[int, int, int] | None]:
+        """Expected steps of the whole run (per pass x passes), else the position in this pass."""
+        run = self.run
+        per_pass = run.expected_steps
+        if not per_pass:
+            return None, None
+        if self._passes is None and run.loop_where == "this cell":
+            if not self._loops_parsed:
+                self._loops = loops_around(run.cell_source, run.loop_line)
+                self._loops_parsed = True
+            names = getattr(self.shell, "user_ns", None) or {}
+            self._passes = passes_of(self._loops, names)
+        if self._passes and per_pass * self._passes >= run.n_steps:
+            return per_pass * self._passes, None
+        started = max(1, int(getattr(run, "_loops_started", 1)))
+        in_pass = run.n_steps - (started - 1) * per_pass
+        if not 0 <= in_pass <= per_pass:
+            return None, None
+        return None, (in_pass, per_pass, started)
+
+    def _gpu_text(self) -> str:
+        sampler = self.sampler
+        if self.run.finished:
+            utils = sampler.samples.columns()["gpu_util_pct"]
+            if len(utils):
+                return f"GPU {float(np.mean(utils)):.0f} % on average"
+        latest = sampler.samples.latest()
+        if latest is not None:
+            util, used = latest
+            total = sampler.mem_total_mib
+            mem = (
+                f"{used / 1024:.1f} / {total / 1024:.0f} GiB" if total else f"{used / 1024:.1f} GiB"
+            )
+            return f"GPU {util:.0f} % | mem {mem}"
+        return sampler.note or "GPU: starting NVML"
+
+    # -- the observer ----------------------------------------------------------------------
+    def refresh(self, run: Run | None = None) -> None:
+        if self.closed or self.final_done:
+            return
+        began = perf_counter_ns()
+        run = self.run
+        final = run.finished
+        if final:
+            # The loop is over: stop sampling now (close() may come late, or not at all on a
+            # failure) and give the run its samples before its summary is computed below.
+            self._hand_over_gpu_samples()
+        else:
+            self.sampler.start_when_ready()
+        if self.chart is not None:
+            self._draw(final)
+        self.refreshes += 1
+        self.final_done = final
+        self.refresh_ns += perf_counter_ns() - began
+
+    def _draw(self, final: bool) -> None:
+        chart, run = self.chart, self.run
+        assert chart is not None
+        recorder = run.recorder
+        new = recorder.n_steps - self._seen
+        fresh = recorder.tail(max(WINDOW, min(new, OVERVIEW_READ_CAP)))  # one read a refresh
+        if new > 0:
+            unseen = fresh["step"] >= self._seen
+            self.overview.add(
+                fresh["step"][unseen],
+                fresh["data_wait_ms"][unseen],
+                fresh["compute_ms"][unseen],
+            )
+            self._seen = recorder.n_steps
+        tail = {name: column[-WINDOW:] for name, column in fresh.items()}
+        if not len(tail["step"]) and not final:
+            return
+        total, pass_info = self._total()
+        numbers = live_numbers(run, tail, total, pass_info)
+        gpu = self._gpu_text()
+        chart.draw_header(header_html(numbers, gpu))
+        if len(tail["step"]) >= 2:
+            chart.draw_window(tail["step"] + 1, tail["data_wait_ms"], tail["compute_ms"])
+        if final or self.refreshes % OVERVIEW_EVERY == 0:
+            centre, wait, compute = self.overview.means()
+            if len(centre) >= 2:
+                chart.draw_overview(centre, wait, compute)
+        if isinstance(chart, HtmlChart):
+            chart.publish(header_text(numbers, gpu))
+
+    def _hand_over_gpu_samples(self) -> None:
+        """Stop the sampler and leave what it saw on the run, for the report: `gpu_samples`
+        (numpy columns time_s, gpu_util_pct, gpu_mem_used_mib), `gpu_note` (why there are no
+        GPU figures, else None) and `gpu_device` (name, bus id, memory; None without NVML)."""
+        if self._handed_over:
+            return
+        self._handed_over = True
+        self.sampler.stop()
+        samples = self.sampler.samples.columns()
+        self.run.gpu_samples = samples
+        self.run.gpu_note = None if len(samples["time_s"]) else self.sampler.note
+        self.run.gpu_device = self.sampler.device
+
+    def close(self) -> None:
+        """Final refresh (if the run's own did not happen), stop the GPU sampler, and hand its
+        samples to the run. The chart stays displayed: its saved state is the run's evidence."""
+        if self.closed:
+            return
+        try:
+            if not self.final_done:
+                self.refresh(self.run)
+        finally:
+            self.closed = True
+            self._hand_over_gpu_samples()
+
+
+def start(run: Run) -> LiveView | None:
+    """Show the live view of `run` under the cell and register it with the run.
+
+    A widget front-end gets the bqplot chart; a kernel without ipywidgets/bqplot an updating
+    HTML display; a terminal nothing on screen (the GPU is still sampled for the report).
+    Never raises: a view that cannot start is a note on the run.
+    """
+    shell = environment.ipython_shell()
+    try:
+        mode = environment.live_mode(shell)
+        chart: WidgetChart | HtmlChart | None = None
+        if mode == "widget":
+            environment.enable_custom_widget_manager_once()
+            try:
+                chart = WidgetChart(run.name)
+            except ImportError:
+                mode = "html"
+        if mode == "html":
+            chart = HtmlChart(run.name)
+        view = LiveView(run, chart, shell)
+        view.display()
+    except Exception as exc:
+        run.notes.append(f"The live view could not start: {type(exc).__name__}: {exc}")
+        return None
+    run.observe(view.refresh)
+    return view

@@ -1,0 +1,843 @@
+"""The final report: static HTML with the cell's code beside the verdict, the evidence and the
+evaluated checklist; and the facts the checklist reads, gathered from the run and the kernel."""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import multiprocessing
+import os
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from html import escape
+from typing import TYPE_CHECKING, Any
+
+from .checklist import (
+    CHECK,
+    FIX,
+    OK,
+    CodeSite,
+    Facts,
+    Item,
+    SampleCode,
+    assigned_line,
+    class_def,
+    costly_calls,
+    dataloader_sites,
+    default_start_method,
+    evaluate,
+    iter_names,
+    loop_at,
+    method_def,
+    nested_in_loop,
+    parse_cell,
+    pick_loader_line,
+    sample_code_in,
+    transfers_in,
+)
+from .locate import dataloader_lines
+
+if TYPE_CHECKING:
+    from .run import Run
+
+ROOT_CLASS = "traceml-report"
+
+# Colours: a light card that keeps its own background in dark notebook themes.
+FG, MUTED, BORDER, SUBTLE, BG = "#1f2328", "#57606a", "#d0d7de", "#f6f8fa", "#ffffff"
+WAIT_COLOUR, COMPUTE_COLOUR, OTHER_COLOUR = "#e8590c", "#1c7ed6", "#adb5bd"
+LOOP_COLOUR, LOOP_BG = "#6741d9", "#f3f0ff"
+LOADER_COLOUR, LOADER_BG = "#d9480f", "#fff4e6"
+SEVERITY = {  # colour, background
+    "info": ("#1864ab", "#e7f5ff"),
+    "warn": ("#a35200", "#fff9db"),
+    "critical": ("#c92a2a", "#fff5f5"),
+}
+BADGE = {  # colour, background
+    OK: ("#2b8a3e", "#ebfbee"),
+    FIX: ("#c92a2a", "#ffe3e3"),
+    CHECK: ("#a35200", "#fff3bf"),
+}
+SANS = "-apple-system, BlinkMacSystemFont, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
+MONO = "ui-monospace, SFMono-Regular, Menlo, Consolas, 'Liberation Mono', monospace"
+CELL_IN = re.compile(r"\((?:Cell )?In ?\[(\d+)\]\)")
+FUNCTION = re.compile(r"^function ([\w.<>]+)")
+MAX_HISTORY = 200  # earlier cells searched for the DataLoader, newest first
+
+
+# -- facts from the run and the kernel (reads only) ------------------------------------------
+
+
+def history_cells(shell: Any) -> list[str]:
+    """The kernel's cells as typed, indexed like `In` (entry 0 is empty)."""
+    if shell is None:
+        return []
+    raw = getattr(getattr(shell, "history_manager", None), "input_hist_raw", None)
+    if not isinstance(raw, list) or not raw:
+        raw = getattr(shell, "user_ns", {}).get("In")
+    return [str(cell) for cell in raw] if isinstance(raw, list) else []
+
+
+def _body(source: str) -> str:
+    return source.partition("\n")[2].rstrip() if source.startswith("%%") else source.rstrip()
+
+
+def current_cell_index(cells: Sequence[str], cell_source: str | None) -> int | None:
+    """Where the traced cell is in the history (the last cell with the same code)."""
+    if not cell_source:
+        return None
+    body = _body(cell_source)
+    for i in range(len(cells) - 1, 0, -1):
+        if cells[i].startswith("%%traceml") and _body(cells[i]) == body:
+            return i
+    return None
+
+
+def _transform(shell: Any) -> Any:
+    return getattr(shell, "transform_cell", None) if shell is not None else None
+
+
+def _earlier(cells: Sequence[str], current: int | None) -> range:
+    """Cell numbers before the traced one, newest first."""
+    end = current if current is not None else len(cells)
+    return range(end - 1, 0, -1)
+
+
+def _history_trees(
+    shell: Any, cells: Sequence[str], numbers: Sequence[int]
+) -> Iterator[tuple[int, ast.Module]]:
+    transform = _transform(shell)
+    for i in numbers:
+        tree = parse_cell(cells[i], transform)
+        if tree is not None:
+            yield i, tree
+
+
+def _cell_label(i: int) -> str:
+    return f"In [{i}]"
+
+
+def _loader_object(run: Run) -> Any:
+    """The loop's DataLoader if it is still alive; else the last one the cell started
+    iterating (a loader whose first batch failed was never noted by the run)."""
+    for ref in (run.loader_ref, getattr(run, "loader_seen", None)):
+        loader = ref() if ref is not None else None
+        if loader is not None:
+            return loader
+    return None
+
+
+def loader_settings(run: Run) -> dict[str, Any] | None:
+    """The run's loader settings, read from the loader object when the run has none."""
+    if run.loader_info is not None:
+        return run.loader_info
+    loader = _loader_object(run)
+    if loader is None:
+        return None
+    from .dataloader_watch import describe_loader
+
+    try:
+        return describe_loader(loader)
+    except Exception:
+        return None
+
+
+def _names_bound_to(obj: Any, namespace: Mapping[str, Any]) -> set[str]:
+    if obj is None:
+        return set()
+    return {name for name, value in list(namespace.items()) if value is obj}
+
+
+def _loop_in_other_cell(
+    run: Run, shell: Any, cells: Sequence[str], current: int | None
+) -> tuple[ast.For | ast.AsyncFor, str, ast.Module] | None:
+    """The step loop when it lives in a function defined in an earlier cell."""
+    where, line = run.loop_where or "", run.loop_line
+    func = FUNCTION.match(where)
+    if func is None or line is None:
+        return None
+    name = func.group(1).split(".")[-1]
+    named = CELL_IN.search(where)
+    numbers = [int(named.group(1))] if named else []
+    numbers += [i for i in _earlier(cells, current) if i not in numbers]
+    transform = _transform(shell)
+    for i in numbers:
+        if not 0 < i < len(cells):
+            continue
+        tree = parse_cell(cells[i], transform)
+        if tree is None:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                loop = loop_at(node, line)
+                if loop is not None:
+                    return loop, _cell_label(i), tree
+    return None
+
+
+def _loader_site(
+    shell: Any,
+    cells: Sequence[str],
+    current: int | None,
+    tree: ast.Module | None,
+    names: set[str],
+) -> CodeSite | None:
+    """Where the loop's DataLoader is built: the construction assigned to the name the loop
+    iterates (this cell first, then earlier cells, newest first); else the first construction
+    found that way; else the line that assigns the loader (built by a function or library)."""
+    trees: list[tuple[str | None, ast.Module]] = [(None, tree)] if tree is not None else []
+    numbers = _earlier(cells, current)[:MAX_HISTORY]
+    trees += [(_cell_label(i), t) for i, t in _history_trees(shell, cells, numbers)]
+    for cell, t in trees:
+        line = pick_loader_line(dataloader_sites(t), names)
+        if line is not None:
+            return CodeSite(line, cell)
+    for cell, t in trees:
+        lines = dataloader_lines(t)
+        if lines:
+            return CodeSite(lines[0], cell)
+    for cell, t in trees:
+        line = assigned_line(t, names) if names else None
+        if line is not None:
+            return CodeSite(line, cell)
+    return None
+
+
+def _source_label(run: Run, shell: Any, filename: str) -> str | None:
+    """None for the traced cell itself, "In [3]" for another cell, the file name else."""
+    if filename == run.cell_filename:
+        return None
+    fmt = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    named = fmt(filename) if fmt is not None else None
+    if named:
+        number = re.search(r"\d+", str(named[1]))
+        return _cell_label(int(number.group())) if number else str(named[1])
+    return os.path.basename(filename)
+
+
+def _dataset_of(loader: Any) -> Any:
+    """The dataset behind a loader, through wrappers such as Subset."""
+    dataset = getattr(loader, "dataset", None)
+    for _ in range(4):
+        inner = getattr(dataset, "dataset", None)
+        if inner is None or type(dataset).__module__.split(".")[0] != "torch":
+            break
+        dataset = inner
+    return dataset
+
+
+def _sample_code_from_object(run: Run, shell: Any, dataset: Any) -> SampleCode | None:
+    cls = type(dataset)
+    func = getattr(cls, "__getitem__", None)
+    code = getattr(getattr(func, "__func__", func), "__code__", None)
+    if code is None:
+        return None
+    lines = linecache.getlines(code.co_filename)
+    if not lines:
+        return None
+    tree = parse_cell("".join(lines))
+    node = method_def(tree, code.co_firstlineno) if tree is not None else None
+    if tree is None or node is None:
+        return None
+    label = _source_label(run, shell, code.co_filename)
+    owner = class_def(tree, cls.__name__)
+    return SampleCode(
+        cls.__name__,
+        tuple(costly_calls(node, label)),
+        CodeSite(node.lineno, label),
+        CodeSite(owner.lineno, label) if owner is not None else None,
+    )
+
+
+def _sample_code(
+    run: Run, shell: Any, cells: Sequence[str], current: int | None, tree: ast.Module | None
+) -> SampleCode | None:
+    dataset = _dataset_of(_loader_object(run))
+    if dataset is not None:
+        try:
+            found = _sample_code_from_object(run, shell, dataset)
+        except Exception:
+            found = None
+        if found is not None:
+            return found
+    name = (loader_settings(run) or {}).get("dataset_type")
+    if not name:
+        return None
+    if tree is not None:
+        found = sample_code_in(tree, str(name))
+        if found is not None:
+            return found
+    for i, cell_tree in _history_trees(shell, cells, _earlier(cells, current)):
+        found = sample_code_in(cell_tree, str(name), _cell_label(i))
+        if found is not None:
+            return found
+    return SampleCode(str(name), (), None, None)
+
+
+def _process_start_method() -> str:
+    """The start method workers get when the loader does not choose one."""
+    chosen = multiprocessing.get_start_method(allow_none=True)
+    return chosen or default_start_method(
+        (sys.version_info.major, sys.version_info.minor), sys.platform
+    )
+
+
+def cpu_count() -> int | None:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
+
+
+def _run_shell() -> Any:
+    from .display import ipython_shell
+
+    return ipython_shell()
+
+
+@dataclass
+class CodeContext:
+    """The code around a run: this cell's tree, where the loop and the DataLoader are."""
+
+    cells: list[str] = field(default_factory=list)
+    current: int | None = None
+    tree: ast.Module | None = None
+    loop: ast.For | ast.AsyncFor | None = None
+    loop_cell: str | None = None  # None: the loop is in this cell
+    loop_tree: ast.Module | None = None
+    loader_site: CodeSite | None = None
+
+    @classmethod
+    def of(cls, run: Run, shell: Any) -> CodeContext:
+        ctx = cls(history_cells(shell))
+        ctx.current = current_cell_index(ctx.cells, run.cell_source)
+        ctx.tree = parse_cell(run.cell_source, _transform(shell)) if run.cell_source else None
+        in_cell = "(" not in (run.loop_where or "")
+        if run.loop_line is not None and ctx.tree is not None and in_cell:
+            ctx.loop, ctx.loop_tree = loop_at(ctx.tree, run.loop_line), ctx.tree
+        if ctx.loop is None:
+            other = _loop_in_other_cell(run, shell, ctx.cells, ctx.current)
+            if other is not None:
+                ctx.loop, ctx.loop_cell, ctx.loop_tree = other
+        names = iter_names(ctx.loop) if ctx.loop is not None else set()
+        names |= _names_bound_to(_loader_object(run), getattr(shell, "user_ns", {}) or {})
+        names -= {"enumerate", "zip", "tqdm", "iter", "range", "len"}
+        ctx.loader_site = _loader_site(shell, ctx.cells, ctx.current, ctx.tree, names)
+        return ctx
+
+    def cell_line(self, site: CodeSite) -> str | None:
+        """The text of `site` when it is a line of an earlier cell."""
+        match = re.match(r"In \[(\d+)\]$", site.cell or "")
+        if match is None or not 0 < int(match.group(1)) < len(self.cells):
+            return None
+        lines = self.cells[int(match.group(1))].splitlines()
+        return lines[site.line - 1] if 0 < site.line <= len(lines) else None
+
+
+def facts_for(
+    run: Run, shell: Any = None, start_method: str | None = None, context: CodeContext | None = None
+) -> Facts:
+    """Read what the checklist needs from the run, its loader, its code and the kernel."""
+    ctx = context or CodeContext.of(run, shell)
+    loader = loader_settings(run)
+    summary = run.summary
+    passes = int(getattr(run, "_loops_started", 0) or 0)
+    several = passes >= 2
+    if ctx.loop is not None and ctx.loop_tree is not None and run.loop_line is not None:
+        several = several or nested_in_loop(ctx.loop_tree, run.loop_line)
+    if run.expected_steps and run.n_steps > run.expected_steps:
+        several = True
+    method = (loader or {}).get("multiprocessing_context") or start_method
+    wait = (summary.get("stats") or {}).get("data_wait_ms") or {}
+    return Facts(
+        verdict=run.verdict,
+        loader=loader,
+        cpu_count=cpu_count(),
+        on_gpu=bool(getattr(run, "_gpu_used", False)) or summary.get("clock") == "gpu",
+        several_passes=several,
+        loader_site=ctx.loader_site,
+        transfers=tuple(transfers_in(ctx.loop, ctx.loop_cell)) if ctx.loop is not None else None,
+        sample_code=_sample_code(run, shell, ctx.cells, ctx.current, ctx.tree),
+        start_method=method or _process_start_method(),
+        straggler_steps=int(summary.get("straggler_steps") or 0),
+        wait_median_ms=summary.get("data_wait_ms"),
+        wait_p99_ms=wait.get("p99"),
+        pinned_share=summary.get("h2d_pinned_share"),
+        non_blocking_share=summary.get("h2d_non_blocking_share"),
+    )
+
+
+def checklist_items(run: Run, shell: Any = None, context: CodeContext | None = None) -> list[Item]:
+    return evaluate(facts_for(run, shell, context=context))
+
+
+def checklist_for(run: Run) -> list[dict[str, Any]]:
+    """The evaluated checklist as JSON-ready dicts (for Run.to_dict)."""
+    return [item.to_dict() for item in checklist_items(run, _run_shell())]
+
+
+# -- HTML ------------------------------------------------------------------------------------
+
+
+def _e(value: Any) -> str:
+    return escape(str(value), quote=True)
+
+
+def fmt_ms(value: float | None) -> str:
+    """Milliseconds with enough digits to tell a small measured value from zero."""
+    if value is None or value != value:
+        return "n/a"
+    if abs(value) >= 10:
+        return f"{value:.1f} ms"
+    if abs(value) >= 0.1:
+        return f"{value:.2f} ms"
+    return f"{value:.3f} ms"
+
+
+def fmt_pct(share: float | None) -> str:
+    return "n/a" if share is None or share != share else f"{100 * share:.1f} %"
+
+
+def fmt_rate(value: float | None, unit: str) -> str:
+    if value is None or value != value:
+        return f"n/a {unit}"
+    return f"{value:,.1f} {unit}" if value < 1000 else f"{value:,.0f} {unit}"
+
+
+def _compute_name(summary: Mapping[str, Any]) -> str:
+    return "GPU compute" if summary.get("clock") == "gpu" else "CPU compute"
+
+
+def _badge(text: str, colour: str, background: str) -> str:
+    return (
+        f'<span style="display:inline-block;min-width:38px;text-align:center;padding:1px 6px;'
+        f"border-radius:10px;font-size:11px;font-weight:600;letter-spacing:0.02em;"
+        f'color:{colour};background-color:{background}">{_e(text)}</span>'
+    )
+
+
+def _section_title(text: str) -> str:
+    return (
+        f'<div style="margin:14px 0 6px 0;font-size:11px;font-weight:700;color:{MUTED};'
+        f'text-transform:uppercase;letter-spacing:0.06em">{_e(text)}</div>'
+    )
+
+
+def _code_lines(
+    lines: Sequence[str], loop_line: int | None, loader: set[int], marks: Mapping[int, list[str]]
+) -> str:
+    rows = []
+    for number, text in enumerate(lines, start=1):
+        classes, colour, background = ["tml-line"], "transparent", "transparent"
+        if number in loader:
+            classes.append("tml-dataloader")
+            colour, background = LOADER_COLOUR, LOADER_BG
+        if number == loop_line:
+            classes.append("tml-loop")
+            colour, background = LOOP_COLOUR, LOOP_BG
+        title, mark, number_colour = f"line {number}", "", MUTED
+        if number in marks:
+            classes.append("tml-change")
+            title += ": change " + ", ".join(marks[number])
+            mark, number_colour = "&#9679;", BADGE[FIX][0]
+        rows.append(
+            f'<div class="{" ".join(classes)}" title="{_e(title)}" style="display:flex;'
+            f'border-left:3px solid {colour};background-color:{background}">'
+            f'<span style="flex-shrink:0;width:14px;text-align:center;font-size:9px;'
+            f'color:{BADGE[FIX][0]}">{mark}</span>'
+            f'<span style="flex-shrink:0;width:26px;padding-right:10px;text-align:right;'
+            f'color:{number_colour}">{number}</span>'
+            f'<span style="white-space:pre;padding-right:12px">{_e(text) or " "}</span></div>'
+        )
+    return (
+        f'<div style="display:inline-block;min-width:100%;box-sizing:border-box">'
+        f'{"".join(rows)}</div>'
+    )
+
+
+def _legend(entries: Sequence[tuple[str, str, str]]) -> str:
+    """Labelled swatches; a background of "dot" draws a dot instead of a line swatch."""
+    out = []
+    for label, colour, background in entries:
+        if background == "dot":
+            swatch = f'<span style="color:{colour};font-size:9px;margin-right:5px">&#9679;</span>'
+        else:
+            swatch = (
+                f'<span style="display:inline-block;width:10px;height:10px;vertical-align:middle;'
+                f'margin-right:5px;border-left:3px solid {colour};background-color:{background}">'
+                f"</span>"
+            )
+        out.append(
+            f'<span style="display:inline-block;margin-right:14px;white-space:nowrap">'
+            f"{swatch}{_e(label)}</span>"
+        )
+    return f'<div style="margin-top:6px;font-size:11px;color:{MUTED}">{"".join(out)}</div>'
+
+
+def _elsewhere(ctx: CodeContext, items: Sequence[Item]) -> str:
+    """Lines of other cells the report points at (the loop or the DataLoader)."""
+    shown: list[tuple[str, CodeSite, str, str]] = []
+    if ctx.loop is not None and ctx.loop_cell is not None:
+        shown.append(("step loop", CodeSite(ctx.loop.lineno, ctx.loop_cell), LOOP_COLOUR, LOOP_BG))
+    site = ctx.loader_site
+    if site is not None and site.cell is not None:
+        shown.append(("DataLoader", site, LOADER_COLOUR, LOADER_BG))
+    for item in items:
+        if item.status == FIX and item.site is not None and item.site.cell is not None:
+            if all(s != item.site for _, s, _, _ in shown):
+                shown.append((f"fix: {item.key}", item.site, BADGE[FIX][0], BADGE[FIX][1]))
+    out = []
+    for label, site, colour, background in shown:
+        text = ctx.cell_line(site)
+        code = (
+            f'<div style="font-family:{MONO};white-space:pre;overflow-x:auto;padding:2px 6px;'
+            f'border-left:3px solid {colour};background-color:{background}">'
+            f'<span style="color:{MUTED};margin-right:10px">{site.line}</span>{_e(text)}</div>'
+            if text is not None
+            else ""
+        )
+        out.append(
+            f'<div class="tml-elsewhere" style="margin-top:8px;font-size:12px">'
+            f'<div style="color:{MUTED}">{_e(label)} in {_e(site.label())}</div>{code}</div>'
+        )
+    return "".join(out)
+
+
+def _code_pane(run: Run, ctx: CodeContext, items: Sequence[Item]) -> str:
+    where = run.loop_where or ""
+    parts = [_section_title("Cell")]
+    if run.cell_source is None:
+        parts.append(
+            f'<div style="color:{MUTED}">No cell source: this run was traced from code '
+            "(traceml_jupyter.trace).</div>"
+        )
+        return "".join(parts)
+    lines = run.cell_source.splitlines()
+    in_cell = run.loop_line is not None and "(" not in where and ctx.loop_cell is None
+    loop_line = run.loop_line if in_cell else None
+    loader_lines = set(dataloader_lines(ctx.tree)) if ctx.tree is not None else set()
+    marks: dict[int, list[str]] = {}
+    for item in items:
+        if item.status == FIX and item.site is not None and item.site.cell is None:
+            marks.setdefault(item.site.line, []).append(item.key)
+    parts.append(
+        f'<div style="font-family:{MONO};font-size:12px;line-height:1.55;overflow-x:auto;'
+        f'border:1px solid {BORDER};border-radius:6px;background-color:{SUBTLE};padding:6px 0">'
+        f"{_code_lines(lines, loop_line, loader_lines, marks)}</div>"
+    )
+    legend = []
+    if loop_line is not None:
+        legend.append((f"step loop (line {loop_line})", LOOP_COLOUR, LOOP_BG))
+    if loader_lines:
+        shown = ", ".join(str(n) for n in sorted(loader_lines))
+        legend.append((f"DataLoader built (line {shown})", LOADER_COLOUR, LOADER_BG))
+    if marks:
+        legend.append(("line to change (see the checklist)", BADGE[FIX][0], "dot"))
+    if legend:
+        parts.append(_legend(legend))
+    if run.loop_line is not None and not in_cell:
+        text = f"The step loop is in {where}, line {run.loop_line}."
+        parts.append(f'<div style="margin-top:8px;font-size:12px">{_e(text)}</div>')
+    elif run.loop_line is None and where:
+        parts.append(f'<div style="margin-top:8px;font-size:12px">Timed: {_e(where)}.</div>')
+    parts.append(_elsewhere(ctx, items))
+    return "".join(parts)
+
+
+def _banner(run: Run) -> str:
+    verdict = run.verdict_detail
+    colour, background = SEVERITY.get(verdict.severity, SEVERITY["info"])
+    return (
+        f'<div class="tml-verdict tml-{_e(verdict.severity)}" style="border-left:4px solid '
+        f'{colour};background-color:{background};border-radius:6px;padding:10px 12px">'
+        f'<div style="font-size:16px;font-weight:700;color:{colour}">Step Time: '
+        f"{_e(verdict.label)} "
+        f'<span style="font-size:11px;font-weight:600;text-transform:uppercase;'
+        f'letter-spacing:0.05em;margin-left:6px">{_e(verdict.severity)}</span></div>'
+        f'<div style="margin-top:6px"><b>Why</b> {_e(verdict.why)}</div>'
+        f'<div style="margin-top:4px"><b>Next</b> {_e(verdict.next)}</div></div>'
+    )
+
+
+def _tiles(summary: Mapping[str, Any]) -> str:
+    tiles = [
+        ("Data wait", summary.get("data_wait_ms"), summary.get("data_wait_share"), WAIT_COLOUR),
+        (
+            _compute_name(summary),
+            summary.get("compute_ms"),
+            summary.get("compute_share"),
+            COMPUTE_COLOUR,
+        ),
+        ("Step time", summary.get("step_ms"), None, FG),
+    ]
+    out = []
+    for label, value, share, colour in tiles:
+        sub = f"{fmt_pct(share)} of step" if share is not None else "median"
+        out.append(
+            f'<div class="tml-number" style="flex-grow:1;flex-basis:120px;margin:4px;'
+            f'padding:8px 10px;border:1px solid {BORDER};border-radius:6px">'
+            f'<div style="font-size:11px;color:{MUTED}">{_e(label)}</div>'
+            f'<div style="font-size:18px;font-weight:700;color:{colour}">{fmt_ms(value)}</div>'
+            f'<div style="font-size:11px;color:{MUTED}">{_e(sub)}</div></div>'
+        )
+    return f'<div style="display:flex;flex-wrap:wrap;margin:8px -4px 0 -4px">{"".join(out)}</div>'
+
+
+def step_parts(summary: Mapping[str, Any]) -> list[tuple[str, float, float]] | None:
+    """What a step is made of: (label, median share of the step, bar width) for data wait,
+    compute and what neither explains. Medians of shares need not add up to one, so the
+    widths are scaled to fit; None when nothing was measured."""
+    wait, compute = summary.get("data_wait_share"), summary.get("compute_share")
+    if wait is None or compute is None:
+        return None
+    other = max(0.0, 1.0 - wait - compute)
+    total = max(1.0, wait + compute)
+    return [
+        ("Data wait", wait, wait / total),
+        (_compute_name(summary), compute, compute / total),
+        ("Other", other, other / total),
+    ]
+
+
+def _step_bar(summary: Mapping[str, Any]) -> str:
+    parts = step_parts(summary)
+    if parts is None:
+        return f'<div style="color:{MUTED}">n/a: no step was analysed.</div>'
+    colours = (WAIT_COLOUR, COMPUTE_COLOUR, OTHER_COLOUR)
+    bars, legend = [], []
+    for (label, share, width), colour in zip(parts, colours, strict=True):
+        if width > 0:
+            bars.append(
+                f'<div title="{_e(label)} {fmt_pct(share)}" style="width:{100 * width:.2f}%;'
+                f'background-color:{colour}"></div>'
+            )
+        if label != "Other" or share >= 0.005:
+            legend.append((f"{label} {fmt_pct(share)}", colour, colour))
+    return (
+        f'<div class="tml-bar" style="display:flex;height:14px;border-radius:4px;'
+        f'overflow:hidden;background-color:#e9ecef">{"".join(bars)}</div>'
+        + _legend(legend)
+    )
+
+
+def _gpu_column(samples: Any, name: str) -> list[float]:
+    """The finite values of one column of the run's NVML samples (see Run.gpu_samples)."""
+    if not isinstance(samples, Mapping) or samples.get(name) is None:
+        return []
+    values = [float(v) for v in samples[name]]
+    return [v for v in values if v == v]
+
+
+def gpu_utilisation(run: Run) -> str:
+    """'median 87 %, max 99 %, memory up to 10.2 GiB (40 samples)', or why there is none."""
+    samples = getattr(run, "gpu_samples", None)
+    values = sorted(_gpu_column(samples, "gpu_util_pct"))
+    if values:
+        text = f"median {values[len(values) // 2]:.0f} %, max {values[-1]:.0f} %"
+        memory = _gpu_column(samples, "gpu_mem_used_mib")
+        if memory:
+            text += f", memory up to {max(memory) / 1024:.1f} GiB"
+        return text + f" ({len(values)} samples, NVML)"
+    note = getattr(run, "gpu_note", None)
+    if note:
+        return f"n/a ({note})"
+    used = bool(getattr(run, "_gpu_used", False))
+    return "n/a (not sampled)" if used else "n/a (no GPU used)"
+
+
+def evidence_rows(run: Run) -> list[tuple[str, str]]:
+    """Label and value rows under the timing table; the verdict's own extra evidence last."""
+    s = run.summary
+    steps = f"{s.get('n_analysed', 0)} of {s.get('n_steps', 0)} ({s.get('warmup_steps', 0)} warm-up)"
+    clock = "GPU (CUDA events)" if s.get("clock") == "gpu" else "CPU (wall clock, perf_counter)"
+    samples = fmt_rate(s.get("samples_per_s"), "samples/s")
+    if s.get("batch_size"):
+        samples += f" (batch {s['batch_size']})"
+    compute = _compute_name(s)
+    rows = [
+        ("Data wait share (median)", fmt_pct(s.get("data_wait_share"))),
+        (f"{compute} share (median)", fmt_pct(s.get("compute_share"))),
+        ("Analysed steps", steps),
+        ("Clock", clock),
+        ("Throughput", f"{fmt_rate(s.get('steps_per_s'), 'steps/s')}, {samples}"),
+        ("GPU utilisation", gpu_utilisation(run)),
+    ]
+    shown = {
+        "Data wait (median)",
+        f"{compute} (median)",
+        "Step time (median)",
+        "Data wait share",
+        "Analysed steps",
+        "Clock",
+    }
+    rows += [(k, v) for k, v in run.verdict_detail.evidence if k not in shown]
+    return rows
+
+
+# Notebook front-ends style tables (striped rows, right-aligned cells, theme colours): every
+# table element states its own alignment, padding and colours so the card reads the same.
+TABLE = (
+    f"border-collapse:collapse;width:100%;font-size:12px;color:{FG};margin:0;"
+    "table-layout:auto;border:none"
+)
+ROW = "background-color:transparent"
+CELL = f"padding:3px 8px;border:none;border-bottom:1px solid {BORDER};line-height:1.4;color:{FG}"
+
+
+def _evidence(run: Run) -> str:
+    s = run.summary
+    stats = s.get("stats") or {}
+    left = CELL + ";text-align:left"
+    num = CELL + ";text-align:right;white-space:nowrap"
+    head = "".join(
+        f'<th style="{num};color:{MUTED};font-weight:600">{h}</th>' for h in ("median", "p90", "max")
+    )
+    rows = [f'<tr style="{ROW}"><th style="{left}"></th>{head}</tr>']
+    for key, label in (
+        ("data_wait_ms", "Data wait"),
+        ("compute_ms", _compute_name(s)),
+        ("step_ms", "Step time"),
+    ):
+        st = stats.get(key) or {}
+        values = "".join(
+            f'<td style="{num}">{fmt_ms(st.get(q))}</td>' for q in ("median", "p90", "max")
+        )
+        rows.append(f'<tr style="{ROW}"><td style="{left}">{_e(label)}</td>{values}</tr>')
+    table = f'<table class="tml-evidence" style="{TABLE}">{"".join(rows)}</table>'
+    kv = "".join(
+        f'<tr style="{ROW}"><td style="{left};color:{MUTED};width:45%">{_e(k)}</td>'
+        f'<td style="{left}">{_e(v)}</td></tr>'
+        for k, v in evidence_rows(run)
+    )
+    more = f'<table class="tml-facts" style="{TABLE};margin-top:8px">{kv}</table>'
+    return table + more
+
+
+CODE_LIKE = re.compile(r"[^\s]+|[\w.]+\(.*\)")
+
+
+def _value(text: str, strong: bool = False) -> str:
+    """A value as code (`0`, `True`, `y.to(device)`), a phrase as plain text."""
+    weight = "font-weight:600;" if strong else ""
+    if len(text) <= 48 and CODE_LIKE.fullmatch(text):
+        return (
+            f'<span style="font-family:{MONO};font-size:12px;{weight}padding:0 4px;'
+            f'border-radius:4px;background-color:{SUBTLE}">{_e(text)}</span>'
+        )
+    return f'<span style="{weight}">{_e(text)}</span>'
+
+
+def _item_row(item: Item) -> str:
+    colour, background = BADGE.get(item.status, BADGE[CHECK])
+    change = _value(item.seen)
+    if item.to_try:
+        change += f" &rarr; {_value(item.to_try, strong=True)}"
+    where = ""
+    if item.site is not None:
+        where = (
+            f'<span class="tml-where" style="margin-left:8px;padding:0 6px;border-radius:4px;'
+            f'border:1px solid {BORDER};font-size:11px;color:{MUTED};white-space:nowrap">'
+            f"{_e(item.site.label())}</span>"
+        )
+    return (
+        f'<div class="tml-item tml-item-{_e(item.key)} tml-{_e(item.status)}" style="display:flex;'
+        f'padding:6px 0;border-top:1px solid {BORDER}">'
+        f'<div style="flex-shrink:0;width:62px">{_badge(item.status, colour, background)}</div>'
+        f'<div style="min-width:0;flex-grow:1">'
+        f'<div><b>{_e(item.title)}</b></div>'
+        f'<div style="margin-top:2px">{change}{where}</div>'
+        f'<div style="margin-top:2px;color:{MUTED};font-size:12px">{_e(item.reason)}</div>'
+        f"</div></div>"
+    )
+
+
+def _checklist(items: Sequence[Item]) -> str:
+    main = [i for i in items if i.bears_on_verdict]
+    folded = [i for i in items if not i.bears_on_verdict]
+    out = "".join(_item_row(i) for i in main)
+    if not main:
+        out = f'<div style="color:{MUTED}">No item bears on this verdict.</div>'
+    if folded:
+        out += (
+            f'<details class="tml-folded" style="margin-top:6px"><summary style="cursor:pointer;'
+            f'color:{MUTED};font-size:12px">{len(folded)} more item(s) that do not bear on '
+            f"this verdict</summary>{''.join(_item_row(i) for i in folded)}</details>"
+        )
+    return out
+
+
+def _notes(run: Run, problem: str | None = None) -> str:
+    out = ""
+    if run.error:
+        colour, background = SEVERITY["critical"]
+        out += (
+            f'<div class="tml-error" style="margin-top:12px;padding:6px 10px;border-radius:6px;'
+            f'color:{colour};background-color:{background}">'
+            f"<b>Stopped by:</b> {_e(run.error)} (the numbers cover the steps before it)</div>"
+        )
+    notes_seen = list(run.notes) + ([problem] if problem else [])
+    if notes_seen:
+        notes = "".join(f'<li style="margin:2px 0">{_e(n)}</li>' for n in notes_seen)
+        out += f'<ul class="tml-notes" style="margin:10px 0 0 0;padding-left:18px">{notes}</ul>'
+    return out
+
+
+def _text_box(run: Run) -> str:
+    return (
+        f'<details class="tml-text" style="margin-top:12px"><summary style="cursor:pointer;'
+        f'color:{MUTED};font-size:12px">Text report</summary>'
+        f'<pre style="font-family:{MONO};font-size:11px;line-height:1.4;overflow-x:auto;'
+        f"margin:6px 0 0 0;padding:8px;border:1px solid {BORDER};border-radius:6px;"
+        f'background-color:{SUBTLE};color:{FG}">{_e(run.text())}</pre></details>'
+    )
+
+
+def _header(run: Run) -> str:
+    bits = [f"{run.n_steps} steps"]
+    if run.loop_line is not None:
+        bits.append(f"loop on line {run.loop_line}")
+    if run.loop_where and run.loop_where != "this cell":
+        bits.append(run.loop_where)
+    return (
+        f'<div style="display:flex;flex-wrap:wrap;align-items:baseline;margin-bottom:8px">'
+        f'<span style="font-weight:700;font-size:14px;margin-right:10px">traceml</span>'
+        f'<span style="color:{MUTED}">{_e(run.name)} &middot; {_e(" · ".join(bits))}</span></div>'
+    )
+
+
+def render_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
+    """The report as one self-contained HTML fragment: inline styles only, no script, no
+    external asset, so it reads the same after a reload, on nbviewer, GitHub and Kaggle."""
+    shell = _run_shell()
+    problem = None
+    try:  # the checklist reads live objects and history: never let it cost the report
+        ctx = CodeContext.of(run, shell)
+        items = list(checklist) if checklist is not None else checklist_items(run, shell, ctx)
+    except Exception as exc:
+        ctx, items = CodeContext(), list(checklist or [])
+        problem = f"The checklist could not be evaluated: {type(exc).__name__}: {exc}"
+    left = _code_pane(run, ctx, items)
+    right = (
+        _banner(run)
+        + _tiles(run.summary)
+        + _section_title("What a step is made of (median shares)")
+        + _step_bar(run.summary)
+        + _section_title("Evidence")
+        + _evidence(run)
+        + _section_title("Checklist")
+        + _checklist(items)
+        + _notes(run, problem)
+        + _text_box(run)
+    )
+    pane = "flex-grow:1;flex-shrink:1;min-width:0;margin:8px"
+    return (
+        f'<div class="{ROOT_CLASS}" style="font-family:{SANS};font-size:13px;line-height:1.45;'
+        f"color:{FG};background-color:{BG};border:1px solid {BORDER};border-radius:8px;"
+        f'padding:12px 14px;max-width:1400px;box-sizing:border-box;text-align:left">'
+        f"{_header(run)}"
+        f'<div style="display:flex;flex-wrap:wrap;align-items:flex-start;margin:-8px">'
+        f'<div class="tml-code-pane" style="{pane};flex-basis:380px">{left}</div>'
+        f'<div class="tml-result-pane" style="{pane};flex-basis:440px">{right}</div>'
+        f"</div></div>"
+    )
