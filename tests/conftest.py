@@ -4,7 +4,8 @@ test leaving a patch, a hook name or a thread behind (like tqdm's leaked-bar che
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from torch.utils.data import DataLoader

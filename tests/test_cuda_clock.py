@@ -23,7 +23,7 @@ class FakeEvent:
     def query(self) -> bool:
         return self.t <= FakeEvent.done_before
 
-    def elapsed_time(self, other: "FakeEvent") -> float:
+    def elapsed_time(self, other: FakeEvent) -> float:
         return other.t - self.t
 
     def synchronize(self) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import ast
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from traceml_jupyter.locate import (
     called_names,

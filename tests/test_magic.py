@@ -433,14 +433,13 @@ def test_the_docstring_is_the_help(ip: Any) -> None:
 
 
 def test_the_python_api_gives_the_same_run_object() -> None:
-    from torch.utils.data import DataLoader, TensorDataset
-
     import torch
+    from torch.utils.data import DataLoader, TensorDataset
 
     loader = DataLoader(TensorDataset(torch.randn(20, 4)), batch_size=5)
     with capture_output():
         with traceml_jupyter.trace("script", warmup=0) as r:
-            for epoch in range(2):
+            for _epoch in range(2):
                 for (x,) in r.loop(loader):
                     x.sum()
     assert traceml_jupyter.last() is r

@@ -62,3 +62,19 @@ def test_gpu_timings_arrive_late_and_in_order() -> None:
     rec.add_gpu(1.0, 2.0)
     cols = rec.columns()
     assert cols["step_gpu_ms"][0] == 3.0 and np.isnan(cols["step_gpu_ms"][1:]).all()
+
+
+def test_gpu_timings_survive_folds_and_decimation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recorder_module, "CHUNK", 4)
+    monkeypatch.setattr(recorder_module, "HISTORY_CAP", 8)
+    rec = Recorder()
+    rec.origin_ns = 0
+    for k in range(40):
+        rec.add(k * 10, k * 10 + 2, k * 10 + 10)
+        rec.add_gpu(1.0, float(k))
+    cols = rec.columns()
+    assert rec.stride > 1 and len(cols["step"]) <= 8 + 4
+    assert np.array_equal(cols["compute_gpu_ms"], cols["step"].astype(float))  # aligned to steps
+    totals = rec.totals()
+    assert totals["data_wait_gpu_ms"] == 40.0 and totals["compute_gpu_ms"] == sum(range(40))
+    assert totals["data_wait_ms"] == pytest.approx(40 * 2e-6)

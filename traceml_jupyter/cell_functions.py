@@ -8,11 +8,12 @@ import inspect
 import linecache
 import os
 import types
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
-from .locate import LoopChoice, called_names, find_innermost_loop, find_training_loop
+from .locate import LoopChoice, called_names
 from .rewrite import instrument_loop
 
 MAX_DEPTH = 2

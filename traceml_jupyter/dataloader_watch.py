@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from time import perf_counter_ns
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from .recorder import Recorder
 

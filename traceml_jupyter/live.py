@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 
 WINDOW = 300  # steps in the rolling chart
 OVERVIEW_BINS = 128  # bins of the overview strip over the whole run
-OVERVIEW_EVERY = 4  # refreshes between two overview updates (about once a second)
+# Each refresh (at most 4 a second) redraws one widget, so the view sends at most one comm
+# message per refresh and 4 a second: the bars twice a second, the header 1.5 times, the
+# overview strip every 2 s. The final refresh redraws all three.
+ROTATION = ("header", "bars", "header", "bars", "header", "bars", "overview", "bars")
 OVERVIEW_READ_CAP = 1 << 17  # most new steps read in one refresh for the overview
 WAIT_COLOUR = "#f28e2b"  # warm: the loop waits for data
 COMPUTE_COLOUR = "#4e79a7"  # cool: the loop body runs
@@ -611,13 +614,15 @@ class LiveView:
         tail = {name: column[-WINDOW:] for name, column in fresh.items()}
         if not len(tail["step"]) and not final:
             return
+        turn = ROTATION[self.refreshes % len(ROTATION)]
         total, pass_info = self._total()
         numbers = live_numbers(run, tail, total, pass_info)
         gpu = self._gpu_text()
-        chart.draw_header(header_html(numbers, gpu))
-        if len(tail["step"]) >= 2:
+        if final or turn == "header":
+            chart.draw_header(header_html(numbers, gpu))
+        if (final or turn == "bars") and len(tail["step"]) >= 2:
             chart.draw_window(tail["step"] + 1, tail["data_wait_ms"], tail["compute_ms"])
-        if final or self.refreshes % OVERVIEW_EVERY == 0:
+        if final or turn == "overview":
             centre, wait, compute = self.overview.means()
             if len(centre) >= 2:
                 chart.draw_overview(centre, wait, compute)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 MARK = re.compile(r"#\s*traceml\s*:\s*loop\b")
 LOOPS = (ast.For, ast.While, ast.AsyncFor)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from array import array
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 # Steps are appended to a raw chunk of int64 timestamps (24 bytes a step). A full chunk is
-# folded into the kept history: every step while the history is under HISTORY_CAP, then a
-# uniform sample (every `stride`-th step), with exact running totals.
+# folded into the kept history, also raw int64 timestamps in arrays allocated once: every step
+# while the history has room (HISTORY_CAP), then a uniform sample (every `stride`-th step),
+# decimated in place, with exact running totals. Milliseconds are derived when read.
 CHUNK = 1 << 16
 HISTORY_CAP = 1 << 17
 
@@ -28,14 +30,18 @@ class Recorder:
         self._t0: array[int] = array("q")
         self._t1: array[int] = array("q")
         self._t2: array[int] = array("q")
-        self._gpu: list[array[float]] = [array("d") for _ in GPU_COLUMNS]
+        self._gpu_wait: array[float] = array("d")
+        self._gpu_compute: array[float] = array("d")
         self.has_gpu = False
         self.origin_ns: int | None = None
         self._base = 0  # global index of the chunk's first step
         self._stride = 1
-        self._kept: dict[str, np.ndarray] = {c: np.empty(0) for c in COLUMNS + GPU_COLUMNS}
-        self._kept["step"] = np.empty(0, dtype=np.int64)
-        self.totals_ms: dict[str, float] = {c: 0.0 for c in TOTALS}
+        self._kept_t: np.ndarray | None = None  # (3, HISTORY_CAP) int64, allocated at the first fold
+        self._kept_gpu: np.ndarray | None = None  # (2, HISTORY_CAP) float64, only with GPU timings
+        self._n_kept = 0
+        self._totals_ns = [0, 0]  # exact sums of data wait and compute over folded steps
+        self._totals_gpu = [0.0, 0.0]
+        self._gpu_next = 0  # the step the next GPU timing belongs to
         # Called before a chunk is folded, so pending GPU timings can be resolved first.
         self.before_fold: Callable[[], None] | None = None
 
@@ -48,12 +54,21 @@ class Recorder:
             self.fold()
 
     def add_gpu(self, wait_ms: float, compute_ms: float) -> None:
-        """GPU timings of the oldest step that has none yet (they resolve in step order)."""
-        w, c, s = self._gpu
-        w.append(wait_ms)
-        c.append(compute_ms)
-        s.append(wait_ms + compute_ms)
+        """GPU timings of the oldest step that has none yet (they resolve in step order,
+        sometimes after that step's chunk was folded)."""
+        step = self._gpu_next
+        self._gpu_next += 1
         self.has_gpu = True
+        if step >= self._base:
+            self._gpu_wait.append(wait_ms)
+            self._gpu_compute.append(compute_ms)
+            return
+        self._totals_gpu[0] += wait_ms
+        self._totals_gpu[1] += compute_ms
+        if step % self._stride == 0 and step // self._stride < self._n_kept:
+            if self._kept_gpu is None:
+                self._kept_gpu = np.full((2, HISTORY_CAP), np.nan)
+            self._kept_gpu[:, step // self._stride] = (wait_ms, compute_ms)
 
     # -- reading --------------------------------------------------------------------------
     @property
@@ -65,78 +80,136 @@ class Recorder:
         """1 while every step is kept; k when one step in k is kept."""
         return self._stride
 
-    def _chunk_columns(self, start: int = 0) -> dict[str, np.ndarray]:
-        t0 = np.frombuffer(self._t0, dtype=np.int64)[start:]
-        t1 = np.frombuffer(self._t1, dtype=np.int64)[start:]
-        t2 = np.frombuffer(self._t2, dtype=np.int64)[start:]
-        origin = self.origin_ns if self.origin_ns is not None else (int(t0[0]) if len(t0) else 0)
-        n = len(t0)
-        cols: dict[str, np.ndarray] = {
-            "step": np.arange(self._base + start, self._base + start + n, dtype=np.int64),
-            "time_s": (t0 - origin) / 1e9,
-            "data_wait_ms": (t1 - t0) / 1e6,
-            "compute_ms": (t2 - t1) / 1e6,
-            "step_ms": (t2 - t0) / 1e6,
+    def _chunk_raw(self, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The chunk's timestamps (3, n) and GPU timings (2, n; NaN where not yet resolved)."""
+        n = len(self._t0) - start
+        t = np.empty((3, n), dtype=np.int64)
+        for row, values in enumerate((self._t0, self._t1, self._t2)):
+            t[row] = np.frombuffer(values, dtype=np.int64)[start:]
+        gpu = np.full((2, n), np.nan)
+        for row, floats in enumerate((self._gpu_wait, self._gpu_compute)):
+            got = np.frombuffer(floats, dtype=np.float64)[start : start + n]
+            gpu[row, : len(got)] = got
+        return t, gpu
+
+    def _derive(self, steps: np.ndarray, t: np.ndarray, gpu: np.ndarray) -> dict[str, np.ndarray]:
+        origin = self.origin_ns if self.origin_ns is not None else (int(t[0, 0]) if t.shape[1] else 0)
+        return {
+            "step": steps,
+            "time_s": (t[0] - origin) / 1e9,
+            "data_wait_ms": (t[1] - t[0]) / 1e6,
+            "compute_ms": (t[2] - t[1]) / 1e6,
+            "step_ms": (t[2] - t[0]) / 1e6,
+            "data_wait_gpu_ms": gpu[0],
+            "compute_gpu_ms": gpu[1],
+            "step_gpu_ms": gpu[0] + gpu[1],
         }
-        for name, values in zip(GPU_COLUMNS, self._gpu):
-            col = np.full(n, np.nan)
-            got = np.frombuffer(values, dtype=np.float64)[start:]
-            col[: len(got)] = got[:n]
-            cols[name] = col
-        return cols
+
+    def _kept(self, first: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        k = self._n_kept
+        if self._kept_t is None or first >= k:
+            return np.empty(0, dtype=np.int64), np.empty((3, 0), np.int64), np.empty((2, 0))
+        steps = np.arange(first, k, dtype=np.int64) * self._stride
+        gpu = self._kept_gpu[:, first:k] if self._kept_gpu is not None else np.full((2, k - first), np.nan)
+        return steps, self._kept_t[:, first:k], gpu
 
     def columns(self) -> dict[str, np.ndarray]:
         """Every kept step (all steps until the history cap, then a uniform sample)."""
-        chunk = self._chunk_columns()
-        keep = chunk["step"] % self._stride == 0
-        return {c: np.concatenate([self._kept[c], chunk[c][keep]]) for c in COLUMNS + GPU_COLUMNS}
+        k_steps, k_t, k_gpu = self._kept()
+        t, gpu = self._chunk_raw()
+        sel = slice((-self._base) % self._stride, None, self._stride)
+        steps = np.arange(self._base, self.n_steps, dtype=np.int64)[sel]
+        return self._derive(
+            np.concatenate([k_steps, steps]),
+            np.concatenate([k_t, t[:, sel]], axis=1),
+            np.concatenate([k_gpu, gpu[:, sel]], axis=1),
+        )
 
     def tail(self, n: int) -> dict[str, np.ndarray]:
-        """The last `n` steps, exact (for the live view)."""
+        """The last `n` steps, exact within the chunk (for the live view)."""
         have = len(self._t0)
-        cols = self._chunk_columns(max(0, have - n))
-        if have >= n or not len(self._kept["step"]):
-            return cols
-        more = n - have
-        return {c: np.concatenate([self._kept[c][-more:], cols[c]]) for c in cols}
+        t, gpu = self._chunk_raw(max(0, have - n))
+        steps = np.arange(self.n_steps - t.shape[1], self.n_steps, dtype=np.int64)
+        if have < n and self._n_kept:
+            k_steps, k_t, k_gpu = self._kept(max(0, self._n_kept - (n - have)))
+            steps = np.concatenate([k_steps, steps])
+            t = np.concatenate([k_t, t], axis=1)
+            gpu = np.concatenate([k_gpu, gpu], axis=1)
+        return self._derive(steps, t, gpu)
 
     def totals(self) -> dict[str, float]:
         """Exact sums in ms over every step recorded (not only the kept ones)."""
-        out = dict(self.totals_ms)
-        chunk = self._chunk_columns()
-        for c in TOTALS:
-            out[c] += float(np.nansum(chunk[c]))
-        return out
+        t, gpu = self._chunk_raw()
+        wait_ns = self._totals_ns[0] + int((t[1] - t[0]).sum())
+        compute_ns = self._totals_ns[1] + int((t[2] - t[1]).sum())
+        gpu_wait = self._totals_gpu[0] + float(np.nansum(gpu[0]))
+        gpu_compute = self._totals_gpu[1] + float(np.nansum(gpu[1]))
+        return {
+            "data_wait_ms": wait_ns / 1e6,
+            "compute_ms": compute_ns / 1e6,
+            "step_ms": (wait_ns + compute_ns) / 1e6,
+            "data_wait_gpu_ms": gpu_wait,
+            "compute_gpu_ms": gpu_compute,
+            "step_gpu_ms": gpu_wait + gpu_compute,
+        }
 
     # -- folding --------------------------------------------------------------------------
     def fold(self) -> None:
         if self.before_fold is not None:
             self.before_fold()
-        if not len(self._t0):
+        n = len(self._t0)
+        if not n:
             return
         if self.origin_ns is None:
             self.origin_ns = self._t0[0]
-        chunk = self._chunk_columns()
-        for c in TOTALS:
-            self.totals_ms[c] += float(np.nansum(chunk[c]))
-        keep = chunk["step"] % self._stride == 0
-        kept = {c: np.concatenate([self._kept[c], chunk[c][keep]]) for c in COLUMNS + GPU_COLUMNS}
-        while len(kept["step"]) > HISTORY_CAP:
-            self._stride *= 2
-            sel = kept["step"] % self._stride == 0
-            kept = {c: v[sel] for c, v in kept.items()}
-        self._kept = kept
-        n = len(self._t0)
-        n_gpu = [len(g) for g in self._gpu]
+        # Views on the chunk's buffers: the fold copies only what it keeps.
+        t0, t1, t2 = (np.frombuffer(a, dtype=np.int64) for a in (self._t0, self._t1, self._t2))
+        self._totals_ns[0] += int((t1 - t0).sum())
+        self._totals_ns[1] += int((t2 - t1).sum())
+        gpu: list[np.ndarray] = []
+        if self.has_gpu:
+            _, chunk_gpu = self._chunk_raw()
+            gpu = [chunk_gpu[0], chunk_gpu[1]]
+            self._totals_gpu[0] += float(np.nansum(gpu[0]))
+            self._totals_gpu[1] += float(np.nansum(gpu[1]))
+            if self._kept_gpu is None:
+                self._kept_gpu = np.full((2, HISTORY_CAP), np.nan)
+        if self._kept_t is None:
+            self._kept_t = np.empty((3, HISTORY_CAP), dtype=np.int64)
+        while True:
+            sel = slice((-self._base) % self._stride, None, self._stride)
+            m = len(range(n)[sel])
+            if self._n_kept + m <= HISTORY_CAP:
+                break
+            self._halve()
+        k = self._n_kept
+        for row, col in enumerate((t0, t1, t2)):
+            self._kept_t[row, k : k + m] = col[sel]
+        if self._kept_gpu is not None and gpu:
+            for row, col in enumerate(gpu):
+                self._kept_gpu[row, k : k + m] = col[sel]
+        self._n_kept = k + m
+        del t0, t1, t2  # release the views before the buffers are replaced
         self._base += n
         self._t0, self._t1, self._t2 = array("q"), array("q"), array("q")
-        # GPU timings of steps past the chunk (none after before_fold) carry over.
-        self._gpu = [array("d", g[n:]) if k > n else array("d") for g, k in zip(self._gpu, n_gpu)]
+        # GPU timings still pending for this chunk's last steps arrive later (add_gpu).
+        self._gpu_wait, self._gpu_compute = array("d"), array("d")
+
+    def _halve(self) -> None:
+        """Keep every other kept step (in place) and double the stride."""
+        k = self._n_kept
+        half = (k + 1) // 2
+        for kept in (self._kept_t, self._kept_gpu):
+            if kept is not None:
+                kept[:, :half] = kept[:, 0:k:2].copy()
+        self._n_kept = half
+        self._stride *= 2
 
     def nbytes(self) -> int:
-        arrays: list[array[Any]] = [self._t0, self._t1, self._t2, *self._gpu]
+        arrays: list[array[Any]] = [self._t0, self._t1, self._t2, self._gpu_wait, self._gpu_compute]
         raw = sum(a.buffer_info()[1] * a.itemsize for a in arrays)
-        return raw + sum(v.nbytes for v in self._kept.values())
+        kept = sum(a.nbytes for a in (self._kept_t, self._kept_gpu) if a is not None)
+        return raw + kept
 
     def describe(self) -> dict[str, Any]:
         return {"n_steps": self.n_steps, "stride": self._stride, "nbytes": self.nbytes()}

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import time
 import weakref
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from .cuda_clock import CudaClock, cuda_in_use, gpu_memory_in_use
 from .recorder import Recorder
@@ -23,20 +24,20 @@ REFRESH_NS = 250_000_000  # observers (the live view) run at most 4 times a seco
 
 Observer = Callable[["Run"], None]
 
-_RUNS: list["Run"] = []
+_RUNS: list[Run] = []
 
 
-def runs() -> list["Run"]:
+def runs() -> list[Run]:
     """Every run of this kernel, oldest first."""
     return list(_RUNS)
 
 
-def last() -> "Run | None":
+def last() -> Run | None:
     """The most recent run, or None before any."""
     return _RUNS[-1] if _RUNS else None
 
 
-def find_run(name: str) -> "Run | None":
+def find_run(name: str) -> Run | None:
     for run in reversed(_RUNS):
         if run.name == name:
             return run
@@ -242,7 +243,7 @@ class Run:
                 self.notes.append(f"The live view stopped: {type(exc).__name__}: {exc}")
 
     # -- the end ---------------------------------------------------------------------------
-    def finish(self, error: BaseException | None = None) -> "Run":
+    def finish(self, error: BaseException | None = None) -> Run:
         """Resolve pending GPU timings once, then compute the summary and the verdict."""
         if self.finished:
             return self

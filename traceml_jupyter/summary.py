@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -68,7 +69,7 @@ def summarize(
         return np.asarray(columns[name][analysed], dtype=np.float64)
 
     wait, compute, step = (col(p, clock) for p in PHASES)
-    stats = {p: _stats(v) for p, v in zip(PHASES, (wait, compute, step))}
+    stats = {p: _stats(v) for p, v in zip(PHASES, (wait, compute, step), strict=True)}
     med = {p: stats[p]["median"] for p in PHASES}
     med_step = med["step_ms"]
 
@@ -100,4 +101,85 @@ def summarize(
         "stats": stats,
         "totals_ms": dict(totals_ms) if totals_ms is not None else None,
     }
+    out.update(gpu_work(columns, analysed, clock, med_step, out["data_wait_share"]))
+    return out
+
+
+# Keys of a GPU-clock run's copies, syncs, backlog and utilisation (all None on the CPU clock,
+# and each None when its optional column was not measured).
+GPU_WORK_KEYS = (
+    "h2d_ms",  # median GPU time of host-to-device copies per step
+    "h2d_share",  # h2d_ms / step_ms
+    "h2d_bytes",  # median bytes copied per step
+    "h2d_gbps",  # effective bandwidth: h2d_bytes / h2d_ms (medians), GB/s
+    "h2d_pinned_share",  # share of the bytes copied from pinned memory
+    "h2d_non_blocking_share",  # share of the bytes copied with non_blocking=True
+    "sync_ms",  # median host wait in timed synchronising calls per step
+    "sync_calls",  # median synchronising calls per step
+    "host_issue_ms",  # median host body time minus its wait in syncs (None: syncs not watched)
+    "gpu_backlog_ms",  # median GPU work still queued when a step ended (sampled steps)
+    "gpu_busy_share",  # median NVML utilisation / 100
+    "host_share",  # 1 - busy - data wait share - h2d share: GPU idle inside steps (needs NVML)
+)
+
+
+def _measured(columns: Mapping[str, np.ndarray], name: str, analysed: np.ndarray) -> np.ndarray | None:
+    """The finite values of an optional column over the analysed steps (None: not measured)."""
+    col = columns.get(name)
+    if col is None:
+        return None
+    values = np.asarray(col, dtype=np.float64)[analysed]
+    values = values[np.isfinite(values)]
+    return values if len(values) else None
+
+
+def _median(values: np.ndarray | None) -> float | None:
+    return float(np.median(values)) if values is not None else None
+
+
+def gpu_work(
+    columns: Mapping[str, np.ndarray],
+    analysed: np.ndarray,
+    clock: str,
+    step_ms: float | None,
+    data_wait_share: float | None,
+) -> dict[str, Any]:
+    """GPU_WORK_KEYS from the optional columns h2d_ms, h2d_bytes, h2d_pinned_bytes,
+    h2d_async_bytes, sync_ms, sync_calls, gpu_backlog_ms and gpu_util_pct."""
+    out: dict[str, Any] = dict.fromkeys(GPU_WORK_KEYS)
+    if clock != "gpu" or not step_ms:
+        return out
+    h2d = _measured(columns, "h2d_ms", analysed)
+    if h2d is not None:
+        out["h2d_ms"] = _median(h2d)
+        out["h2d_share"] = out["h2d_ms"] / step_ms
+        out["h2d_bytes"] = _median(_measured(columns, "h2d_bytes", analysed))
+        ms = np.asarray(columns["h2d_ms"], dtype=np.float64)[analysed]
+        sums: dict[str, float] = {}
+        for name in ("h2d_bytes", "h2d_pinned_bytes", "h2d_async_bytes"):
+            col = columns.get(name)
+            if col is not None:
+                values = np.asarray(col, dtype=np.float64)[analysed]
+                sums[name] = float(values[np.isfinite(values) & np.isfinite(ms)].sum())
+        nbytes = sums.get("h2d_bytes", 0.0)
+        per_step = out["h2d_bytes"]
+        if per_step and out["h2d_ms"]:
+            out["h2d_gbps"] = per_step / out["h2d_ms"] / 1e6
+        if nbytes > 0:
+            for key, name in (("h2d_pinned_share", "h2d_pinned_bytes"), ("h2d_non_blocking_share", "h2d_async_bytes")):
+                out[key] = sums[name] / nbytes if name in sums else None
+    sync = _measured(columns, "sync_ms", analysed)
+    out["sync_ms"] = _median(sync)
+    out["sync_calls"] = _median(_measured(columns, "sync_calls", analysed))
+    if sync is not None:  # the body minus an unknown wait would be unknown
+        host = np.asarray(columns["compute_ms"], dtype=np.float64)[analysed]
+        issue = host - np.asarray(columns["sync_ms"], dtype=np.float64)[analysed]
+        out["host_issue_ms"] = _median(issue[np.isfinite(issue)])
+    out["gpu_backlog_ms"] = _median(_measured(columns, "gpu_backlog_ms", analysed))
+    util = _measured(columns, "gpu_util_pct", analysed)
+    if util is not None:
+        busy_pct = float(np.median(util))
+        out["gpu_busy_share"] = busy_pct / 100.0
+        idle = (100.0 - busy_pct) / 100.0  # not 1 - busy: 90 % busy is exactly 10 % idle
+        out["host_share"] = max(0.0, idle - (data_wait_share or 0.0) - (out["h2d_share"] or 0.0))
     return out

@@ -7,9 +7,10 @@ import ast
 import importlib.util
 import sys
 import weakref
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from IPython.core.error import UsageError
 

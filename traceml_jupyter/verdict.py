@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 WARN_SHARE = 0.10
 CRITICAL_SHARE = 0.20
 CRITICAL_MIN_STEPS = 20
 COMPUTE_SHARE = 0.90
 MIN_ANALYSED = 2
+# HOST-BOUND (GPU clock). The GPU "has no backlog" when the work still queued as a step ends is
+# under BACKLOG_MAX_SHARE of the step, and the host's wait in timed syncs is under the same
+# share (a host that waits for the GPU is not what holds it back). Then:
+# - with NVML: GPU idle inside the steps (1 - utilisation - data-wait share - H2D share)
+#   >= WARN_SHARE: warn; >= CRITICAL_SHARE: critical (with CRITICAL_MIN_STEPS steps);
+# - without NVML: the host spends >= HOST_ISSUE_SHARE of the step issuing work (body time minus
+#   its wait in syncs): warn only, since how long the GPU idles is not measured.
+BACKLOG_MAX_SHARE = 0.10
+HOST_ISSUE_SHARE = 0.50
 
 
 @dataclass(frozen=True)
@@ -45,8 +55,140 @@ def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f} %"
 
 
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _lines(lines: list[int]) -> str:
+    if not lines:
+        return ""
+    if len(lines) == 1:
+        return f" on line {lines[0]}"
+    return " on lines " + ", ".join(map(str, lines))
+
+
+def h2d_bound(summary: Mapping[str, Any]) -> str | None:
+    """The severity when host-to-device copies take >= 10 % of the GPU step, else None."""
+    share = summary.get("h2d_share")
+    if summary.get("clock") != "gpu" or share is None or share < WARN_SHARE:
+        return None
+    return severity_for(share, int(summary["n_analysed"]))
+
+
+def host_bound(summary: Mapping[str, Any]) -> str | None:
+    """The severity when the GPU waits on the host inside the steps, else None (see the
+    HOST-BOUND thresholds above)."""
+    step = summary.get("step_ms")
+    if summary.get("clock") != "gpu" or not step:
+        return None
+    backlog, sync = summary.get("gpu_backlog_ms"), summary.get("sync_ms")
+    if backlog is not None and backlog >= BACKLOG_MAX_SHARE * step:
+        return None
+    if sync is not None and sync >= BACKLOG_MAX_SHARE * step:
+        return None
+    idle = summary.get("host_share")
+    if idle is not None:
+        return severity_for(idle, int(summary["n_analysed"])) if idle >= WARN_SHARE else None
+    issue = summary.get("host_issue_ms")
+    if backlog is None or issue is None or issue < HOST_ISSUE_SHARE * step:
+        return None
+    return "warn"
+
+
+def sync_sentence(top: Mapping[str, Any] | None) -> str | None:
+    """"`loss.item()` on line 7 synchronises every step: the host waits there 31.0 % of the
+    step." for the costliest syncing line of the cell, or None."""
+    if not top or not top.get("in_cell"):
+        return None
+    call = top.get("call") or "a call"
+    per = top.get("calls_per_step") or 0.0
+    if top.get("every_step"):
+        how = "every step" if per < 1.5 else f"{per:.0f} times every step"
+    else:
+        how = f"{per:.2g} times per step"
+    text = f"`{call}` on line {top['line']} synchronises {how}"
+    if top.get("share") is not None:
+        text += f": the host waits there {_pct(top['share'])} of the step"
+    return text + "."
+
+
+def _h2d_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tuple[str, str]]) -> Verdict:
+    share, h2d, step = summary["h2d_share"], summary["h2d_ms"], summary["step_ms"]
+    pinned, nb = summary.get("h2d_pinned_share"), summary.get("h2d_non_blocking_share")
+    gbps = summary.get("h2d_gbps")
+    pinned_text = "pageable memory" if not pinned else ("pinned memory" if pinned >= 0.999 else f"{_pct(pinned)} pinned")
+    nb_text = "blocking" if not nb else ("non_blocking" if nb >= 0.999 else f"{_pct(nb)} non_blocking")
+    lines = list(summary.get("h2d_lines") or [])
+    rate = f" at {gbps:.1f} GB/s" if gbps is not None else ""
+    return Verdict(
+        "H2D-BOUND",
+        severity,
+        f"Host-to-device copies take {_pct(share)} of each step: {_ms(h2d)} of a {_ms(step)} "
+        f"median step, {_bytes(summary.get('h2d_bytes'))} per step{rate} ({pinned_text}, "
+        f"{nb_text}).",
+        "Copy less and faster: pin the batches (DataLoader(pin_memory=True)) and copy them with "
+        f".to(device, non_blocking=True){_lines(lines)}; send compact dtypes (uint8 images) and "
+        "convert on the GPU.",
+        evidence
+        + [
+            ("H2D copies (median per step)", _ms(h2d)),
+            ("H2D share", _pct(share)),
+            ("Copied per step", _bytes(summary.get("h2d_bytes"))),
+            ("Effective bandwidth", f"{gbps:.1f} GB/s" if gbps is not None else "n/a"),
+            ("Pinned memory", _pct(pinned)),
+            ("non_blocking copies", _pct(nb)),
+            ("Copy lines", ", ".join(map(str, lines)) or "n/a"),
+        ],
+    )
+
+
+def _host_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tuple[str, str]]) -> Verdict:
+    step, issue, backlog = summary["step_ms"], summary.get("host_issue_ms"), summary.get("gpu_backlog_ms")
+    idle, busy = summary.get("host_share"), summary.get("gpu_busy_share")
+    queued = f"the GPU has no work queued when a step ends (backlog {_ms(backlog)})" if backlog is not None else "the GPU is never behind the host"
+    if idle is not None:
+        why = (
+            f"The GPU waits on the host inside the steps: it idles {_pct(idle)} of the step (NVML "
+            f"utilisation {_pct(busy)}) while the host takes {_ms(issue)} to issue a {_ms(step)} "
+            f"step and {queued}."
+        )
+    else:
+        why = (
+            f"The host sets the pace: it takes {_ms(issue)} to issue each {_ms(step)} step and "
+            f"{queued}. GPU utilisation is unknown (no NVML samples), so how long the GPU idles "
+            "is not measured."
+        )
+    sync = sync_sentence(summary.get("sync_top"))
+    if sync:
+        why += " " + sync
+    calls = summary.get("sync_calls")
+    return Verdict(
+        "HOST-BOUND",
+        severity,
+        why,
+        "Give the GPU more work per launch: a larger batch, mixed precision (torch.autocast), "
+        "torch.compile, CUDA graphs, fewer small ops, and no .item() or other sync every step "
+        "(log every N steps).",
+        evidence
+        + [
+            ("Host time issuing a step (median)", _ms(issue)),
+            ("GPU backlog at step end (median)", _ms(backlog)),
+            ("GPU utilisation (NVML, median)", _pct(busy)),
+            ("GPU idle inside steps", _pct(idle)),
+            ("Syncs per step (median)", "n/a" if calls is None else f"{calls:g}"),
+            ("Host wait in syncs (median)", _ms(summary.get("sync_ms"))),
+        ],
+    )
+
+
 def diagnose(summary: Mapping[str, Any]) -> Verdict:
-    """The first rule that holds, in order: no data, warm-up, input, straggler, compute."""
+    """The first rule that holds, in order: no data, warm-up, input, straggler, host-to-device
+    copies, host, compute."""
     n_steps = int(summary["n_steps"])
     n = int(summary["n_analysed"])
     clock = summary["clock"]
@@ -101,6 +243,12 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
             "look for slow samples, files or shards.",
             evidence + [("Time lost to stalls", _pct(lost))],
         )
+    severity = h2d_bound(summary)
+    if severity is not None:
+        return _h2d_verdict(summary, severity, evidence)
+    severity = host_bound(summary)
+    if severity is not None:
+        return _host_verdict(summary, severity, evidence)
     if compute_share is not None and compute_share >= COMPUTE_SHARE:
         return Verdict(
             "COMPUTE-BOUND",

@@ -1,0 +1,341 @@
+"""Cost per line next to the code: a pure AST rewrite that times each top-level statement of the
+step loop's body on sampled steps, and the clocks that sum those times while the loop runs (the
+wall clock; on CUDA also events on some of those steps, for the GPU time per line).
+
+The body `s0; s1` of the chosen loop becomes
+
+    if SAMPLE():            # True on the first FULL_STEPS steps, then on one step in LINE_EVERY
+        NAME.start()
+        try:
+            s0
+        finally:
+            NAME.lap(0)
+        try:
+            s1
+        finally:
+            NAME.lap(1)
+    else:
+        s0
+        s1
+
+so `break`, `continue`, `return` and exceptions still end the statement's time, both copies
+keep the statements' own line numbers (tracebacks are unchanged), and a step that is not
+sampled pays one C-level call. `global` and `nonlocal` declarations move before the `if`.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from time import perf_counter_ns
+from typing import Any
+
+import numpy as np
+
+from .locate import LoopChoice, find_node
+from .summary import MAX_AUTO_WARMUP, auto_warmup
+
+LINES = "__traceml_lines__"  # the clock, in the namespace while the cell runs
+SAMPLE = "__traceml_line_sample__"  # the clock's schedule: a C-level next() per step
+FULL_STEPS = 64  # the first steps are all timed (short runs get every step)
+LINE_EVERY = 8  # then one step in 8
+GPU_EVERY = 2  # CUDA: events on one timed step in 2 after the first FULL_STEPS (1 step in 16)
+GPU_EARLY_EVERY = 4  # ... and on one step in 4 among the first FULL_STEPS (after the warm-up)
+
+
+@dataclass(frozen=True)
+class Statement:
+    """One timed top-level statement of the loop body."""
+
+    index: int
+    line: int  # first line in the cell (the %%traceml line is 1)
+    end_line: int
+    text: str  # its first line, stripped
+
+
+def _located(node: ast.AST, at: ast.stmt) -> ast.AST:
+    for child in ast.walk(node):
+        ast.copy_location(child, at)
+    return node
+
+
+def _call(name: str, method: str | None, args: list[ast.expr]) -> ast.Call:
+    func: ast.expr = ast.Name(id=name, ctx=ast.Load())
+    if method is not None:
+        func = ast.Attribute(value=func, attr=method, ctx=ast.Load())
+    return ast.Call(func=func, args=args, keywords=[])
+
+
+def time_lines(
+    tree: ast.Module,
+    choice: LoopChoice,
+    lines: list[str] | None = None,
+    name: str = LINES,
+    sample: str = SAMPLE,
+) -> tuple[ast.Module, list[Statement]]:
+    """A copy of `tree` whose chosen loop times each top-level body statement on the steps
+    `sample()` picks (see the module docstring), and the statements timed, in order."""
+    new = copy.deepcopy(tree)
+    loop = find_node(new, choice)
+    first = loop.body[0]
+    declarations = [s for s in loop.body if isinstance(s, (ast.Global, ast.Nonlocal))]
+    plain = [s for s in loop.body if not isinstance(s, (ast.Global, ast.Nonlocal))]
+    statements: list[Statement] = []
+    timed: list[ast.stmt] = [ast.Expr(value=_call(name, "start", []))]
+    _located(timed[0], first)
+    for index, stmt in enumerate(plain):
+        end = getattr(stmt, "end_lineno", None) or stmt.lineno
+        text = lines[stmt.lineno - 1].strip() if lines and 0 < stmt.lineno <= len(lines) else ""
+        statements.append(Statement(index, stmt.lineno, end, text))
+        lap = _located(ast.Expr(value=_call(name, "lap", [ast.Constant(value=index)])), stmt)
+        wrapped = ast.Try(body=[copy.deepcopy(stmt)], handlers=[], orelse=[], finalbody=[lap])  # type: ignore[list-item]
+        timed.append(ast.copy_location(wrapped, stmt))
+    if not plain:
+        return new, []
+    branch = ast.If(test=_call(sample, None, []), body=timed, orelse=plain)
+    _located(branch.test, first)
+    loop.body = [*declarations, ast.copy_location(branch, first)]
+    return ast.fix_missing_locations(new), statements
+
+
+def schedule(full: int = FULL_STEPS, every: int = LINE_EVERY) -> Iterator[bool]:
+    """Which steps are timed: the first `full`, then one in `every`."""
+    return itertools.chain(itertools.repeat(True, full), itertools.cycle([True] + [False] * (every - 1)))
+
+
+def step_of_sample(k: int, full: int = FULL_STEPS, every: int = LINE_EVERY) -> int:
+    """The step index of the k-th timed step (0-based) under `schedule(full, every)`."""
+    return k if k < full else full + (k - full) * every
+
+
+def samples_before(step: int, full: int = FULL_STEPS, every: int = LINE_EVERY) -> int:
+    """How many timed steps come before step index `step`."""
+    if step <= full:
+        return max(0, step)
+    return full + -(-(step - full) // every)
+
+
+class LineClock:
+    """Sums each statement's wall time over the timed steps: `start()` when a timed step's body
+    begins, `lap(i)` when statement i ends. Snapshots of the sums before each of the first timed
+    steps let the warm-up be taken out once its length is known."""
+
+    def __init__(
+        self,
+        statements: list[Statement],
+        warmup_until: int = MAX_AUTO_WARMUP,
+        full: int = FULL_STEPS,
+        every: int = LINE_EVERY,
+    ) -> None:
+        n = len(statements)
+        self.statements = statements
+        self.full, self.every = full, every
+        self.sample = schedule(full, every).__next__  # what the rewritten loop calls
+        self.ns = [0] * n
+        self.runs = [0] * n
+        self.timed = 0  # timed steps so far
+        self._prev = 0
+        self._snapshot_until = samples_before(warmup_until, full, every)
+        self.snapshots: list[tuple[list[int], list[int]]] = []  # sums before timed step k
+
+    def start(self) -> None:
+        if self.timed <= self._snapshot_until:
+            self.snapshots.append((list(self.ns), list(self.runs)))
+        self.timed += 1
+        self._prev = perf_counter_ns()
+
+    def lap(self, i: int) -> None:
+        now = perf_counter_ns()
+        self.ns[i] += now - self._prev
+        self.runs[i] += 1
+        self._prev = now
+
+    def finish(self) -> None:
+        """Read what is pending (CUDA events); nothing to do for the wall clock."""
+
+    def gpu_ms(self) -> tuple[list[float], int] | None:
+        """GPU ms per statement summed over the event-sampled steps, and how many there were."""
+        return None
+
+
+class CudaLineClock(LineClock):
+    """The wall clock, plus a CUDA event at every statement boundary of some steps after the
+    warm-up (one in GPU_EARLY_EVERY of the first FULL_STEPS, then one in LINE_EVERY *
+    GPU_EVERY): the GPU time between two events is the GPU time of the statement between
+    them. Events are read once done, never waited for before the end of the cell."""
+
+    def __init__(
+        self,
+        statements: list[Statement],
+        event_factory: Callable[[], Any],
+        on_gpu: Callable[[], bool],
+        warmup_until: int = MAX_AUTO_WARMUP,
+        full: int = FULL_STEPS,
+        every: int = LINE_EVERY,
+        gpu_every: int = GPU_EVERY,
+    ) -> None:
+        super().__init__(statements, warmup_until, full, every)
+        self._make = event_factory
+        self._on_gpu = on_gpu
+        self.gpu_every = gpu_every
+        self.warmup_until = warmup_until
+        self.gpu_sampled = 0
+        self.gpu_sums = [0.0] * len(statements)
+        self._marks: list[tuple[int, Any]] | None = None
+        self._pending: deque[list[tuple[int, Any]]] = deque()
+        self._free: list[Any] = []
+
+    def _event(self) -> Any:
+        ev = self._free.pop() if self._free else self._make()
+        ev.record()
+        return ev
+
+    def start(self) -> None:
+        if self._marks is not None:
+            self._pending.append(self._marks)
+            self._marks = None
+            self._poll()
+        super().start()
+        k = self.timed - 1
+        step = step_of_sample(k, self.full, self.every)
+        due = step % GPU_EARLY_EVERY == 0 if step < self.full else k % self.gpu_every == 0
+        if due and step > self.warmup_until and self._on_gpu():
+            self.gpu_sampled += 1
+            self._marks = [(-1, self._event())]
+            self._prev = perf_counter_ns()  # the event's own cost is no statement's
+
+    def lap(self, i: int) -> None:
+        now = perf_counter_ns()
+        self.ns[i] += now - self._prev
+        self.runs[i] += 1
+        if self._marks is not None:
+            self._marks.append((i, self._event()))
+            now = perf_counter_ns()
+        self._prev = now
+
+    def _poll(self) -> None:
+        pending, sums, free = self._pending, self.gpu_sums, self._free
+        while pending and pending[0][-1][1].query():
+            marks = pending.popleft()
+            for (_, before), (i, after) in zip(marks, marks[1:], strict=False):
+                sums[i] += float(before.elapsed_time(after))
+            free.extend(ev for _, ev in marks)
+
+    def finish(self) -> None:
+        if self._marks is not None:
+            self._pending.append(self._marks)
+            self._marks = None
+        if self._pending:
+            last = self._pending[-1][-1][1]
+            if hasattr(last, "synchronize"):
+                last.synchronize()
+            self._poll()
+
+    def gpu_ms(self) -> tuple[list[float], int] | None:
+        return (list(self.gpu_sums), self.gpu_sampled) if self.gpu_sampled else None
+
+
+def line_costs(
+    clock: LineClock,
+    warmup: int,
+    step_ms: float | None = None,
+    fetch_ms: float | None = None,
+    loop_line: int | None = None,
+) -> dict[str, Any]:
+    """Per statement: mean ms per analysed step (over the timed steps after the warm-up), its
+    share of the mean step, and on CUDA the GPU ms per event-sampled step. JSON-ready."""
+    n = len(clock.statements)
+    skip = min(samples_before(warmup, clock.full, clock.every), clock.timed)
+    if clock.snapshots:
+        skip = min(skip, len(clock.snapshots) - 1)
+        base_ns, base_runs = clock.snapshots[skip]
+    else:
+        skip, base_ns, base_runs = 0, [0] * n, [0] * n
+    timed = clock.timed - skip
+    gpu = clock.gpu_ms()
+    rows = []
+    for st in clock.statements:
+        ms = (clock.ns[st.index] - base_ns[st.index]) / 1e6 / timed if timed else None
+        rows.append(
+            {
+                "line": st.line,
+                "end_line": st.end_line,
+                "text": st.text,
+                "ms_per_step": ms,
+                "share": ms / step_ms if ms is not None and step_ms else None,
+                "runs": clock.runs[st.index] - base_runs[st.index],
+                "gpu_ms_per_step": gpu[0][st.index] / gpu[1] if gpu else None,
+            }
+        )
+    return {
+        "statements": rows,
+        "ms_per_step": {r["line"]: r["ms_per_step"] for r in rows},
+        "gpu_ms_per_step": {r["line"]: r["gpu_ms_per_step"] for r in rows} if gpu else None,
+        "timed_steps": timed,
+        "warmup_steps": warmup,
+        "step_ms": step_ms,
+        "loop_line": loop_line,
+        "fetch_ms_per_step": fetch_ms,
+        "clock": "wall clock + CUDA events" if gpu else "wall clock",
+        "sampling": f"every step for the first {clock.full}, then one in {clock.every}",
+        "gpu_sampled_steps": gpu[1] if gpu else 0,
+    }
+
+
+def heat(costs: dict[str, Any]) -> dict[int, float]:
+    """Bar length (0..1) per line for the report: each statement's ms per step over the
+    costliest one's; the loop line's bar is its fetch time (data wait) on the same scale."""
+    values = {int(r["line"]): float(r["ms_per_step"] or 0.0) for r in costs["statements"]}
+    if costs.get("loop_line") is not None and costs.get("fetch_ms_per_step") is not None:
+        values[int(costs["loop_line"])] = float(costs["fetch_ms_per_step"])
+    top = max(values.values(), default=0.0)
+    return {line: (v / top if top > 0 else 0.0) for line, v in values.items()}
+
+
+def new_clock(statements: list[Statement], run: Any, warmup: int | None) -> LineClock:
+    """A CUDA line clock where a CUDA device exists (it records events only once the loop runs
+    on the GPU), else the wall clock alone."""
+    from .sync_stalls import torch_cuda_api
+
+    until = max(MAX_AUTO_WARMUP, warmup or 0)
+    api = torch_cuda_api()
+    if api is None:
+        return LineClock(statements, until)
+    return CudaLineClock(statements, api.event_factory, lambda: run._cuda is not None, until)
+
+
+@contextmanager
+def line_costs_kept(run: Any, clock: LineClock) -> Iterator[LineClock]:
+    """At the end of the cell, `run.line_costs` gets the costs of the statements `clock` timed."""
+    try:
+        yield clock
+    finally:
+        try:
+            clock.finish()
+        except Exception as exc:
+            run.notes.append(f"GPU time per line incomplete: {type(exc).__name__}: {exc}")
+        try:
+            run.line_costs = _costs_of(run, clock)
+        except Exception as exc:  # it runs as the cell ends: never mask the user's error
+            run.notes.append(f"Cost per line not reported: {type(exc).__name__}: {exc}")
+
+
+def _costs_of(run: Any, clock: LineClock) -> dict[str, Any]:
+    n = int(run.recorder.n_steps)
+    warm = auto_warmup(n) if run.warmup is None else max(0, int(run.warmup))
+    cols = run.recorder.columns()
+    analysed = cols["step"] >= warm
+    step = cols["step_ms"][analysed]
+    fetch = cols["data_wait_ms"][analysed]
+    return line_costs(
+        clock,
+        warm,
+        float(np.mean(step)) if len(step) else None,
+        float(np.mean(fetch)) if len(fetch) else None,
+        run.loop_line,
+    )

@@ -1,0 +1,81 @@
+"""Per-step sums of something measured inside steps (copy time, bytes, sync waits), kept as
+flat columns with the Recorder's memory bound, and aligned to the Recorder's steps on demand."""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_left
+
+import numpy as np
+
+from .recorder import HISTORY_CAP
+
+
+class StepTally:
+    """Sums by step index. `add(step, value)` is the only call on the measuring path.
+
+    Steps arrive in order (copies resolve in stream order, syncs happen in host order), so a
+    value for the newest step accumulates in place and one for a later step appends. When more
+    than `cap` steps are kept, only steps that are multiples of a doubled stride stay (as in the
+    Recorder); `total` stays exact.
+
+    `dense`: every step from `first_step` on was watched, so a step without an entry measured
+    zero. Otherwise (sampled measurements) a step without an entry was not measured (NaN).
+    """
+
+    def __init__(self, dense: bool = True, cap: int = HISTORY_CAP) -> None:
+        self.dense = dense
+        self.cap = cap
+        self.first_step: int | None = None  # the first step watched (dense tallies)
+        self.total = 0.0
+        self.stride = 1
+        self._steps: array[int] = array("q")
+        self._values: array[float] = array("d")
+
+    def watch_from(self, step: int) -> None:
+        """Steps from `step` on are watched (dense: a step with nothing added measured 0.0)."""
+        if self.first_step is None:
+            self.first_step = step
+
+    def add(self, step: int, value: float) -> None:
+        self.total += value
+        steps = self._steps
+        if steps and steps[-1] == step:
+            self._values[-1] += value
+            return
+        if steps and step < steps[-1]:
+            i = bisect_left(steps, step)
+            if i < len(steps) and steps[i] == step:
+                self._values[i] += value
+            return
+        if step % self.stride:
+            return
+        steps.append(step)
+        self._values.append(value)
+        if len(steps) > self.cap:
+            self._decimate()
+
+    def _decimate(self) -> None:
+        self.stride *= 2
+        keep = [i for i, s in enumerate(self._steps) if s % self.stride == 0]
+        self._steps = array("q", (self._steps[i] for i in keep))
+        self._values = array("d", (self._values[i] for i in keep))
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def column(self, steps: np.ndarray) -> np.ndarray:
+        """The sums at `steps` (the Recorder's kept step indices): the value where one was added,
+        0.0 where a dense tally watched the step and saw nothing, NaN where it was not measured."""
+        steps = np.asarray(steps, dtype=np.int64)
+        have = np.frombuffer(self._steps, dtype=np.int64) if len(self._steps) else np.empty(0, np.int64)
+        values = np.frombuffer(self._values, dtype=np.float64) if len(self._values) else np.empty(0)
+        out = np.full(len(steps), np.nan)
+        if self.dense and self.first_step is not None:
+            watched = (steps >= self.first_step) & (steps % self.stride == 0)
+            out[watched] = 0.0
+        if len(have):
+            idx = np.clip(np.searchsorted(have, steps), 0, len(have) - 1)
+            hit = have[idx] == steps
+            out[hit] = values[idx[hit]]
+        return out
