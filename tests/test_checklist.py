@@ -15,21 +15,27 @@ from traceml_jupyter.checklist import (
     FIX,
     OK,
     CodeSite,
+    CopySeen,
     Facts,
+    LineSeen,
     SampleCode,
     Transfer,
     assigned_line,
+    batch_size_item,
     collate_item,
     costly_calls,
     dataloader_sites,
     default_start_method,
     evaluate,
+    h2d_copies_item,
+    launch_overhead_item,
     loop_at,
     nested_in_loop,
     non_blocking_item,
     num_workers_item,
     parse_cell,
     per_sample_item,
+    per_step_bytes,
     persistent_workers_item,
     pick_loader_line,
     pin_memory_item,
@@ -38,6 +44,7 @@ from traceml_jupyter.checklist import (
     start_method_item,
     storage_item,
     suggested_workers,
+    sync_item,
     transfers_in,
 )
 
@@ -398,3 +405,120 @@ def test_costly_calls_in_getitem() -> None:
     getitem = cheap.body[0].body[0]  # type: ignore[attr-defined]
     assert costly_calls(getitem) == []
     assert sample_code_in(cheap, "Missing") is None
+
+
+# -- copies to the GPU, host-bound loops, syncs (measured on a GPU) ----------------------------
+
+
+def copy_seen(line: int = 4, pinned: float = 0.0, non_blocking: float = 0.0) -> CopySeen:
+    return CopySeen(CodeSite(line), 'x.to("cuda")', 20e6, 4.0, 5.0, pinned, non_blocking)
+
+
+def test_no_measured_copy_means_no_copy_item() -> None:
+    assert h2d_copies_item(facts("H2D-BOUND", on_gpu=True)) is None
+    assert h2d_copies_item(facts("H2D-BOUND", on_gpu=True, copies=())) is None
+
+
+def test_a_pageable_blocking_copy_on_an_h2d_bound_run_is_a_fix_on_its_line() -> None:
+    others = (copy_seen(), copy_seen(5, pinned=1.0), CopySeen(None, "?", 8.0, None, None, 0.0, 0.0))
+    item = h2d_copies_item(facts("H2D-BOUND", on_gpu=True, copies=others))
+    assert item is not None and item.bears_on_verdict
+    assert (item.status, item.line, item.to_try) == (FIX, 4, "pinned + non_blocking=True")
+    assert item.seen == "20.0 MB/step at 5.0 GB/s, pageable, blocking"
+    assert 'Line 4 (`x.to("cuda")`) copies 20.0 MB per step in 4.00 ms.' in item.reason
+    assert "pin_memory=True" in item.reason and "non_blocking=True" in item.reason
+    assert item.reason.endswith("Other copies: line 5.")
+
+
+def test_half_pinned_copies_ask_for_what_is_missing() -> None:
+    item = h2d_copies_item(facts("H2D-BOUND", on_gpu=True, copies=(copy_seen(pinned=0.5, non_blocking=1.0),)))
+    assert item is not None
+    assert (item.status, item.to_try) == (FIX, "pinned")
+    assert item.seen.endswith("50 % pinned, non_blocking")
+
+
+def test_pinned_asynchronous_copies_leave_fewer_bytes_to_try() -> None:
+    fast = (copy_seen(pinned=1.0, non_blocking=1.0),)
+    bound = h2d_copies_item(facts("H2D-BOUND", on_gpu=True, copies=fast))
+    assert bound is not None and (bound.status, bound.to_try) == (CHECK, "fewer bytes per step")
+    assert "uint8" in bound.reason
+    other = h2d_copies_item(facts("COMPUTE-BOUND", on_gpu=True, copies=fast))
+    assert other is not None and (other.status, other.bears_on_verdict) == (OK, False)
+
+
+def test_slow_copies_on_another_verdict_are_a_folded_check() -> None:
+    item = h2d_copies_item(facts("HOST-BOUND", on_gpu=True, copies=(copy_seen(),)))
+    assert item is not None and (item.status, item.bears_on_verdict) == (CHECK, False)
+
+
+def test_a_host_bound_loop_gets_a_larger_batch_at_the_loader_line() -> None:
+    item = batch_size_item(facts("HOST-BOUND", on_gpu=True, batch_size=32))
+    assert (item.status, item.seen, item.to_try, item.line) == (FIX, "32", "64 (if memory allows)", 3)
+    assert item.bears_on_verdict
+    unknown = batch_size_item(facts("HOST-BOUND", on_gpu=True))
+    assert (unknown.seen, unknown.to_try) == ("unknown", "a larger batch")
+    other = batch_size_item(facts("COMPUTE-BOUND", on_gpu=True, batch_size=32))
+    assert (other.status, other.bears_on_verdict) == (OK, False)
+    assert "this one is COMPUTE-BOUND" in other.reason
+
+
+def test_a_host_bound_loop_points_at_the_line_with_the_most_host_time() -> None:
+    busiest = LineSeen(CodeSite(5), "y = tiny_ops(x)", 3.2)
+    f = facts("HOST-BOUND", on_gpu=True, host_issue_ms=3.4, step_ms=3.5, gpu_idle_share=0.6, busiest_line=busiest)
+    item = launch_overhead_item(f)
+    assert (item.status, item.line, item.seen) == (FIX, 5, "host issues 3.4 ms of a 3.5 ms step")
+    assert item.to_try == "torch.compile(model), CUDA graphs, torch.autocast"
+    assert "it idles 60 % of the step" in item.reason and "Line 5 takes the most host time: 3.20 ms" in item.reason
+    for advice in ("torch.compile", "CUDA graphs", "torch.autocast", "fewer small ops"):
+        assert advice in item.reason
+    other = launch_overhead_item(replace(f, verdict="INPUT-BOUND"))
+    assert (other.status, other.bears_on_verdict, other.line) == (OK, False, 5)
+    assert launch_overhead_item(facts("HOST-BOUND", on_gpu=True)).seen == "host time per step not measured"
+
+
+SYNC_TOP = {
+    "line": 7,
+    "in_cell": True,
+    "call": "loss.item()",
+    "calls_per_step": 1.0,
+    "every_step": True,
+    "wait_ms_per_step": 0.1,
+    "share": 0.31,
+}
+
+
+def test_an_item_every_step_on_a_host_bound_loop_is_a_fix_on_its_line() -> None:
+    item = sync_item(facts("HOST-BOUND", on_gpu=True, sync_top=SYNC_TOP))
+    assert item is not None and item.bears_on_verdict
+    assert (item.status, item.line, item.to_try) == (FIX, 7, "every N steps, or out of the step")
+    assert item.seen == "loss.item() every step (31.0 % of the step)"
+    assert item.reason.startswith(
+        "`loss.item()` on line 7 synchronises every step: the host waits there 31.0 % of the step."
+    )
+    assert "Move it out of the step or do it every N steps" in item.reason
+
+
+def test_syncs_on_other_verdicts_or_not_every_step() -> None:
+    busy = sync_item(facts("COMPUTE-BOUND", on_gpu=True, sync_top=SYNC_TOP))
+    assert busy is not None and (busy.status, busy.bears_on_verdict) == (CHECK, False)
+    rare = sync_item(facts("HOST-BOUND", on_gpu=True, sync_top={**SYNC_TOP, "every_step": False, "calls_per_step": 0.1}))
+    assert rare is not None and (rare.status, rare.bears_on_verdict) == (OK, False)
+    assert rare.seen == "loss.item() 0.1 per step (31.0 % of the step)"
+    assert sync_item(facts("HOST-BOUND", on_gpu=True)) is None
+    assert sync_item(facts("HOST-BOUND", on_gpu=True, sync_top={**SYNC_TOP, "in_cell": False})) is None
+
+
+def test_gpu_items_join_the_checklist_only_where_they_were_measured() -> None:
+    cpu = {item.key for item in evaluate(facts("INPUT-BOUND"))}
+    assert not cpu & {"h2d_copies", "batch_size", "launch_overhead", "sync"}
+    f = facts("HOST-BOUND", on_gpu=True, copies=(copy_seen(pinned=1.0, non_blocking=1.0),), sync_top=SYNC_TOP)
+    items = evaluate(f)
+    keys = [item.key for item in items]
+    assert {"h2d_copies", "batch_size", "launch_overhead", "sync"} <= set(keys)
+    assert keys[:3] == ["batch_size", "launch_overhead", "sync"]  # what bears on HOST-BOUND first
+    json.dumps([item.to_dict() for item in items])
+
+
+@pytest.mark.parametrize(("n", "text"), [(0, "0 B"), (512, "512 B"), (4e3, "4.0 kB"), (20e6, "20.0 MB"), (2.5e9, "2.5 GB")])
+def test_bytes_per_step_read_in_their_units(n: float, text: str) -> None:
+    assert per_step_bytes(n) == text

@@ -85,8 +85,8 @@ def views(monkeypatch: pytest.MonkeyPatch) -> list[live.LiveView]:
     started: list[live.LiveView] = []
     real_start = live.start
 
-    def start(run: Any) -> Any:
-        view = real_start(run)
+    def start(run: Any, show: bool = True) -> Any:
+        view = real_start(run, show)
         if view is not None:
             started.append(view)
         return view
@@ -344,10 +344,16 @@ def test_a_kernel_without_widgets_gets_an_updating_html_display(
     assert final["text/plain"].startswith("traceml ") and "done: 160 steps" in final["text/plain"]
 
 
-def test_no_live_starts_no_view(ip: Any, views: list[live.LiveView], widget_mode: None) -> None:
-    with capture_output():
+def test_no_live_shows_no_view_but_still_samples_the_gpu(
+    ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
+) -> None:
+    with capture_output() as out:
         traceml(ip, "for x in list(range(5)):\n    pass\n", "--no-live")
-    assert views == []
+    (view,) = views
+    assert view.chart is None and view.closed
+    assert recording.models == {} or not recording.updates("BarsModel")
+    assert not any("application/vnd.jupyter.widget-view+json" in o.data for o in out.outputs)
+    assert view.run.gpu_note  # why there are no GPU figures, for the report
 
 
 # -- bounded work and the pure pieces --------------------------------------------------------

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 from html.parser import HTMLParser
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
+from fake_gpu import FakeGpu, FakeTensor, install_fake_cuda
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
@@ -20,6 +23,7 @@ from traceml_jupyter.report import (
     facts_for,
     fmt_ms,
     gpu_utilisation,
+    line_bars,
     render_html,
 )
 from traceml_jupyter.run import Run
@@ -314,6 +318,8 @@ def test_gpu_utilisation_from_nvml_samples_or_why_not() -> None:
     run: Any = SimpleNamespace(gpu_samples=samples)
     assert gpu_utilisation(run) == "median 60 %, max 90 %, memory up to 2.0 GiB (3 samples, NVML)"
     assert gpu_utilisation(SimpleNamespace(gpu_samples=None, gpu_note="no NVML")) == "n/a (no NVML)"
+    from_sampler = SimpleNamespace(gpu_samples=None, gpu_note="GPU n/a (no NVML)")
+    assert gpu_utilisation(from_sampler) == "n/a (no NVML)"
     assert gpu_utilisation(SimpleNamespace(gpu_samples=None, _gpu_used=False)) == "n/a (no GPU used)"
 
 
@@ -362,3 +368,177 @@ def test_a_gpu_clock_run_reports_gpu_compute_utilisation_and_the_blocking_copy()
     assert "tml-fix" in copy.classes and "x.to('cuda') → non_blocking=True line 3" in copy.text
     assert "tml-fix" in page.one("tml-item-pin_memory").classes
     assert "tml-change" in page.line(3).classes
+
+
+# -- cost per line beside the code, copies to the GPU, host-bound loops ------------------------
+
+LINES_CELL = """%%traceml --no-live --name lines
+for i, x in enumerate(batches):
+    time.sleep(0.005)
+    y = x @ x
+    if i % 2:
+        continue
+    time.sleep(0.001)
+"""
+
+
+def heat_of(page: Page, number: int) -> tuple[float | None, str | None, float | None]:
+    """The bar beside a code line: its length (% of the costliest line's), its label, and the
+    length of the thin host bar under it (CUDA)."""
+    start = page.elements.index(page.line(number))
+    width = label = host = None
+    for e in page.elements[start + 1 :]:
+        if "tml-line" in e.classes:
+            break
+        length = re.search(r"width:([\d.]+)%", e.attrs.get("style") or "")
+        if "tml-heat-bar" in e.classes and length:
+            width = float(length.group(1))
+        elif "tml-heat-host" in e.classes and length:
+            host = float(length.group(1))
+        elif "tml-heat-ms" in e.classes:
+            label = e.text
+    return width, label, host
+
+
+def test_a_cpu_report_shows_ms_per_step_beside_the_body_lines(shell: Any) -> None:
+    shell.run_cell("batches = [torch.ones(8, 8) for _ in range(24)]")
+    run, page, result = run_cell(shell, LINES_CELL)
+    assert result.error_in_exec is None and run.clock == "cpu"
+    costs = run.line_costs
+    rows = {r["line"]: r for r in costs["statements"]}
+    assert sorted(rows) == [3, 4, 5, 7]
+    for line, row in rows.items():
+        width, label, host = heat_of(page, line)
+        assert label == fmt_ms(row["ms_per_step"]) and host is None
+        assert page.line(line).text.startswith(f"{line} {label} ")  # number, ms, then the code
+    widths = {line: heat_of(page, line)[0] for line in rows}
+    assert widths[3] == 100.0 and max(widths, key=lambda line: widths[line] or 0.0) == 3  # the 5 ms sleep
+    assert 0 < (widths[7] or 0) < widths[3]
+    # `if i % 2: continue` spans lines 5-6: line 6 carries the same bar, without a label.
+    assert heat_of(page, 6) == (widths[5], "", None)
+    # The loop line carries its data wait on the same scale; lines outside the loop, nothing.
+    assert heat_of(page, 2)[1] == fmt_ms(costs["fetch_ms_per_step"])
+    assert heat_of(page, 1) == (None, None, None)
+    note = page.one("tml-heat-note").text
+    assert "(wall clock)" in note and f"over {costs['timed_steps']} timed steps" in note
+    assert "ms per step" in page.one("tml-code-pane").text
+
+
+def test_lines_off_shows_no_heat_bars(shell: Any) -> None:
+    shell.run_cell("batches = [torch.ones(8, 8) for _ in range(24)]")
+    run, page, _ = run_cell(shell, LINES_CELL.replace("--name lines", "--lines off"))
+    assert run.line_costs is None
+    assert not page.by_class("tml-heat") and not page.by_class("tml-heat-note")
+    assert "time.sleep(0.005)" in page.line(3).text and "ms per step" not in page.one("tml-code-pane").text
+
+
+def test_heat_bars_on_cuda_are_gpu_time_with_the_host_time_under_them() -> None:
+    costs = {
+        "statements": [
+            {"line": 3, "end_line": 3, "text": "a", "ms_per_step": 0.5, "gpu_ms_per_step": 4.0},
+            {"line": 4, "end_line": 6, "text": "b", "ms_per_step": 2.0, "gpu_ms_per_step": 1.0},
+            {"line": 9, "end_line": 9, "text": "c", "ms_per_step": None, "gpu_ms_per_step": None},
+        ],
+        "gpu_ms_per_step": {3: 4.0, 4: 1.0, 9: None},
+        "loop_line": 2,
+        "fetch_ms_per_step": 8.0,
+    }
+    bars = line_bars(costs, 8)
+    assert sorted(bars) == [2, 3, 4, 5, 6]  # line 9 is past the cell's end
+    assert (bars[2].width, bars[2].label) == (1.0, "8.00 ms")  # data wait sets the scale
+    assert (bars[3].width, bars[3].host_width, bars[3].label) == (0.5, 0.0625, "4.00 ms")
+    assert (bars[4].width, bars[4].host_width) == (0.125, 0.25)
+    assert bars[6].label == "" and not bars[6].first and bars[6].width == bars[4].width
+    assert "GPU 4.00 ms, host 0.50 ms per step" in bars[3].title
+    assert line_bars(None, 8) == {} and line_bars({"statements": []}, 8) == {}
+
+
+@pytest.fixture()
+def gpu(ip: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
+    """Traced cells take the CUDA path on a stand-in GPU (tests/fake_gpu.py)."""
+    gpu = FakeGpu()
+    install_fake_cuda(monkeypatch, gpu)
+    ip.run_cell(
+        "import time\n"
+        "from fake_gpu import FakeTensor\n"
+        "pageable = [FakeTensor(20_000_000) for _ in range(30)]\n"
+        "small = [FakeTensor(400_000, pinned=True) for _ in range(30)]\n"
+    )
+    yield gpu
+    FakeTensor.gpu = None
+
+
+def facts_table(page: Page) -> dict[str, str]:
+    cells = [e for e in page.elements if e.tag == "td" and "tml-facts" in e.ancestors]
+    return {k.text: v.text for k, v in zip(cells[::2], cells[1::2], strict=True)}
+
+
+def test_an_h2d_bound_report_shows_the_copy_and_points_at_its_line(ip: Any, gpu: FakeGpu) -> None:
+    run, page, result = run_cell(
+        ip,
+        """%%traceml --no-live --name pageable
+for x in pageable:
+    y = x.work(1.0)
+    x = x.to("cuda")
+    y = x.work(1.0)
+""",
+    )
+    assert result.error_in_exec is None and run.clock == "gpu"
+    assert run.verdict == "H2D-BOUND"
+    banner = page.one("tml-verdict")
+    assert "Step Time: H2D-BOUND" in banner.text and f"tml-{run.severity}" in banner.classes
+    facts = facts_table(page)
+    copy = facts["Copy, line 4"]
+    assert copy.startswith("20.0 MB/step in ") and " GB/s; pinned: no; non_blocking: no" in copy
+    assert "Copy lines" not in facts  # each copying line has its own row
+    assert "on line 4 synchronises every step" in facts["Sync stall"]  # the blocking copy
+
+    item = page.one("tml-item-h2d_copies")
+    assert "tml-fix" in item.classes and "tml-folded" not in item.ancestors
+    assert "pageable, blocking → pinned + non_blocking=True line 4" in item.text
+    assert "tml-fix" in page.one("tml-item-non_blocking").classes
+    for key in ("batch_size", "launch_overhead"):  # they bear on HOST-BOUND only: folded
+        assert "tml-folded" in page.one(f"tml-item-{key}").ancestors
+    assert "tml-change" in page.line(4).classes
+
+    gpu_ms = {r["line"]: r["gpu_ms_per_step"] for r in run.line_costs["statements"]}
+    width, label, host = heat_of(page, 4)
+    assert label == fmt_ms(gpu_ms[4]) and width is not None and host is not None
+    assert max(gpu_ms, key=lambda line: gpu_ms[line]) == 4  # the copy is the costliest line
+    assert "GPU ms per step" in page.one("tml-code-pane").text
+
+
+def test_a_host_bound_report_names_the_sync_line_and_the_host_fixes(ip: Any, gpu: FakeGpu) -> None:
+    run, page, result = run_cell(
+        ip,
+        """%%traceml --no-live --name starved
+for x in small:
+    xg = x.to("cuda", non_blocking=True)
+    time.sleep(0.003)  # Python between tiny kernels
+    y = xg.work(0.05)
+    print(f"{y.item():.2f}", end="")
+""",
+    )
+    assert result.error_in_exec is None and run.clock == "gpu"
+    assert (run.verdict, run.severity) == ("HOST-BOUND", "warn")
+    banner = page.one("tml-verdict")
+    assert "Step Time: HOST-BOUND" in banner.text and "tml-warn" in banner.classes
+    assert "y.item() on line 6 synchronises every step" in banner.text
+    assert "`" not in banner.text  # the quoted call shows as code
+    facts = facts_table(page)
+    assert facts["Sync stall"].startswith("y.item() on line 6 synchronises every step: the host waits")
+    assert "pinned: yes; non_blocking: yes" in facts["Copy, line 3"]
+
+    for key in ("batch_size", "launch_overhead", "sync"):
+        item = page.one(f"tml-item-{key}")
+        assert "tml-fix" in item.classes and "tml-folded" not in item.ancestors, key
+    sync = page.one("tml-item-sync").text
+    assert "y.item() every step" in sync and "every N steps, or out of the step line 6" in sync
+    assert "Move it out of the step or do it every N steps" in sync
+    launch = page.one("tml-item-launch_overhead").text
+    assert "line 4" in launch and "Line 4 takes the most host time" in launch  # the sleep
+    for advice in ("torch.compile", "CUDA graphs", "torch.autocast"):
+        assert advice in launch
+    copies = page.one("tml-item-h2d_copies")
+    assert "tml-ok" in copies.classes and "tml-folded" in copies.ancestors
+    assert {"tml-change"} <= page.line(6).classes and {"tml-change"} <= page.line(4).classes

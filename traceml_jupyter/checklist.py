@@ -1,5 +1,6 @@
-"""The checklist: pure rules that read the real DataLoader settings and the cell's code, and say
-item by item what is ok, what to fix and what to check, with the value to try and the line."""
+"""The checklist: pure rules that read the real DataLoader settings, the cell's code and what the
+run measured (copies to the GPU, syncs, host time per line), and say item by item what is ok,
+what to fix and what to check, with the value to try and the line."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .verdict import sync_sentence
 
 OK, FIX, CHECK = "ok", "fix", "check"
 
@@ -81,6 +84,28 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class CopySeen:
+    """What one line copied to the GPU, as measured (h2d.py), per step of the run."""
+
+    site: CodeSite | None  # None: no notebook line could be named
+    text: str  # the call as written (`x.to("cuda")`), else the line's text
+    bytes_per_step: float
+    ms_per_step: float | None  # GPU time of the copies
+    gb_per_s: float | None
+    pinned_share: float  # share of the line's copies made from pinned memory
+    non_blocking_share: float  # share made with non_blocking=True
+
+
+@dataclass(frozen=True)
+class LineSeen:
+    """A statement of the loop body and its measured host time per step (line_costs.py)."""
+
+    site: CodeSite
+    text: str
+    ms_per_step: float
+
+
+@dataclass(frozen=True)
 class SampleCode:
     """What the dataset's `__getitem__` does per sample, read from its source."""
 
@@ -108,6 +133,13 @@ class Facts:
     wait_p99_ms: float | None = None
     pinned_share: float | None = None  # measured share of copied bytes from pinned memory
     non_blocking_share: float | None = None  # measured share of bytes copied non_blocking
+    copies: tuple[CopySeen, ...] | None = None  # measured copies to the GPU, costliest first
+    sync_top: Mapping[str, Any] | None = None  # the line whose syncs cost most (summary key)
+    batch_size: int | None = None
+    step_ms: float | None = None  # median step on the run's clock
+    host_issue_ms: float | None = None  # median host time issuing a step (GPU clock)
+    gpu_idle_share: float | None = None  # GPU idle inside steps (NVML), else None
+    busiest_line: LineSeen | None = None  # the body statement with the most host time
 
 
 # -- reading code (pure AST) -----------------------------------------------------------------
@@ -513,6 +545,171 @@ def non_blocking_item(f: Facts) -> Item:
     )
 
 
+def per_step_bytes(value: float) -> str:
+    """Bytes in the units a reader compares: "20.0 MB", "512 B"."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _how_much(share: float, yes: str, no: str) -> str:
+    """"pinned", "pageable" or "60 % pinned" for a share of copies."""
+    if share >= 0.999:
+        return yes
+    if share <= 0.001:
+        return no
+    return f"{100 * share:.0f} % {yes}"
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def h2d_copies_item(f: Facts) -> Item | None:
+    """The costliest measured copy to the GPU: bytes, bandwidth, pinned or not, blocking or not,
+    on its line. None when no copy was measured (a CPU run, or no copy in the steps)."""
+    if not f.copies:
+        return None
+    top = f.copies[0]
+    bears = f.verdict == "H2D-BOUND"
+    pinned = _how_much(top.pinned_share, "pinned", "pageable")
+    nb = _how_much(top.non_blocking_share, "non_blocking", "blocking")
+    rate = f" at {top.gb_per_s:.1f} GB/s" if top.gb_per_s else ""
+    seen = f"{per_step_bytes(top.bytes_per_step)}/step{rate}, {pinned}, {nb}"
+    where = top.site.label() if top.site is not None else "a line outside the notebook"
+    took = f" in {top.ms_per_step:.2f} ms" if top.ms_per_step is not None else ""
+    reason = (
+        f"{_capital(where)} (`{top.text}`) copies {per_step_bytes(top.bytes_per_step)} per "
+        f"step{took}. "
+    )
+    to_try = []
+    if top.pinned_share < 0.999:
+        to_try.append("pinned")
+        reason += (
+            "Pageable memory is copied through a staging buffer: pin the batches "
+            "(DataLoader(pin_memory=True), or tensor.pin_memory()). "
+        )
+    if top.non_blocking_share < 0.999:
+        to_try.append("non_blocking=True")
+        reason += (
+            "A blocking copy holds the host until it is done; from pinned memory, "
+            ".to(device, non_blocking=True) overlaps it with compute. "
+        )
+    if to_try:
+        status = _needs_change(bears)
+    else:
+        status = CHECK if bears else OK
+        reason += (
+            "Pinned and asynchronous already: copy fewer bytes (uint8 images, converted on the "
+            "GPU), or keep the data on the GPU. "
+        )
+    others = [c.site.label() for c in f.copies[1:4] if c.site is not None]
+    if others:
+        reason += "Other copies: " + ", ".join(others) + "."
+    return Item(
+        "h2d_copies",
+        "Copies to the GPU (.to / .cuda)",
+        status,
+        seen,
+        " + ".join(to_try) if to_try else "fewer bytes per step",
+        top.site,
+        reason.strip(),
+        bears,
+    )
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f} ms"
+
+
+def batch_size_item(f: Facts) -> Item:
+    """On a host-bound loop, a larger batch gives each kernel launch more work."""
+    title = "Work per launch (batch size)"
+    seen = str(f.batch_size) if f.batch_size else "unknown"
+    if f.verdict != "HOST-BOUND":
+        return Item(
+            "batch_size", title, OK, seen, None, f.loader_site,
+            f"Bears on a host-bound loop only; this one is {f.verdict}.", False,
+        )
+    to_try = f"{2 * f.batch_size} (if memory allows)" if f.batch_size else "a larger batch"
+    return Item(
+        "batch_size", title, FIX, seen, to_try, f.loader_site,
+        "Issuing a step's kernels takes the host about as long whatever the batch; a larger "
+        "batch gives every launch more work, so the GPU waits less for the host (scale the "
+        "learning rate with it).",
+        True,
+    )
+
+
+def launch_overhead_item(f: Facts) -> Item:
+    """On a host-bound loop: fewer, larger kernels, pointed at the body line with the most host
+    time (from the cost per line)."""
+    title = "Fewer, larger kernels (torch.compile, CUDA graphs, AMP)"
+    bears = f.verdict == "HOST-BOUND"
+    busiest = f.busiest_line
+    site = busiest.site if busiest is not None else None
+    if f.host_issue_ms is not None and f.step_ms:
+        seen = f"host issues {_ms(f.host_issue_ms)} of a {_ms(f.step_ms)} step"
+    else:
+        seen = "host time per step not measured"
+    if not bears:
+        return Item(
+            "launch_overhead", title, OK, seen, None, site,
+            f"Bears on a host-bound loop only; this one is {f.verdict}.", False,
+        )
+    reason = "The GPU waits while Python issues many small ops"
+    if f.gpu_idle_share is not None:
+        reason += f" (it idles {100 * f.gpu_idle_share:.0f} % of the step)"
+    reason += ". "
+    if busiest is not None:
+        reason += (
+            f"{_capital(busiest.site.label())} takes the most host time: "
+            f"{busiest.ms_per_step:.2f} ms per step. "
+        )
+    reason += (
+        "torch.compile fuses small ops into fewer kernels; CUDA graphs "
+        '(torch.compile(mode="reduce-overhead")) replay a whole step in one launch; mixed '
+        "precision (torch.autocast) makes each kernel cheaper; whole-tensor ops instead of Python "
+        "loops over elements mean fewer small ops."
+    )
+    return Item(
+        "launch_overhead", title, FIX, seen, "torch.compile(model), CUDA graphs, torch.autocast",
+        site, reason, True,
+    )
+
+
+def sync_item(f: Facts) -> Item | None:
+    """The cell line whose synchronising calls cost the host most (`loss.item()` every step),
+    or None when no sync was seen on a line of the cell."""
+    top = f.sync_top
+    sentence = sync_sentence(top)
+    if top is None or sentence is None:
+        return None
+    every = bool(top.get("every_step"))
+    bears = f.verdict == "HOST-BOUND" and every
+    call = str(top.get("call") or "a call")
+    share = top.get("share")
+    seen = f"{call} every step" if every else f"{call} {top.get('calls_per_step', 0):.2g} per step"
+    if share is not None:
+        seen += f" ({100 * share:.1f} % of the step)"
+    title = "Syncs with the GPU in the step (.item(), .cpu(), printing a tensor)"
+    if not every:
+        return Item(
+            "sync", title, OK, seen, None, CodeSite(int(top["line"])),
+            sentence + " Not every step: the GPU keeps a queue of work most of the time.",
+            False,
+        )
+    return Item(
+        "sync", title, FIX if bears else CHECK, seen, "every N steps, or out of the step",
+        CodeSite(int(top["line"])),
+        sentence + " Each sync empties the GPU's queue: the host waits for the GPU, then the "
+        "GPU waits while the host issues the next step. Move it out of the step or do it every "
+        "N steps (sum the loss on the GPU with loss.detach() and read it once).",
+        bears,
+    )
+
+
 def collate_item(f: Facts) -> Item:
     assert f.loader is not None
     name = str(f.loader.get("collate_fn") or "default_collate")
@@ -631,6 +828,14 @@ def evaluate(f: Facts) -> list[Item]:
             pin_memory_item(f),
         ]
     items.append(non_blocking_item(f))
+    copies = h2d_copies_item(f)
+    if copies is not None:
+        items.append(copies)
+    if f.on_gpu:
+        items += [batch_size_item(f), launch_overhead_item(f)]
+    sync = sync_item(f)
+    if sync is not None:
+        items.append(sync)
     if f.loader is not None:
         items.append(collate_item(f))
     items.append(per_sample_item(f))

@@ -46,10 +46,13 @@ def show_report(run: Run, view: Any = None) -> None:
     display(ReportDisplay(run))
 
 
-def start_live_view(run: Run) -> Any:
-    """The live chart for a notebook front-end (None where there is none)."""
+def start_live_view(run: Run, show: bool = True) -> Any:
+    """The live chart for a notebook front-end, or (show=False, or no front-end) only the
+    GPU sampling behind it; None if it cannot start."""
     try:
         from .live import start
-    except ImportError:
+
+        return start(run, show)
+    except Exception as exc:  # a view must never stop the user's cell
+        run.notes.append(f"The live view could not start: {type(exc).__name__}: {exc}")
         return None
-    return start(run)

@@ -655,16 +655,16 @@ class LiveView:
             self._hand_over_gpu_samples()
 
 
-def start(run: Run) -> LiveView | None:
+def start(run: Run, show: bool = True) -> LiveView | None:
     """Show the live view of `run` under the cell and register it with the run.
 
     A widget front-end gets the bqplot chart; a kernel without ipywidgets/bqplot an updating
-    HTML display; a terminal nothing on screen (the GPU is still sampled for the report).
-    Never raises: a view that cannot start is a note on the run.
+    HTML display; a terminal, or `show=False` (--no-live), nothing on screen (the GPU is
+    still sampled for the report). Never raises: a view that cannot start is a note on the run.
     """
     shell = environment.ipython_shell()
     try:
-        mode = environment.live_mode(shell)
+        mode = environment.live_mode(shell) if show else "none"
         chart: WidgetChart | HtmlChart | None = None
         if mode == "widget":
             environment.enable_custom_widget_manager_once()

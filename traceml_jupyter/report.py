@@ -1,5 +1,6 @@
-"""The final report: static HTML with the cell's code beside the verdict, the evidence and the
-evaluated checklist; and the facts the checklist reads, gathered from the run and the kernel."""
+"""The final report: static HTML with the cell's code (each loop-body line with its ms per step)
+beside the verdict, the evidence and the evaluated checklist; and the facts the checklist reads,
+gathered from the run and the kernel."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from .checklist import (
     FIX,
     OK,
     CodeSite,
+    CopySeen,
     Facts,
     Item,
+    LineSeen,
     SampleCode,
     assigned_line,
     class_def,
@@ -33,11 +36,13 @@ from .checklist import (
     method_def,
     nested_in_loop,
     parse_cell,
+    per_step_bytes,
     pick_loader_line,
     sample_code_in,
     transfers_in,
 )
 from .locate import dataloader_lines
+from .verdict import sync_sentence
 
 if TYPE_CHECKING:
     from .run import Run
@@ -335,6 +340,47 @@ class CodeContext:
         return lines[site.line - 1] if 0 < site.line <= len(lines) else None
 
 
+def _site_text(run: Run, filename: str, line: int) -> str:
+    """The call on a line of the traced cell (`x.to("cuda")`), else the line's text."""
+    from .sync_stalls import call_text
+
+    text = call_text(run.cell_source, line) if filename == run.cell_filename else None
+    return text or linecache.getline(filename, line).strip() or f"line {line}"
+
+
+def copies_seen(run: Run, shell: Any = None) -> tuple[CopySeen, ...] | None:
+    """The measured copies to the GPU by line (run.h2d), costliest first; None if not watched."""
+    h2d = getattr(run, "h2d", None)
+    if not h2d:
+        return None
+    out = []
+    for s in h2d.get("sites") or []:
+        filename, line, copies = str(s["filename"]), int(s["line"]), max(1, int(s["copies"]))
+        site = CodeSite(line, _source_label(run, shell, filename)) if line > 0 else None
+        out.append(
+            CopySeen(
+                site,
+                _site_text(run, filename, line),
+                float(s["bytes_per_step"]),
+                s.get("ms_per_step"),
+                s.get("gb_per_s"),
+                int(s["pinned"]) / copies,
+                int(s["non_blocking"]) / copies,
+            )
+        )
+    return tuple(out)
+
+
+def busiest_line(run: Run) -> LineSeen | None:
+    """The loop body's statement with the most host time per step (run.line_costs)."""
+    costs = getattr(run, "line_costs", None)
+    rows = [r for r in (costs or {}).get("statements") or [] if r.get("ms_per_step") is not None]
+    if not rows:
+        return None
+    top = max(rows, key=lambda r: float(r["ms_per_step"]))
+    return LineSeen(CodeSite(int(top["line"])), str(top["text"]), float(top["ms_per_step"]))
+
+
 def facts_for(
     run: Run, shell: Any = None, start_method: str | None = None, context: CodeContext | None = None
 ) -> Facts:
@@ -365,6 +411,13 @@ def facts_for(
         wait_p99_ms=wait.get("p99"),
         pinned_share=summary.get("h2d_pinned_share"),
         non_blocking_share=summary.get("h2d_non_blocking_share"),
+        copies=copies_seen(run, shell),
+        sync_top=summary.get("sync_top"),
+        batch_size=run.batch_size or (loader or {}).get("batch_size"),
+        step_ms=summary.get("step_ms"),
+        host_issue_ms=summary.get("host_issue_ms"),
+        gpu_idle_share=summary.get("host_share"),
+        busiest_line=busiest_line(run),
     )
 
 
@@ -382,6 +435,23 @@ def checklist_for(run: Run) -> list[dict[str, Any]]:
 
 def _e(value: Any) -> str:
     return escape(str(value), quote=True)
+
+
+BACKTICKS = re.compile(r"`([^`]+)`")
+
+
+def _with_code(text: str) -> str:
+    """Escaped text whose `quoted` parts show as code."""
+    out, end = [], 0
+    for match in BACKTICKS.finditer(text):
+        out.append(_e(text[end : match.start()]))
+        out.append(
+            f'<code style="font-family:{MONO};font-size:12px;padding:0 3px;border-radius:3px;'
+            f'background-color:{SUBTLE};color:{FG}">{_e(match.group(1))}</code>'
+        )
+        end = match.end()
+    out.append(_e(text[end:]))
+    return "".join(out)
 
 
 def fmt_ms(value: float | None) -> str:
@@ -424,8 +494,109 @@ def _section_title(text: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class LineBar:
+    """The heat bar beside one code line: a statement's cost per step (its first line carries
+    the label; its other lines a lighter bar of the same length), or the loop line's data wait."""
+
+    width: float  # 0..1 of the costliest line: GPU time on CUDA, else wall-clock time
+    host_width: float | None  # CUDA: the host's (wall-clock) time, drawn as a thin bar
+    label: str  # "5.12 ms" on a statement's first line, "" on the lines it continues on
+    title: str
+    colour: str
+    first: bool = True
+
+
+def _fraction(value: float | None, top: float) -> float:
+    return min(1.0, max(0.0, value / top)) if value is not None and top > 0 else 0.0
+
+
+def line_bars(costs: Mapping[str, Any] | None, n_lines: int) -> dict[int, LineBar]:
+    """Heat bars by cell line from `run.line_costs`: each timed statement's mean ms per step,
+    and the loop line's data wait, on one scale (the costliest line fills the bar). On CUDA the
+    bar is the GPU time (events on sampled steps) and a thin bar under it the host's time."""
+    if not costs or not costs.get("statements"):
+        return {}
+    from .line_costs import heat
+
+    rows = costs["statements"]
+    on_gpu = bool(costs.get("gpu_ms_per_step"))
+    loop_line, fetch = costs.get("loop_line"), costs.get("fetch_ms_per_step")
+    if on_gpu:
+        pairs = [(r["ms_per_step"], r["gpu_ms_per_step"]) for r in rows]
+        values = [v for pair in pairs for v in pair if v is not None]
+        top = max([*values, fetch or 0.0], default=0.0)
+        scale = {int(r["line"]): _fraction(r["gpu_ms_per_step"], top) for r in rows}
+        if loop_line is not None and fetch is not None:
+            scale[int(loop_line)] = _fraction(fetch, top)
+    else:
+        scale, top = heat(dict(costs)), 0.0
+    bars: dict[int, LineBar] = {}
+    for r in rows:
+        line, end = int(r["line"]), int(r.get("end_line") or r["line"])
+        host, gpu = r["ms_per_step"], r.get("gpu_ms_per_step")
+        shown = gpu if on_gpu else host
+        title = f"line {line}: {fmt_ms(host)} per step"
+        if on_gpu:
+            title = f"line {line}: GPU {fmt_ms(gpu)}, host {fmt_ms(host)} per step"
+        width = scale.get(line, 0.0)
+        host_width = _fraction(host, top) if on_gpu else None
+        for number in range(line, min(end, n_lines) + 1):
+            first = number == line
+            bars[number] = LineBar(
+                width, host_width, fmt_ms(shown) if first else "", title, COMPUTE_COLOUR, first
+            )
+    if loop_line is not None and fetch is not None and 0 < int(loop_line) <= n_lines:
+        line = int(loop_line)
+        bars[line] = LineBar(
+            scale.get(line, 0.0),
+            None,
+            fmt_ms(fetch),
+            f"line {line}: data wait {fmt_ms(fetch)} per step (waiting in next() for the batch)",
+            WAIT_COLOUR,
+        )
+    return {n: b for n, b in bars.items() if 0 < n <= n_lines}
+
+
+HEAT_TRACK = "#e9ecef"
+BAR_WIDTH_PX, LABEL_WIDTH_PX = 56, 64
+MIN_THIN_BAR = 0.02  # a thinner host bar would read as a dot under the main one
+
+
+def _heat_cell(bar: LineBar | None) -> str:
+    """The gutter between a line's number and its code: bar track, then ms per step."""
+    if bar is None:
+        return f'<span style="flex-shrink:0;width:{BAR_WIDTH_PX + LABEL_WIDTH_PX + 10}px"></span>'
+    opacity = "" if bar.first else "opacity:0.35;"
+    main = (
+        f'<span class="tml-heat-bar" style="display:block;width:{100 * bar.width:.1f}%;'
+        f'height:{6 if bar.host_width is not None else 9}px;border-radius:2px;'
+        f'background-color:{bar.colour};{opacity}"></span>'
+    )
+    if bar.host_width is not None and bar.host_width >= MIN_THIN_BAR:
+        main += (
+            f'<span class="tml-heat-host" style="display:block;margin-top:1px;'
+            f"width:{100 * bar.host_width:.1f}%;height:2px;border-radius:1px;"
+            f'background-color:{MUTED};{opacity}"></span>'
+        )
+    return (
+        f'<span class="tml-heat" title="{_e(bar.title)}" style="flex-shrink:0;display:flex;'
+        f'align-items:center;width:{BAR_WIDTH_PX + LABEL_WIDTH_PX + 10}px">'
+        f'<span style="flex-shrink:0;width:{BAR_WIDTH_PX}px;padding:1px 0;'
+        f'background-color:{HEAT_TRACK if bar.first else "transparent"};border-radius:2px">'
+        f"{main}</span>"
+        f'<span class="tml-heat-ms" style="flex-shrink:0;width:{LABEL_WIDTH_PX}px;'
+        f'padding-left:6px;font-size:11px;color:{MUTED};white-space:nowrap">{_e(bar.label)}'
+        f"</span></span>"
+    )
+
+
 def _code_lines(
-    lines: Sequence[str], loop_line: int | None, loader: set[int], marks: Mapping[int, list[str]]
+    lines: Sequence[str],
+    loop_line: int | None,
+    loader: set[int],
+    marks: Mapping[int, list[str]],
+    bars: Mapping[int, LineBar] | None = None,
 ) -> str:
     rows = []
     for number, text in enumerate(lines, start=1):
@@ -448,6 +619,7 @@ def _code_lines(
             f'color:{BADGE[FIX][0]}">{mark}</span>'
             f'<span style="flex-shrink:0;width:26px;padding-right:10px;text-align:right;'
             f'color:{number_colour}">{number}</span>'
+            f"{_heat_cell(bars.get(number)) if bars else ''}"
             f'<span style="white-space:pre;padding-right:12px">{_e(text) or " "}</span></div>'
         )
     return (
@@ -462,6 +634,12 @@ def _legend(entries: Sequence[tuple[str, str, str]]) -> str:
     for label, colour, background in entries:
         if background == "dot":
             swatch = f'<span style="color:{colour};font-size:9px;margin-right:5px">&#9679;</span>'
+        elif background in ("bar", "thin"):
+            swatch = (
+                f'<span style="display:inline-block;width:14px;vertical-align:middle;'
+                f'height:{9 if background == "bar" else 2}px;margin-right:5px;border-radius:2px;'
+                f'background-color:{colour}"></span>'
+            )
         else:
             swatch = (
                 f'<span style="display:inline-block;width:10px;height:10px;vertical-align:middle;'
@@ -504,6 +682,35 @@ def _elsewhere(ctx: CodeContext, items: Sequence[Item]) -> str:
     return "".join(out)
 
 
+def heat_legend(
+    costs: Mapping[str, Any], bars: Mapping[int, LineBar]
+) -> list[tuple[str, str, str]]:
+    """Legend entries of the bars beside the code."""
+    on_gpu = bool(costs.get("gpu_ms_per_step"))
+    entries = [("GPU ms per step" if on_gpu else "ms per step", COMPUTE_COLOUR, "bar")]
+    if on_gpu:
+        entries.append(("host ms per step", MUTED, "thin"))
+    if any(b.colour == WAIT_COLOUR for b in bars.values()):
+        entries.append(("data wait", WAIT_COLOUR, "bar"))
+    return entries
+
+
+def heat_note(costs: Mapping[str, Any]) -> str:
+    """How the bars beside the code were measured."""
+    clock = "CUDA events" if costs.get("gpu_ms_per_step") else "wall clock"
+    note = (
+        f"Bars: mean time per step of each statement of the loop body ({clock}), over "
+        f"{costs.get('timed_steps') or 0} timed steps after the warm-up: "
+        f"{costs.get('sampling') or 'sampled'}."
+    )
+    if costs.get("gpu_ms_per_step"):
+        note += (
+            f" GPU time on {costs.get('gpu_sampled_steps') or 0} of those steps; the thin "
+            "bar is the host's time."
+        )
+    return note
+
+
 def _code_pane(run: Run, ctx: CodeContext, items: Sequence[Item]) -> str:
     where = run.loop_where or ""
     parts = [_section_title("Cell")]
@@ -521,10 +728,12 @@ def _code_pane(run: Run, ctx: CodeContext, items: Sequence[Item]) -> str:
     for item in items:
         if item.status == FIX and item.site is not None and item.site.cell is None:
             marks.setdefault(item.site.line, []).append(item.key)
+    costs = getattr(run, "line_costs", None)
+    bars = line_bars(costs, len(lines))
     parts.append(
         f'<div style="font-family:{MONO};font-size:12px;line-height:1.55;overflow-x:auto;'
         f'border:1px solid {BORDER};border-radius:6px;background-color:{SUBTLE};padding:6px 0">'
-        f"{_code_lines(lines, loop_line, loader_lines, marks)}</div>"
+        f"{_code_lines(lines, loop_line, loader_lines, marks, bars)}</div>"
     )
     legend = []
     if loop_line is not None:
@@ -534,8 +743,15 @@ def _code_pane(run: Run, ctx: CodeContext, items: Sequence[Item]) -> str:
         legend.append((f"DataLoader built (line {shown})", LOADER_COLOUR, LOADER_BG))
     if marks:
         legend.append(("line to change (see the checklist)", BADGE[FIX][0], "dot"))
+    if bars and costs:
+        legend += heat_legend(costs, bars)
     if legend:
         parts.append(_legend(legend))
+    if bars and costs:
+        parts.append(
+            f'<div class="tml-heat-note" style="margin-top:4px;font-size:11px;color:{MUTED}">'
+            f"{_e(heat_note(costs))}</div>"
+        )
     if run.loop_line is not None and not in_cell:
         text = f"The step loop is in {where}, line {run.loop_line}."
         parts.append(f'<div style="margin-top:8px;font-size:12px">{_e(text)}</div>')
@@ -555,7 +771,7 @@ def _banner(run: Run) -> str:
         f"{_e(verdict.label)} "
         f'<span style="font-size:11px;font-weight:600;text-transform:uppercase;'
         f'letter-spacing:0.05em;margin-left:6px">{_e(verdict.severity)}</span></div>'
-        f'<div style="margin-top:6px"><b>Why</b> {_e(verdict.why)}</div>'
+        f'<div style="margin-top:6px"><b>Why</b> {_with_code(verdict.why)}</div>'
         f'<div style="margin-top:4px"><b>Next</b> {_e(verdict.next)}</div></div>'
     )
 
@@ -640,14 +856,83 @@ def gpu_utilisation(run: Run) -> str:
             text += f", memory up to {max(memory) / 1024:.1f} GiB"
         return text + f" ({len(values)} samples, NVML)"
     note = getattr(run, "gpu_note", None)
-    if note:
-        return f"n/a ({note})"
+    if note:  # the sampler's notes read "GPU n/a (no NVML)": the row says "GPU" already
+        note = str(note).removeprefix("GPU ").strip()
+        return note if note.startswith("n/a") else f"n/a ({note})"
     used = bool(getattr(run, "_gpu_used", False))
     return "n/a (not sampled)" if used else "n/a (no GPU used)"
 
 
+def _yes_no(part: int, whole: int) -> str:
+    if part >= whole:
+        return "yes"
+    return "no" if part == 0 else f"{part} of {whole} copies"
+
+
+def _where(run: Run, row: Mapping[str, Any]) -> str:
+    if row.get("in_cell"):
+        return f"line {row['line']}"
+    return f"{_source_label(run, _run_shell(), str(row['filename']))}, line {row['line']}"
+
+
+COPIES_MEDIAN = "H2D copies (median per step)"  # the label the H2D-BOUND verdict uses too
+
+
+def copy_rows(run: Run) -> list[tuple[str, str]]:
+    """Evidence of the copies to the GPU (run.h2d): the median per step, then each copying line
+    with bytes per step, bandwidth, pinned or not and non_blocking or not."""
+    h2d = getattr(run, "h2d", None)
+    sites = (h2d or {}).get("sites") or []
+    if not sites:
+        return []
+    s = run.summary
+    rows = []
+    if s.get("h2d_ms") is not None:
+        share = fmt_pct(s.get("h2d_share"))
+        rows.append((COPIES_MEDIAN, f"{fmt_ms(s['h2d_ms'])}, {share} of the step"))
+    for site in sites[:4]:
+        copies = int(site["copies"])
+        rate = f" at {site['gb_per_s']:.1f} GB/s" if site.get("gb_per_s") else ""
+        took = f" in {fmt_ms(site['ms_per_step'])}" if site.get("ms_per_step") is not None else ""
+        rows.append(
+            (
+                f"Copy, {_where(run, site)}",
+                f"{per_step_bytes(float(site['bytes_per_step']))}/step{took}{rate}; "
+                f"pinned: {_yes_no(int(site['pinned']), copies)}; "
+                f"non_blocking: {_yes_no(int(site['non_blocking']), copies)}",
+            )
+        )
+    return rows
+
+
+def sync_rows(run: Run) -> list[tuple[str, str]]:
+    """Evidence of the synchronising calls (run.sync_stalls): the sentence for the costliest
+    line of the cell, then the other syncing lines."""
+    stalls = getattr(run, "sync_stalls", None)
+    sites = (stalls or {}).get("sites") or []
+    if not sites:
+        return []
+    rows = []
+    top = run.summary.get("sync_top")
+    sentence = sync_sentence(top)
+    if sentence:
+        rows.append(("Sync stall", sentence))
+    for site in sites[:4]:
+        if sentence and top and site["line"] == top.get("line") and site.get("in_cell"):
+            continue
+        call = f"`{site['call']}`" if site.get("call") else ", ".join(site.get("kinds") or [])
+        wait = site.get("wait_ms_per_step")
+        waited = " (wait not timed)"
+        if wait is not None:
+            waited = f", host waits {fmt_ms(wait)} per step"
+        per = float(site["calls_per_step"])
+        rows.append((f"Syncs, {_where(run, site)}", f"{call or 'sync'} {per:.2g} per step{waited}"))
+    return rows
+
+
 def evidence_rows(run: Run) -> list[tuple[str, str]]:
-    """Label and value rows under the timing table; the verdict's own extra evidence last."""
+    """Label and value rows under the timing table: the run's, the verdict's own extra evidence,
+    then the copies to the GPU and the syncs measured on the way (rows not already shown)."""
     s = run.summary
     steps = f"{s.get('n_analysed', 0)} of {s.get('n_steps', 0)} ({s.get('warmup_steps', 0)} warm-up)"
     clock = "GPU (CUDA events)" if s.get("clock") == "gpu" else "CPU (wall clock, perf_counter)"
@@ -671,8 +956,12 @@ def evidence_rows(run: Run) -> list[tuple[str, str]]:
         "Analysed steps",
         "Clock",
     }
+    watched = copy_rows(run) + sync_rows(run)
+    if any(k.startswith("Copy, ") for k, _ in watched):
+        shown.add("Copy lines")  # each copying line has its own row
     rows += [(k, v) for k, v in run.verdict_detail.evidence if k not in shown]
-    return rows
+    labels = {k for k, _ in rows}
+    return rows + [(k, v) for k, v in watched if k not in labels]
 
 
 # Notebook front-ends style tables (striped rows, right-aligned cells, theme colours): every
@@ -707,14 +996,14 @@ def _evidence(run: Run) -> str:
     table = f'<table class="tml-evidence" style="{TABLE}">{"".join(rows)}</table>'
     kv = "".join(
         f'<tr style="{ROW}"><td style="{left};color:{MUTED};width:45%">{_e(k)}</td>'
-        f'<td style="{left}">{_e(v)}</td></tr>'
+        f'<td style="{left}">{_with_code(v)}</td></tr>'
         for k, v in evidence_rows(run)
     )
     more = f'<table class="tml-facts" style="{TABLE};margin-top:8px">{kv}</table>'
     return table + more
 
 
-CODE_LIKE = re.compile(r"[^\s]+|[\w.]+\(.*\)")
+CODE_LIKE = re.compile(r"[^\s]+|[\w.]+\((?:[^()]|\([^()]*\))*\)")
 
 
 def _value(text: str, strong: bool = False) -> str:
@@ -747,7 +1036,7 @@ def _item_row(item: Item) -> str:
         f'<div style="min-width:0;flex-grow:1">'
         f'<div><b>{_e(item.title)}</b></div>'
         f'<div style="margin-top:2px">{change}{where}</div>'
-        f'<div style="margin-top:2px;color:{MUTED};font-size:12px">{_e(item.reason)}</div>'
+        f'<div style="margin-top:2px;color:{MUTED};font-size:12px">{_with_code(item.reason)}</div>'
         f"</div></div>"
     )
 

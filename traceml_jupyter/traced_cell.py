@@ -207,10 +207,10 @@ def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -
                 patches.enter_context(name_in(ns, LINES, line_clock))
                 patches.enter_context(name_in(ns, SAMPLE, line_clock.sample))
                 patches.enter_context(line_costs_kept(run, line_clock))
-            if opts.live and fallback is None:
+            if fallback is None:
                 from .display import start_live_view
 
-                view = start_live_view(run)
+                view = start_live_view(run, show=opts.live)
             exec(code, shell.user_global_ns, ns)
             return eval(last_code, shell.user_global_ns, ns) if last_code else None
     except BaseException as exc:
