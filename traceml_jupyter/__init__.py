@@ -10,7 +10,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["load_ipython_extension", "unload_ipython_extension", "last", "runs", "trace"]
+__all__ = [
+    "load_ipython_extension",
+    "unload_ipython_extension",
+    "last",
+    "runs",
+    "trace",
+    "compare",
+]
+
+# compare.py is light (no torch, bqplot or numpy). Importing it here, not lazily, keeps
+# `traceml_jupyter.compare` the function: importing the submodule later would otherwise
+# rebind the package's `compare` attribute to the module.
+from .compare import compare
 
 if TYPE_CHECKING:
     from .run import Run
@@ -27,14 +39,14 @@ def unload_ipython_extension(ipython: Any) -> None:
     ipython.magics_manager.magics["line"].pop("traceml", None)
 
 
-def last() -> "Run | None":
+def last() -> Run | None:
     """The most recent run of this kernel, or None."""
     from .run import last as _last
 
     return _last()
 
 
-def runs() -> "list[Run]":
+def runs() -> list[Run]:
     """Every run of this kernel, oldest first."""
     from .run import runs as _runs
 

@@ -1,0 +1,304 @@
+"""Two runs side by side: step time A -> B and the speed-up, data wait and compute deltas, the
+verdict change, and a one-line conclusion. `compare_summaries` is the pure rule."""
+
+from __future__ import annotations
+
+import html
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .run import Run
+
+# Within 5 % of each other, two runs are "about as fast": step times jitter by that much.
+SAME_SPEED = 1.05
+NO_VERDICT = ("NO DATA", "WARMUP")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Run A against run B. `speedup` > 1 means B does more work per second than A."""
+
+    name_a: str
+    name_b: str
+    label_a: str
+    label_b: str
+    speedup: float | None
+    conclusion: str
+    rows: list[tuple[str, str, str, str]] = field(default_factory=list)  # what, A, B, change
+    notes: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        widths = [max(len(row[i]) for row in self._table()) for i in range(4)]
+        lines = [f"traceml compare: {self.name_a} -> {self.name_b}", f"  {self.conclusion}"]
+        for row in self._table():
+            cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
+            lines.append(("  " + "   ".join(cells)).rstrip())
+        lines.extend(f"  Note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def _table(self) -> list[tuple[str, str, str, str]]:
+        return [("", self.name_a, self.name_b, "change"), *self.rows]
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def __repr__(self) -> str:
+        return f"<traceml comparison {self.name_a!r} -> {self.name_b!r}: {self.conclusion}>"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())
+
+    def _repr_html_(self) -> str:
+        return comparison_html(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "a": self.name_a,
+            "b": self.name_b,
+            "verdict_a": self.label_a,
+            "verdict_b": self.label_b,
+            "speedup": self.speedup,
+            "conclusion": self.conclusion,
+            "rows": [list(row) for row in self.rows],
+            "notes": list(self.notes),
+        }
+
+
+# -- the pure rule ------------------------------------------------------------------------------
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f} ms"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f} %"
+
+
+def _delta_ms(a: float | None, b: float | None) -> str:
+    if a is None or b is None:
+        return ""
+    text = f"{b - a:+.1f} ms"
+    if a > 0:
+        text += f" ({100 * (b - a) / a:+.0f} %)"
+    return text
+
+
+def _rate(summary: Mapping[str, Any]) -> tuple[str, float | None]:
+    """Work per second: samples/s where the batch size is known, else steps/s."""
+    samples = summary.get("samples_per_s")
+    if samples:
+        return "samples/s", float(samples)
+    steps = summary.get("steps_per_s")
+    return "steps/s", float(steps) if steps else None
+
+
+def speed_words(speedup: float) -> str:
+    """'3.1x faster', '1.4x slower' or 'about as fast (1.02x)'."""
+    if speedup >= SAME_SPEED:
+        return f"{speedup:.1f}x faster"
+    if speedup <= 1 / SAME_SPEED:
+        return f"{1 / speedup:.1f}x slower"
+    return f"about as fast ({speedup:.2f}x)"
+
+
+def still_because(
+    label: str, summary_b: Mapping[str, Any], workers_b: int | None, cpus: int | None
+) -> str:
+    """Why a verdict that did not change still holds, in a few words (empty when nothing to add)."""
+    if label == "INPUT-BOUND":
+        if workers_b and cpus and workers_b >= cpus:
+            return "the CPU is now the ceiling"
+        return f"data wait is still {_pct(summary_b.get('data_wait_share'))} of the step"
+    if label == "INPUT STRAGGLER":
+        return f"stalls still cost {_pct(summary_b.get('straggler_share'))} of the time"
+    if label == "COMPUTE-BOUND":
+        return "the step itself is the ceiling"
+    return ""
+
+
+def compare_summaries(
+    name_a: str,
+    summary_a: Mapping[str, Any],
+    label_a: str,
+    name_b: str,
+    summary_b: Mapping[str, Any],
+    label_b: str,
+    workers_b: int | None = None,
+    cpus: int | None = None,
+) -> Comparison:
+    """Compare two runs from their summaries (see `Run.summary`) and verdict labels.
+
+    The speed-up is the ratio of throughputs (mean over the analysed steps, stalls included):
+    samples/s when both batch sizes are known, else steps/s. `workers_b` (B's DataLoader
+    workers) and `cpus` let the conclusion say when the CPU has become the ceiling.
+    """
+    unit_a, rate_a = _rate(summary_a)
+    unit_b, rate_b = _rate(summary_b)
+    if unit_a != unit_b:
+        unit_a, rate_a = "steps/s", summary_a.get("steps_per_s")
+        unit_b, rate_b = "steps/s", summary_b.get("steps_per_s")
+    speedup = rate_b / rate_a if rate_a and rate_b else None
+
+    compute_a = "GPU compute" if summary_a.get("clock") == "gpu" else "CPU compute"
+    compute_b = "GPU compute" if summary_b.get("clock") == "gpu" else "CPU compute"
+    compute_name = compute_a if compute_a == compute_b else "Compute"
+    mean_a = summary_a.get("stats", {}).get("step_ms", {}).get("mean")
+    mean_b = summary_b.get("stats", {}).get("step_ms", {}).get("mean")
+    share_a, share_b = summary_a.get("data_wait_share"), summary_b.get("data_wait_share")
+    share_change = (
+        f"{100 * (share_b - share_a):+.1f} points"
+        if share_a is not None and share_b is not None
+        else ""
+    )
+    rows = [
+        ("Verdict", label_a, label_b, "same" if label_a == label_b else "changed"),
+        (
+            f"Throughput ({unit_a})",
+            f"{rate_a:.1f}" if rate_a else "n/a",
+            f"{rate_b:.1f}" if rate_b else "n/a",
+            speed_words(speedup) if speedup else "",
+        ),
+        (
+            "Step time (median)",
+            _ms(summary_a.get("step_ms")),
+            _ms(summary_b.get("step_ms")),
+            _delta_ms(summary_a.get("step_ms"), summary_b.get("step_ms")),
+        ),
+        ("Step time (mean)", _ms(mean_a), _ms(mean_b), _delta_ms(mean_a, mean_b)),
+        (
+            "Data wait (median)",
+            _ms(summary_a.get("data_wait_ms")),
+            _ms(summary_b.get("data_wait_ms")),
+            _delta_ms(summary_a.get("data_wait_ms"), summary_b.get("data_wait_ms")),
+        ),
+        (
+            f"{compute_name} (median)",
+            _ms(summary_a.get("compute_ms")),
+            _ms(summary_b.get("compute_ms")),
+            _delta_ms(summary_a.get("compute_ms"), summary_b.get("compute_ms")),
+        ),
+        ("Data wait share", _pct(share_a), _pct(share_b), share_change),
+        (
+            "Analysed steps",
+            str(summary_a.get("n_analysed", "n/a")),
+            str(summary_b.get("n_analysed", "n/a")),
+            "",
+        ),
+    ]
+    notes = []
+    if summary_a.get("clock") != summary_b.get("clock"):
+        notes.append(
+            f"{name_a} was timed on the {str(summary_a.get('clock')).upper()} clock and "
+            f"{name_b} on the {str(summary_b.get('clock')).upper()} clock."
+        )
+
+    if label_a in NO_VERDICT or label_b in NO_VERDICT or speedup is None:
+        empty = name_a if label_a in NO_VERDICT or not rate_a else name_b
+        conclusion = f"No comparison: {empty} has too few analysed steps."
+    elif label_a != label_b:
+        conclusion = f"{speed_words(speedup)}: {label_a} -> {label_b}"
+    else:
+        reason = still_because(label_b, summary_b, workers_b, cpus)
+        conclusion = f"{speed_words(speedup)}; still {label_b}" + (f": {reason}" if reason else "")
+    return Comparison(name_a, name_b, label_a, label_b, speedup, conclusion, rows, notes)
+
+
+# -- the HTML view ------------------------------------------------------------------------------
+
+_COLOURS = {"faster": "#1a7f37", "slower": "#b42318", "same": "#57606a"}
+
+
+def comparison_html(c: Comparison) -> str:
+    """Static HTML with inline CSS: survives nbconvert, nbviewer, GitHub and a page reload."""
+    esc = html.escape
+    tone = "same"
+    if c.speedup is not None and c.speedup >= SAME_SPEED:
+        tone = "faster"
+    elif c.speedup is not None and c.speedup <= 1 / SAME_SPEED:
+        tone = "slower"
+    cell = "padding:3px 10px;border-bottom:1px solid #e1e4e8;text-align:left"
+    head = f"{cell};font-weight:600;background:#f6f8fa"
+    rows = "".join(
+        "<tr>"
+        + f'<td style="{cell};color:#57606a">{esc(what)}</td>'
+        + f'<td style="{cell}">{esc(a)}</td>'
+        + f'<td style="{cell}">{esc(b)}</td>'
+        + f'<td style="{cell};font-weight:600">{esc(change)}</td>'
+        + "</tr>"
+        for what, a, b, change in c.rows
+    )
+    notes = "".join(
+        f'<div style="color:#57606a;margin-top:4px">Note: {esc(note)}</div>' for note in c.notes
+    )
+    return (
+        '<div class="traceml-compare" style="font-family:system-ui,-apple-system,sans-serif;'
+        "font-size:13px;line-height:1.4;max-width:760px;border:1px solid #d0d7de;"
+        'border-radius:6px;padding:10px 12px">'
+        f'<div style="color:#57606a">traceml compare: <b>{esc(c.name_a)}</b> &rarr; '
+        f"<b>{esc(c.name_b)}</b></div>"
+        f'<div style="font-size:16px;font-weight:600;margin:4px 0 8px;color:{_COLOURS[tone]}">'
+        f"{esc(c.conclusion)}</div>"
+        '<table style="border-collapse:collapse;width:100%">'
+        f'<tr><th style="{head}"></th><th style="{head}">{esc(c.name_a)}</th>'
+        f'<th style="{head}">{esc(c.name_b)}</th><th style="{head}">change</th></tr>'
+        f"{rows}</table>{notes}</div>"
+    )
+
+
+# -- runs by name ------------------------------------------------------------------------------
+
+
+def resolve_run(which: Run | str) -> Run:
+    """A run itself, or the latest run with that name; ValueError names the known runs."""
+    from .run import find_run, runs
+
+    if not isinstance(which, str):
+        return which
+    found = find_run(which)
+    if found is None:
+        known = ", ".join(repr(r.name) for r in runs()) or "none yet"
+        raise ValueError(f"no run named {which!r}; known runs: {known}")
+    return found
+
+
+def compare(a: Run | str | None = None, b: Run | str | None = None) -> Comparison:
+    """Compare two runs (Run objects or names given with --name).
+
+    With no argument: the last two runs. With one: that run against the latest run.
+    """
+    from .run import runs
+
+    all_runs = runs()
+    if a is None and b is None:
+        if len(all_runs) < 2:
+            raise ValueError(f"compare needs two runs; this kernel has {len(all_runs)}")
+        run_a, run_b = all_runs[-2], all_runs[-1]
+    elif a is None or b is None:
+        run_a = resolve_run(a if a is not None else b)  # type: ignore[arg-type]
+        run_b = all_runs[-1]
+        if run_a is run_b:
+            raise ValueError(f"{run_a.name!r} is the latest run: name a second run to compare")
+    else:
+        run_a, run_b = resolve_run(a), resolve_run(b)
+    workers = (run_b.loader_info or {}).get("num_workers")
+    return compare_summaries(
+        run_a.name,
+        run_a.summary,
+        run_a.verdict,
+        run_b.name,
+        run_b.summary,
+        run_b.verdict,
+        workers_b=workers if isinstance(workers, int) else None,
+        cpus=usable_cpus(),
+    )
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
