@@ -28,6 +28,8 @@ OVERVIEW_BINS = 128  # bins of the overview strip over the whole run
 # message per refresh and 4 a second: the bars twice a second, the header 1.5 times, the
 # overview strip every 2 s. The final refresh redraws all three.
 ROTATION = ("header", "bars", "header", "bars", "header", "bars", "overview", "bars")
+MESSAGES_PER_S = 4.0  # chart updates a second of run, the final three included
+FINAL_MESSAGES = 3
 OVERVIEW_READ_CAP = 1 << 17  # most new steps read in one refresh for the overview
 WAIT_COLOUR = "#f28e2b"  # warm: the loop waits for data
 COMPUTE_COLOUR = "#4e79a7"  # cool: the loop body runs
@@ -591,11 +593,20 @@ class LiveView:
             self._hand_over_gpu_samples()
         else:
             self.sampler.start_when_ready()
+            if self.chart is not None and not self._within_budget(began):
+                return  # a refresh skipped costs nothing: the next tick tries again
         if self.chart is not None:
             self._draw(final)
         self.refreshes += 1
         self.final_done = final
         self.refresh_ns += perf_counter_ns() - began
+
+    def _within_budget(self, now_ns: int) -> bool:
+        """One more update keeps the run at most MESSAGES_PER_S a second, with room kept for
+        the final refresh (so the first update comes about a second into the run)."""
+        origin = self.run.recorder.origin_ns or now_ns
+        allowed = MESSAGES_PER_S * (now_ns - origin) / 1e9
+        return self.refreshes + 1 + FINAL_MESSAGES <= allowed
 
     def _draw(self, final: bool) -> None:
         chart, run = self.chart, self.run

@@ -225,8 +225,9 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
         return Verdict(
             "INPUT-BOUND",
             severity_for(wait_share, n),
-            f"The loop waits for data {_pct(wait_share)} of each step: {_ms(wait)} of a "
-            f"{_ms(step)} median step, over {n} steps ({compute_name.lower()}: {_ms(compute)}).",
+            f"The loop spends {_pct(wait_share)} of a typical step waiting for data (median "
+            f"wait {_ms(wait)}, median step {_ms(step)}, {compute_name.lower()} {_ms(compute)}), "
+            f"over {n} steps.",
             "Feed the loop faster: more DataLoader workers, persistent workers, pinned memory, "
             "and less per-sample work (see the checklist).",
             evidence,

@@ -184,7 +184,7 @@ def measure_ours(device: str) -> dict[str, Any]:
         n = steps_for(delay)
         ds = DelayedDataset(n, delay)
         body = Body(COMPUTE_MS, device)
-        loader = HandTimed(DataLoader(ds, batch_size=1, num_workers=0))
+        loader = HandTimed(DataLoader(ds, batch_size=None, num_workers=0))
         ns.update(loader=loader, body=body, torch=torch)
         run_cell(cell.format(name=f"delay {delay} ms"))
         run = traceml_jupyter.last()
@@ -235,7 +235,7 @@ def worker(args: list[str]) -> None:
     cases: list[dict[str, Any]] = []
 
     def run_case(ds: DelayedDataset, body: Body, num_workers: int) -> None:
-        loader = HandTimed(DataLoader(ds, batch_size=1, num_workers=num_workers))
+        loader = HandTimed(DataLoader(ds, batch_size=None if num_workers == 0 else 1, num_workers=num_workers))
         first = peer.current_step() + 1
         for _ in loader:
             with traceml.trace_step(model):
@@ -336,7 +336,7 @@ def build_tables(ours: dict[str, Any], peer: dict[str, Any] | None, peer_why: st
     )
     table.notes += [
         f"Tolerance: {REL_TOL * 100:g} % or {ABS_TOL_MS:g} ms, whichever is larger. A DataLoader "
-        "with batch_size=1 and num_workers=0; each item sleeps, then spins to its deadline, and the "
+        "with batch_size=None (no collate) and num_workers=0; each item sleeps, then spins to its deadline, and the "
         "time really spent is the injected value. The body spins for "
         f"{COMPUTE_MS:g} ms{' of GPU time (torch.cuda._sleep)' if gpu else ''}.",
         "`%%traceml --no-live` through a real InteractiveShell; `traceml_jupyter.last().summary` "
