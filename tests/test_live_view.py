@@ -3,6 +3,7 @@ recording comm), what a front-end without widgets gets, and that refreshes stay 
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import types
@@ -17,9 +18,10 @@ from traceml_jupyter.live import WIDGET_VIEW
 
 Message = tuple[str, str, dict[str, Any], list[Any]]
 
+# 1.6 s: long enough for chart updates while it runs (the first comes about a second in)
 SLOW_LOOP = """
 import time
-data = list(range(80))
+data = list(range(160))
 for epoch in range(2):
     for x in data:
         time.sleep(0.005)
@@ -123,7 +125,7 @@ def test_refreshes_are_throttled_and_each_is_one_batched_update_per_widget(
     (view,) = views
     run = view.run
     seconds = run.recorder.totals()["step_ms"] / 1e3
-    assert run.n_steps == 160
+    assert run.n_steps == 320
     # The hook refreshes at the first step, then at most every 250 ms, then once at the end.
     assert 2 <= view.refreshes <= 4 * seconds + 2
     headers = recording.updates("HTMLModel")
@@ -197,7 +199,7 @@ model = torch.nn.Linear(3, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for epoch in range(EPOCHS):
     for x, y in loader:
-        time.sleep(0.02)
+        time.sleep(0.1)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -206,7 +208,7 @@ for epoch in range(EPOCHS):
         result = traceml(ip, cell)
     assert result.error_in_exec is None
     headers = [m[2]["state"]["value"] for m in recording.updates("HTMLModel")]
-    assert "step 1 / 16" in headers[0]  # len(loader) x EPOCHS
+    assert re.search(r"step \d+ / 16\b", headers[0])  # len(loader) x EPOCHS
     assert any("ETA" in h for h in headers[1:-1]) or len(headers) == 2
     final = headers[-1]
     assert "done: 16 steps" in final
@@ -342,8 +344,8 @@ def test_a_kernel_without_widgets_gets_an_updating_html_display(
     assert updates and all(o.update and o.transient["display_id"] == display_id for o in updates)
     assert len(updates) <= views[0].refreshes
     final = updates[-1].data
-    assert "done: 160 steps" in final["text/html"] and "<svg" in final["text/html"]
-    assert final["text/plain"].startswith("traceml ") and "done: 160 steps" in final["text/plain"]
+    assert "done: 320 steps" in final["text/html"] and "<svg" in final["text/html"]
+    assert final["text/plain"].startswith("traceml ") and "done: 320 steps" in final["text/plain"]
 
 
 def test_no_live_shows_no_view_but_still_samples_the_gpu(

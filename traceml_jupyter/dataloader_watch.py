@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from time import perf_counter_ns
 from typing import Any
 
+from .patches import patched
 from .recorder import Recorder
 
 
@@ -90,11 +91,8 @@ def watch_loaders(on_iter: Callable[[Any], None]) -> Iterator[None]:
         on_iter(self)
         return original(self)
 
-    DataLoader.__iter__ = __iter__
-    try:
+    with patched(DataLoader, {"__iter__": __iter__}):
         yield
-    finally:
-        DataLoader.__iter__ = original
 
 
 class LoaderSteps:
@@ -162,10 +160,5 @@ def time_loader_iterators(steps: LoaderSteps) -> Iterator[None]:
         steps.fetched(self, owner.get(id(self), 0), t0, perf_counter_ns())
         return item
 
-    DataLoader.__iter__ = __iter__
-    _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
-    try:
+    with patched(DataLoader, {"__iter__": __iter__}), patched(_BaseDataLoaderIter, {"__next__": __next__}):
         yield
-    finally:
-        DataLoader.__iter__ = original_iter
-        _BaseDataLoaderIter.__next__ = original_next  # type: ignore[method-assign]

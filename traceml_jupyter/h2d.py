@@ -13,6 +13,7 @@ from types import FrameType
 from typing import Any
 
 from .cell_functions import is_cell_file
+from .patches import patched
 from .step_tally import StepTally
 
 # Per-step columns this module adds to a run (see Run.extra_columns).
@@ -219,7 +220,6 @@ def copies_timed(
     watch does not count a blocking copy a second time. While `compiling()` (torch.compile
     tracing) the originals run untimed. Both attributes are restored on exit.
     """
-    saved = {name: tensor_type.__dict__.get(name) for name in ("to", "cuda")}
     to, cuda = tensor_type.to, tensor_type.cuda
     busy = inside if inside is not None else [0]
 
@@ -254,12 +254,5 @@ def copies_timed(
         return timed(cuda, self, args, kwargs, step)
 
     timed_to.__doc__, timed_cuda.__doc__ = to.__doc__, cuda.__doc__
-    tensor_type.to, tensor_type.cuda = timed_to, timed_cuda
-    try:
+    with patched(tensor_type, {"to": timed_to, "cuda": timed_cuda}):
         yield
-    finally:
-        for name, original in saved.items():
-            if original is None:
-                delattr(tensor_type, name)
-            else:
-                setattr(tensor_type, name, original)

@@ -33,6 +33,7 @@ from typing import Any, cast
 import numpy as np
 
 from .h2d import CopyWatch, cell_line, copies_timed
+from .patches import patched
 from .step_tally import StepTally
 
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
@@ -247,17 +248,9 @@ def _timed_sync(watch: SyncWatch, kind: str, method: Callable[..., Any]) -> Call
 def syncs_timed(watch: SyncWatch, tensor_type: Any) -> Iterator[None]:
     """The tensor methods that wait for the GPU (SYNC_METHODS) are timed for the duration."""
     names = [name for name in SYNC_METHODS if hasattr(tensor_type, name)]
-    saved = {name: tensor_type.__dict__.get(name) for name in names}
-    for name in names:
-        setattr(tensor_type, name, _timed_sync(watch, name, getattr(tensor_type, name)))
-    try:
+    timed = {name: _timed_sync(watch, name, getattr(tensor_type, name)) for name in names}
+    with patched(tensor_type, timed):
         yield
-    finally:
-        for name, original in saved.items():
-            if original is None:
-                delattr(tensor_type, name)
-            else:
-                setattr(tensor_type, name, original)
 
 
 def _drop_filter(entry: Any) -> None:
