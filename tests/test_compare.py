@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from IPython.core.error import UsageError
 from IPython.core.formatters import DisplayFormatter
+from synthetic import step_columns
 
 import traceml_jupyter
 from traceml_jupyter.compare import Comparison, compare_summaries, speed_words
 from traceml_jupyter.run import _RUNS, Run
-from traceml_jupyter.summary import summarize
+from traceml_jupyter.summary import summarize, with_batch_size
 from traceml_jupyter.verdict import diagnose
 
 MS = 1_000_000  # ns
@@ -22,22 +23,8 @@ MS = 1_000_000  # ns
 def summary_of(
     wait_ms: float, compute_ms: float, n: int = 40, batch_size: int | None = 64
 ) -> dict[str, Any]:
-    w, c = np.full(n, wait_ms), np.full(n, compute_ms)
-    nan = np.full(n, np.nan)
-    cols = {
-        "step": np.arange(n),
-        "time_s": np.cumsum(w + c) / 1000,
-        "data_wait_ms": w,
-        "compute_ms": c,
-        "step_ms": w + c,
-        "data_wait_gpu_ms": nan,
-        "compute_gpu_ms": nan,
-        "step_gpu_ms": nan,
-    }
-    summary = summarize(cols, n)
-    summary["batch_size"] = batch_size
-    mean = summary["stats"]["step_ms"]["mean"]
-    summary["samples_per_s"] = batch_size * 1000.0 / mean if batch_size and mean else None
+    summary = summarize(step_columns(np.full(n, wait_ms), np.full(n, compute_ms)), n)
+    with_batch_size(summary, batch_size)
     return summary
 
 

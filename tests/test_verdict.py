@@ -4,26 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from synthetic import step_columns
 
 from traceml_jupyter.summary import auto_warmup, straggler_share, summarize
 from traceml_jupyter.textbox import verdict_box
 from traceml_jupyter.verdict import diagnose
 
-
-def columns(wait: list[float] | np.ndarray, compute: list[float] | np.ndarray) -> dict[str, np.ndarray]:
-    w, c = np.asarray(wait, dtype=float), np.asarray(compute, dtype=float)
-    n = len(w)
-    nan = np.full(n, np.nan)
-    return {
-        "step": np.arange(n),
-        "time_s": np.cumsum(w + c) / 1000,
-        "data_wait_ms": w,
-        "compute_ms": c,
-        "step_ms": w + c,
-        "data_wait_gpu_ms": nan,
-        "compute_gpu_ms": nan,
-        "step_gpu_ms": nan,
-    }
+columns = step_columns
 
 
 def verdict_of(wait_ms: float, compute_ms: float, n: int, warmup: int = 0) -> tuple[str, str]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cuda_clock import CudaClock, cuda_in_use, gpu_memory_in_use
 from .recorder import Recorder
-from .summary import summarize
+from .summary import summarize, with_batch_size
 from .textbox import report_text, verdict_box
 from .verdict import Verdict, diagnose
 
@@ -296,11 +296,7 @@ class Run:
                 self.columns(), rec.n_steps, self.warmup, self._gpu_used, rec.totals()
             )
             summary.update(self.watch_summary)
-            summary["batch_size"] = self.batch_size
-            mean = summary["stats"]["step_ms"]["mean"]
-            summary["samples_per_s"] = (
-                self.batch_size * 1000.0 / mean if self.batch_size and mean else None
-            )
+            with_batch_size(summary, self.batch_size)
             verdict = diagnose(summary)
             if not self.finished:
                 return summary, verdict

@@ -183,3 +183,11 @@ def gpu_work(
         idle = (100.0 - busy_pct) / 100.0  # not 1 - busy: 90 % busy is exactly 10 % idle
         out["host_share"] = max(0.0, idle - (data_wait_share or 0.0) - (out["h2d_share"] or 0.0))
     return out
+
+
+def with_batch_size(summary: dict[str, Any], batch_size: int | None) -> dict[str, Any]:
+    """Add the batch size read from the batches, and the samples a second it gives."""
+    mean = summary["stats"]["step_ms"]["mean"]
+    summary["batch_size"] = batch_size
+    summary["samples_per_s"] = batch_size * 1000.0 / mean if batch_size and mean else None
+    return summary
