@@ -15,7 +15,7 @@ from typing import Any
 import nbformat
 from nbformat.notebooknode import NotebookNode
 
-from traceml_jupyter.demo import EPOCHS, FIXED_SPEEDUP
+from traceml_jupyter.demo import FIXED_SPEEDUP, training_loop
 
 v4: Any = nbformat.v4  # nbformat has no type hints
 
@@ -49,17 +49,8 @@ def badges(name: str) -> str:
     )
 
 
-def loop(name: str, epochs: int, non_blocking: bool = False) -> str:
-    nb = ", non_blocking=True" if non_blocking else ""
-    return f"""\
-%%traceml --name {name}
-for epoch in range({epochs}):
-    for x, y in loader:
-        x, y = x.to(device{nb}), y.to(device{nb})
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()"""
+def loop(scenario: str) -> str:
+    return f"%%traceml --name {scenario}\n" + training_loop(scenario).rstrip("\n")
 
 
 def notebook(cells: list[tuple[str, str]]) -> NotebookNode:
@@ -119,7 +110,7 @@ Expect **COMPUTE-BOUND**: the batches are ready the moment the loop asks for the
                 'loader, model, opt, loss_fn, device = demo.setup("fast")\n'
                 "print(len(loader.dataset), 'images in a', type(loader.dataset).__name__, 'on', device)",
             ),
-            ("code", loop("fast", EPOCHS["fast"])),
+            ("code", loop("fast")),
             (
                 "md",
                 """
@@ -135,7 +126,7 @@ the same. Watch the data wait in the chart.
                 'loader, model, opt, loss_fn, device = demo.setup("slow")\n'
                 "print(type(loader.dataset).__name__, 'num_workers =', loader.num_workers)",
             ),
-            ("code", loop("slow", EPOCHS["slow"])),
+            ("code", loop("slow")),
             (
                 "md",
                 """
@@ -174,7 +165,7 @@ with `non_blocking=True`.
                 "print('num_workers =', loader.num_workers, '| persistent_workers =', "
                 "loader.persistent_workers, '| pin_memory =', loader.pin_memory)",
             ),
-            ("code", loop("fixed", EPOCHS["fixed"], non_blocking=True)),
+            ("code", loop("fixed")),
             (
                 "md",
                 f"""
@@ -199,7 +190,7 @@ and the checklist points at the custom `collate_fn`.
 """,
             ),
             ("code", 'loader, model, opt, loss_fn, device = demo.setup("collate")'),
-            ("code", loop("collate", EPOCHS["collate"])),
+            ("code", loop("collate")),
             (
                 "md",
                 """
@@ -209,7 +200,7 @@ first. Most steps are fast; the first batch of each epoch stalls: **INPUT STRAGG
 """,
             ),
             ("code", 'loader, model, opt, loss_fn, device = demo.setup("spiky")'),
-            ("code", loop("spiky", EPOCHS["spiky"])),
+            ("code", loop("spiky")),
             (
                 "md",
                 """

@@ -18,15 +18,6 @@ from traceml_jupyter.run import _RUNS, Run
 # Fewer batches than the notebook: the verdicts hold with these (see demo.data_costs).
 TEST_BATCHES = {"fast": 30, "slow": 15, "fixed": 15, "collate": 15, "spiky": 10, "h2d": 20}
 
-LOOP = """\
-for epoch in range({epochs}):
-    for x, y in loader:
-        x, y = x.to(device{nb}), y.to(device{nb})
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-"""
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -49,8 +40,7 @@ def traced(ip: Any, scenario: str) -> Run:
         f"batches={TEST_BATCHES[scenario]})"
     )
     assert result.error_in_exec is None
-    nb = ", non_blocking=True" if scenario == "fixed" else ""
-    cell = LOOP.format(epochs=demo.EPOCHS[scenario], nb=nb)
+    cell = demo.training_loop(scenario)
     ip.run_cell_magic("traceml", f"--name {scenario} --no-live", cell)
     run = _RUNS[-1]
     assert run.name == scenario and run.loop_where == "this cell"

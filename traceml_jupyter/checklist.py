@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .figures import ms as _ms
 from .verdict import sync_sentence
 
 OK, FIX, CHECK = "ok", "fix", "check"
@@ -617,10 +618,6 @@ def h2d_copies_item(f: Facts) -> Item | None:
         reason.strip(),
         bears,
     )
-
-
-def _ms(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f} ms"
 
 
 def batch_size_item(f: Facts) -> Item:

@@ -9,6 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .figures import ms as _ms
+from .figures import pct as _pct
+
 if TYPE_CHECKING:
     from .run import Run
 
@@ -68,14 +71,6 @@ class Comparison:
 
 
 # -- the pure rule ------------------------------------------------------------------------------
-
-
-def _ms(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f} ms"
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f} %"
 
 
 def _delta_ms(a: float | None, b: float | None) -> str:

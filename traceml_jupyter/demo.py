@@ -329,6 +329,20 @@ class Demo(NamedTuple):
     device: Any
 
 
+def training_loop(scenario: str) -> str:
+    """The plain loop the demo cells train with (the fixed scenario copies non_blocking)."""
+    nb = ", non_blocking=True" if scenario == "fixed" else ""
+    return (
+        f"for epoch in range({EPOCHS[scenario]}):\n"
+        "    for x, y in loader:\n"
+        f"        x, y = x.to(device{nb}), y.to(device{nb})\n"
+        "        opt.zero_grad()\n"
+        "        loss = loss_fn(model(x), y)\n"
+        "        loss.backward()\n"
+        "        opt.step()\n"
+    )
+
+
 def build_loader(
     scenario: str, sizes: Sizes, costs: DataCosts, on_cuda: bool, seed: int = 0
 ) -> DataLoader[Any]:

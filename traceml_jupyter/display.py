@@ -4,15 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .environment import ipython_shell
 from .run import Run
-
-
-def ipython_shell() -> Any:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return None
-    return get_ipython()
 
 
 class ReportDisplay:
@@ -22,17 +15,13 @@ class ReportDisplay:
         self.run = run
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        bundle = {"text/plain": self.run.text()}
-        try:
-            from .report import render_html
-        except ImportError:
-            return bundle
-        bundle["text/html"] = render_html(self.run)
-        return bundle
+        from .report import render_html
+
+        return {"text/plain": self.run.text(), "text/html": render_html(self.run)}
 
 
 def show_report(run: Run, view: Any = None) -> None:
-    """Show the final report: replaces the live view where it can, else below it."""
+    """Stop the live view (its chart stays, with the final data) and show the report below it."""
     if view is not None:
         try:
             view.close()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import environment
+from .figures import pct as _pct
 from .nvml import GpuSampler
 
 if TYPE_CHECKING:
@@ -149,22 +150,18 @@ def format_duration(seconds: float | None) -> str:
     return f"{hours} h {minutes:02d} min"
 
 
-def _pct(share: float | None) -> str:
-    return "n/a" if share is None else f"{100 * share:.0f} %"
-
-
 def verdict_share(label: str, summary: Mapping[str, Any]) -> str:
     """The share behind a verdict, as the header says it ("data wait 94 % of step")."""
     if label == "INPUT-BOUND":
-        return f"data wait {_pct(summary.get('data_wait_share'))} of step"
+        return f"data wait {_pct(summary.get('data_wait_share'), 0)} of step"
     if label == "INPUT STRAGGLER":
-        return f"stalls cost {_pct(summary.get('straggler_share'))} of the time"
+        return f"stalls cost {_pct(summary.get('straggler_share'), 0)} of the time"
     if label == "COMPUTE-BOUND":
-        return f"compute {_pct(summary.get('compute_share'))} of step"
+        return f"compute {_pct(summary.get('compute_share'), 0)} of step"
     if label == "MIXED":
         return (
-            f"data wait {_pct(summary.get('data_wait_share'))}, "
-            f"compute {_pct(summary.get('compute_share'))} of step"
+            f"data wait {_pct(summary.get('data_wait_share'), 0)}, "
+            f"compute {_pct(summary.get('compute_share'), 0)} of step"
         )
     if label == "WARMUP":
         return "warming up"

@@ -41,6 +41,7 @@ from .checklist import (
     sample_code_in,
     transfers_in,
 )
+from .figures import pct as fmt_pct
 from .locate import dataloader_lines
 from .verdict import sync_sentence
 
@@ -296,7 +297,7 @@ def cpu_count() -> int | None:
 
 
 def _run_shell() -> Any:
-    from .display import ipython_shell
+    from .environment import ipython_shell
 
     return ipython_shell()
 
@@ -463,10 +464,6 @@ def fmt_ms(value: float | None) -> str:
     if abs(value) >= 0.1:
         return f"{value:.2f} ms"
     return f"{value:.3f} ms"
-
-
-def fmt_pct(share: float | None) -> str:
-    return "n/a" if share is None or share != share else f"{100 * share:.1f} %"
 
 
 def fmt_rate(value: float | None, unit: str) -> str:

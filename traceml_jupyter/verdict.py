@@ -6,6 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .figures import ms as _ms
+from .figures import pct as _pct
+
 WARN_SHARE = 0.10
 CRITICAL_SHARE = 0.20
 CRITICAL_MIN_STEPS = 20
@@ -45,14 +48,6 @@ def severity_for(share: float, n_analysed: int) -> str:
     if share >= CRITICAL_SHARE and n_analysed >= CRITICAL_MIN_STEPS:
         return "critical"
     return "warn"
-
-
-def _ms(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f} ms"
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f} %"
 
 
 def _bytes(value: float | None) -> str:
