@@ -135,8 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.one_thread else None
     print(f"Running {args.notebook} in a {KERNEL} kernel ...", flush=True)
     nb, seconds, error = execute(args.notebook.resolve(), args.timeout, env)
+    print(
+        "\nEach run's verdict: per step, the median time the loop waited for its batch (data\n"
+        "wait), spent in the loop body (compute), and both together (step time)."
+    )
+    from traceml_jupyter.demo import STORY
+
     for report in reports(nb):
-        print(f"\n{report.name} ({report.steps} steps)\n{report.box}")
+        story = STORY.get(report.name)
+        print(f"\n{report.name} ({report.steps} steps){': ' + story if story else ''}\n{report.box}")
     for text in comparisons(nb):
         print(f"\n{text}")
     html = write_html(nb, args.out / (args.notebook.stem + ".html"))

@@ -56,6 +56,16 @@ INTENDED_VERDICT = {
     "h2d": "H2D-BOUND",
 }
 
+# What each scenario stands for, in one line (the demo runner prints it above the box).
+STORY = {
+    "fast": "in-memory tensors: the loader keeps up, the model is the work",
+    "slow": "a per-sample decode in the training process (num_workers=0)",
+    "fixed": "the slow data with the checklist applied: workers, persistent_workers, non_blocking",
+    "collate": "an expensive collate_fn assembling each batch",
+    "spiky": "workers restart every epoch and the first batches stall",
+    "h2d": "large unpinned batches copied to the GPU (CUDA only)",
+}
+
 # The least speed-up of fixed over slow that the demo notebook promises. Expected about 2.5x
 # with 2 workers (see data_costs); measured 2.0x to 3.3x on a busy 2-core machine.
 FIXED_SPEEDUP = 1.5
