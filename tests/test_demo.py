@@ -72,15 +72,16 @@ def test_fixed_is_faster_than_slow_and_no_longer_waits(ip: Any, clean_namespace:
     assert fixed.summary["data_wait_ms"] < slow.summary["data_wait_ms"] / 4, c.text()
 
 
-def test_a_library_trainer_is_timed_through_its_dataloader(ip: Any, clean_namespace: None) -> None:
+def test_a_library_trainer_is_timed_through_its_optimizer_steps(ip: Any, clean_namespace: None) -> None:
     ip.user_ns["demo"] = demo
     ip.run_cell("loader, model, opt, loss_fn, device = demo.setup('slow', batches=12)")
     ip.run_cell_magic(
         "traceml", "--name library", "demo.library_fit(loader, model, opt, loss_fn, device, 2)"
     )
     run = _RUNS[-1]
-    assert run.name == "library" and run.loop_where is not None
-    assert "DataLoader" in run.loop_where
+    assert run.name == "library" and run.loop_line is None and run.n_steps == 24
+    assert run.step_kind == "optimizer" and "optimizer.step()` of SGD" in run.step_definition
+    assert run.loader_info is not None and run.loader_info["num_workers"] == 0
     assert run.verdict == "INPUT-BOUND", run.text()
 
 

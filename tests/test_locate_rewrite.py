@@ -13,6 +13,7 @@ from traceml_jupyter.locate import (
     find_training_loop,
     loop_at_line,
 )
+from traceml_jupyter.hooks import FETCH
 from traceml_jupyter.rewrite import HOOK, instrument_loop
 
 
@@ -82,10 +83,20 @@ def test_called_names_and_dataloader_lines() -> None:
 class Spy:
     def __init__(self) -> None:
         self.seen: list[Any] = []
+        self.fetched: list[tuple[int, Any]] = []
 
-    def __call__(self, iterable: Iterable[Any]) -> Iterator[Any]:
+    def __call__(self, iterable: Iterable[Any], token: int) -> Iterator[Any]:
+        assert token == TOKEN
         self.seen.append(iterable)
         yield from iterable
+
+    def fetch(self, token: int, line: int, func: Any, /, *args: Any, **kwargs: Any) -> Any:
+        assert token == TOKEN
+        self.fetched.append((line, func))
+        return func(*args, **kwargs)
+
+
+TOKEN = 7
 
 
 def run_both(src: str, names: list[str]) -> tuple[dict[str, Any], dict[str, Any], Spy]:
@@ -95,8 +106,9 @@ def run_both(src: str, names: list[str]) -> tuple[dict[str, Any], dict[str, Any]
     plain: dict[str, Any] = {}
     exec(compile(tree, "<plain>", "exec"), plain)
     spy = Spy()
-    traced: dict[str, Any] = {HOOK: spy}
-    exec(compile(instrument_loop(tree, choice), "<traced>", "exec"), traced)
+    traced: dict[str, Any] = {HOOK: spy, FETCH: spy.fetch}
+    new, _ = instrument_loop(tree, choice, TOKEN)
+    exec(compile(new, "<traced>", "exec"), traced)
     return {n: plain[n] for n in names}, {n: traced[n] for n in names}, spy
 
 
@@ -136,7 +148,45 @@ def test_rewrite_keeps_line_numbers() -> None:
     tree = ast.parse(src)
     choice = find_innermost_loop(tree)
     assert choice is not None
-    new = instrument_loop(tree, choice)
+    new, _ = instrument_loop(tree, choice, TOKEN)
     assert [n.lineno for n in ast.walk(new) if isinstance(n, ast.stmt)] == [
         n.lineno for n in ast.walk(tree) if isinstance(n, ast.stmt)
     ]
+
+
+def test_schedulers_and_scalers_do_not_make_a_training_loop() -> None:
+    src = """
+for epoch in range(1, 3):
+    train(model, loader)
+    test(model, test_loader)
+    scheduler.step()
+"""
+    tree = ast.parse(src)
+    assert find_training_loop(tree, src.splitlines()) is None
+    assert pick("for b in batches:\n    scaler.step(opt)\n    lr_sched.step()\n") == 1  # innermost
+    assert find_training_loop(ast.parse("for b in bs:\n    opt.step()\n")) is not None
+
+
+def test_fetch_calls_in_the_body_go_through_the_fetch_hook_with_their_line() -> None:
+    src = """
+it = iter([(1, 2), (3, 4), (5, 6)])
+seen = []
+def get_batch(split):
+    return split
+for step in range(3):  # traceml: loop
+    x, y = next(it)
+    s = get_batch("train")
+    seen.append((x, y, s, next(it, None) if False else 0))
+"""
+    plain, traced, spy = run_both(src, ["seen"])
+    assert plain == traced
+    assert [line for line, _ in spy.fetched] == [7, 8] * 3
+
+
+def test_the_rewrite_leaves_nested_definitions_alone() -> None:
+    src = "for b in bs:  # traceml: loop\n    f = lambda: next(it)\n    def g():\n        return get_batch()\n"
+    tree = ast.parse(src)
+    choice = find_innermost_loop(tree)
+    assert choice is not None
+    _, sites = instrument_loop(tree, choice, TOKEN)
+    assert sites == {}

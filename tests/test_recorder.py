@@ -59,7 +59,7 @@ def test_gpu_timings_arrive_late_and_in_order() -> None:
     rec = Recorder()
     rec.origin_ns = 0
     fill(rec, 3)
-    rec.add_gpu(1.0, 2.0)
+    rec.add_gpu(0, 1.0, 2.0)
     cols = rec.columns()
     assert cols["step_gpu_ms"][0] == 3.0 and np.isnan(cols["step_gpu_ms"][1:]).all()
 
@@ -71,10 +71,31 @@ def test_gpu_timings_survive_folds_and_decimation(monkeypatch: pytest.MonkeyPatc
     rec.origin_ns = 0
     for k in range(40):
         rec.add(k * 10, k * 10 + 2, k * 10 + 10)
-        rec.add_gpu(1.0, float(k))
+        rec.add_gpu(k, 1.0, float(k))
     cols = rec.columns()
     assert rec.stride > 1 and len(cols["step"]) <= 8 + 4
     assert np.array_equal(cols["compute_gpu_ms"], cols["step"].astype(float))  # aligned to steps
     totals = rec.totals()
     assert totals["data_wait_gpu_ms"] == 40.0 and totals["compute_gpu_ms"] == sum(range(40))
     assert totals["data_wait_ms"] == pytest.approx(40 * 2e-6)
+
+
+def test_gpu_timings_land_on_their_step_whatever_the_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recorder_module, "CHUNK", 4)
+    rec = Recorder()
+    rec.origin_ns = 0
+    fill(rec, 10)  # two folds: steps 0-7 are in the kept history
+    rec.add_gpu(9, 1.0, 9.0)
+    rec.add_gpu(2, 1.0, 2.0)  # late, after its chunk was folded
+    cols = rec.columns()
+    assert cols["compute_gpu_ms"][9] == 9.0 and cols["compute_gpu_ms"][2] == 2.0
+    assert np.isnan(cols["compute_gpu_ms"][[0, 1, 3, 8]]).all()
+
+
+def test_merging_the_last_steps_gives_their_start_wait_and_time() -> None:
+    rec = Recorder()
+    rec.origin_ns = 0
+    rec.add(0, 2, 10)
+    rec.add(10, 13, 18)  # 2 ns of this step were kept out of it (it ended at 20)
+    assert rec.pop_tail(2) == (0, 5, 18) and rec.n_steps == 0
+    assert rec.pop_tail(1) is None

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .locate import LoopChoice, called_names
-from .rewrite import instrument_loop
 
 MAX_DEPTH = 2
 
@@ -99,11 +98,25 @@ def called_cell_functions(tree: ast.AST, namespace: Mapping[str, Any]) -> list[t
     return found
 
 
+def named_cell_function(name: str, tree: ast.AST, namespace: Mapping[str, Any]) -> types.FunctionType | None:
+    """A function defined in a notebook cell, by name (`train`, `Trainer.fit`): one the traced
+    cell calls, else one in the namespace."""
+    for func in called_cell_functions(tree, namespace):
+        if name in (func.__name__, func.__qualname__):
+            return func
+    return as_cell_function(_resolve(tuple(name.split(".")), namespace, None))
+
+
 @dataclass
 class FunctionLoop:
+    """A loop found in a function defined in another cell: the function, the loop, the cell's
+    tree and lines (the function's own cell numbering)."""
+
     func: types.FunctionType
     choice: LoopChoice
-    code: types.CodeType  # the instrumented code object
+    module: ast.Module
+    lines: list[str]
+    code: types.CodeType | None = None  # the instrumented code object, once built
 
     @property
     def where(self) -> str:
@@ -121,35 +134,41 @@ def _find_code(code: types.CodeType, name: str, firstlineno: int) -> types.CodeT
     return None
 
 
-def instrument_function(
-    func: types.FunctionType, finder: Callable[[ast.AST, list[str]], LoopChoice | None], hook: str
-) -> FunctionLoop | None:
+Finder = Callable[[ast.AST, list[str]], "LoopChoice | None"]
+
+
+def function_loop(func: types.FunctionType, finder: Finder) -> FunctionLoop | None:
+    """The loop `finder` picks in `func` (searched in the function's own node)."""
     located = _function_tree(func)
     if located is None:
         return None
     module, node = located
-    lines = linecache.getlines(func.__code__.co_filename)
-    choice = finder(node, [line.rstrip("\n") for line in lines])
+    lines = [line.rstrip("\n") for line in linecache.getlines(func.__code__.co_filename)]
+    choice = finder(node, lines)
     if choice is None:
         return None
-    new_module = instrument_loop(module, choice, hook)
-    compiled = compile(new_module, func.__code__.co_filename, "exec", dont_inherit=True)
-    code = _find_code(compiled, func.__code__.co_name, func.__code__.co_firstlineno)
-    if code is None or code.co_freevars != func.__code__.co_freevars:
-        return None
-    return FunctionLoop(func, choice, code)
+    return FunctionLoop(func, choice, module, lines)
 
 
-Finder = Callable[[ast.AST, list[str]], "LoopChoice | None"]
-
-
-def find_function_loop(functions: list[types.FunctionType], finder: Finder, hook: str) -> FunctionLoop | None:
-    """The first of `functions` in which `finder` picks a loop, instrumented."""
+def find_function_loop(functions: list[types.FunctionType], finder: Finder) -> FunctionLoop | None:
+    """The first of `functions` in which `finder` picks a loop."""
     for func in functions:
-        found = instrument_function(func, finder, hook)
+        found = function_loop(func, finder)
         if found is not None:
             return found
     return None
+
+
+def compile_function_loop(found: FunctionLoop, tree: ast.Module) -> bool:
+    """Compile the instrumented cell `tree` and keep the function's new code; False when it
+    cannot replace the old one (a closure that changed shape)."""
+    func = found.func
+    compiled = compile(tree, func.__code__.co_filename, "exec", dont_inherit=True)
+    code = _find_code(compiled, func.__code__.co_name, func.__code__.co_firstlineno)
+    if code is None or code.co_freevars != func.__code__.co_freevars:
+        return False
+    found.code = code
+    return True
 
 
 def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -178,21 +197,15 @@ def restore_definitions(namespace: dict[str, Any], instrumented: types.CodeType,
 
 
 @contextmanager
-def swapped_code(found: FunctionLoop | None, hook_value: Any, hook: str) -> Iterator[None]:
-    """Run with the instrumented code in place and the hook in the function's globals."""
-    if found is None:
+def swapped_code(found: FunctionLoop | None) -> Iterator[None]:
+    """Run with the function's instrumented code in place; its own code is back on exit (and
+    code still running the instrumented version is harmless: see hooks.py)."""
+    if found is None or found.code is None:
         yield
         return
     func, original = found.func, found.func.__code__
-    g = func.__globals__
-    had, previous = hook in g, g.get(hook)
-    g[hook] = hook_value
     func.__code__ = found.code
     try:
         yield
     finally:
         func.__code__ = original
-        if had:
-            g[hook] = previous
-        else:
-            g.pop(hook, None)

@@ -1,78 +1,207 @@
-"""CUDA events around fetch and body, recorded on the current stream and resolved without blocking."""
+"""The GPU clock: CUDA events on the step model's boundaries and fetches, recorded on the loop's
+device and stream, read once done (never waited for on the per-step path).
+
+Which device the loop uses is decided from what the loop did (allocations made during its first
+steps), never by asking CUDA anything that would initialise it: a CPU loop in a kernel where a
+tensor from an earlier cell sits on the GPU stays on the CPU clock.
+"""
 
 from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from .recorder import Recorder
 
 
-def cuda_in_use() -> bool:
-    """True when torch is imported and has initialised CUDA (the loop can run on the GPU)."""
+def cuda_initialized() -> bool:
+    """torch is imported and CUDA was initialised by someone (no side effect: never initialises)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return False
     try:
-        return bool(torch.cuda.is_available() and torch.cuda.is_initialized())
+        return bool(torch.cuda.is_initialized())
     except Exception:
         return False
 
 
-def gpu_memory_in_use() -> bool:
-    """True when tensors live on the current CUDA device (the work really runs there)."""
-    torch = sys.modules.get("torch")
+def allocation_counts() -> dict[int, int]:
+    """Allocations made so far on each CUDA device (host-side counters of torch's caching
+    allocator); {} while CUDA is not initialised."""
+    if not cuda_initialized():
+        return {}
+    torch = sys.modules["torch"]
     try:
-        return bool(torch is not None and torch.cuda.memory_allocated() > 0)
+        return {
+            d: int(torch.cuda.memory_stats(d).get("allocation.all.allocated", 0))
+            for d in range(int(torch.cuda.device_count()))
+        }
     except Exception:
-        return False
+        return {}
 
 
-class CudaClock:
-    """A pool of timing events; a step's events are read once its end event has completed.
+def busiest_device(before: Mapping[int, int], after: Mapping[int, int]) -> int | None:
+    """The device with the most allocations between two counts, None when none allocated."""
+    grown = {d: n - before.get(d, 0) for d, n in after.items()}
+    best = max(grown, key=lambda d: (grown[d], -d), default=None)
+    return best if best is not None and grown[best] > 0 else None
 
-    `event_factory` makes an object with `record()`, `query()` and `elapsed_time(other)`
-    (torch.cuda.Event(enable_timing=True) on a GPU; a fake in tests).
+
+def current_device() -> int | None:
+    """torch's current CUDA device, only when CUDA is already initialised."""
+    if not cuda_initialized():
+        return None
+    try:
+        return int(sys.modules["torch"].cuda.current_device())
+    except Exception:
+        return None
+
+
+@dataclass
+class Marks:
+    """How events are made and recorded (torch's on a GPU, a test double on the CPU)."""
+
+    new_event: Callable[[], Any]
+    record: Callable[[Any], None]  # record an event on the loop's current stream
+
+
+def torch_marks(device: int) -> Marks:
+    """Timing events recorded on the current stream of `device` (the loop's device, which may
+    not be the current device)."""
+    torch = sys.modules["torch"]
+    cuda = torch.cuda
+
+    def new_event() -> Any:
+        return cuda.Event(enable_timing=True)
+
+    def record(event: Any) -> None:
+        event.record(cuda.current_stream(device))
+
+    return Marks(new_event, record)
+
+
+@dataclass
+class StepEvents:
+    """The events of one step: its start and end, a pair around each of its outermost fetches
+    (by fetch serial number), and a pair around each phase kept out of it."""
+
+    index: int
+    start: Any
+    end: Any = None
+    fetches: list[tuple[int, Any, Any]] = field(default_factory=list)
+    phases: list[tuple[Any, Any]] = field(default_factory=list)
+    valid: bool = True
+
+
+class CudaSteps:
+    """Events per step, resolved in step order once every event of the step has completed.
+
+    GPU data wait = the summed GPU time between the events around each fetch (the part of the
+    fetch that queued work did not hide); GPU step = start to end minus the phases kept out;
+    GPU compute = step - data wait. `poll()` never blocks; `close()` waits once.
     """
 
-    def __init__(self, recorder: Recorder, event_factory: Any = None) -> None:
-        if event_factory is None:
-            import torch
-
-            def event_factory() -> Any:
-                return torch.cuda.Event(enable_timing=True)
-
-        self._make = event_factory
+    def __init__(self, recorder: Recorder, device: int, marks: Marks) -> None:
+        self.recorder = recorder
+        self.device = device
+        self.marks = marks
+        self.current: StepEvents | None = None
+        self.pending: deque[StepEvents] = deque()
+        self._before: Any = None
         self._free: list[Any] = []
-        self._pending: deque[tuple[Any, Any, Any]] = deque()
-        self._recorder = recorder
-        recorder.before_fold = self.synchronize
-        self.used = False
+        recorder.enable_gpu()
 
-    def mark(self) -> Any:
-        ev = self._free.pop() if self._free else self._make()
-        ev.record()
+    def _mark(self) -> Any:
+        ev = self._free.pop() if self._free else self.marks.new_event()
+        self.marks.record(ev)
         return ev
 
-    def step(self, before_fetch: Any, after_fetch: Any, end: Any) -> None:
-        """Queue one step's events and resolve those that are done (oldest first)."""
-        self._pending.append((before_fetch, after_fetch, end))
-        self.used = True
+    # -- per step ---------------------------------------------------------------------------
+    def open(self, index: int) -> None:
+        """A step starts now (the first one, or the one after the live view's refresh)."""
+        if self.current is None or self.current.index != index:
+            self.current = StepEvents(index, self._mark())
+        else:
+            self.current.start = self._mark()
+
+    def before_fetch(self, index: int) -> None:
+        self._before = ev = self._mark()
+        if self.current is None:
+            self.current = StepEvents(index, ev)
+
+    def after_fetch(self, serial: int) -> None:
+        before, self._before = self._before, None
+        if before is not None and self.current is not None:
+            self.current.fetches.append((serial, before, self._mark()))
+
+    def exclude(self, first_serial: int, last_serial: int) -> None:
+        """A phase (its fetches first..last) is kept out of the open step."""
+        cur = self.current
+        if cur is None:
+            return
+        inside = [f for f in cur.fetches if first_serial <= f[0] <= last_serial]
+        if not inside:
+            cur.valid = False
+            return
+        cur.fetches = [f for f in cur.fetches if not first_serial <= f[0] <= last_serial]
+        cur.phases.append((inside[0][1], inside[-1][2]))
+
+    def step_closed(self, index: int, next_serial: int) -> None:
+        """Step `index` ended now; fetches from `next_serial` on belong to the next step."""
+        end = self._mark()
+        cur = self.current
+        later: list[tuple[int, Any, Any]] = []
+        if cur is not None and cur.index == index:
+            later = [f for f in cur.fetches if f[0] >= next_serial]
+            cur.fetches = [f for f in cur.fetches if f[0] < next_serial]
+            cur.end = end
+            self.pending.append(cur)
+        self.current = StepEvents(index + 1, end, fetches=later)
         self.poll()
 
-    def poll(self) -> None:
-        pending, add, free = self._pending, self._recorder.add_gpu, self._free
-        while pending and pending[0][2].query():
-            a, b, c = pending.popleft()
-            add(a.elapsed_time(b), b.elapsed_time(c))
-            free.append(a)  # `c` is the next step's `a` and is freed with it
-            free.append(b)
+    def merged(self, n: int) -> None:
+        """The last n closed steps were merged into the open one: its GPU timings are unknown."""
+        last = self.recorder.n_steps  # the open step's index after the merge
+        self.pending = deque(p for p in self.pending if p.index < last)
+        if self.current is not None:
+            self.current.index = last
+            self.current.valid = False
 
-    def synchronize(self) -> None:
-        """Wait for the GPU once and read every pending step (end of the cell, or a fold)."""
-        if self._pending:
-            last = self._pending[-1][2]
+    # -- resolving ----------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Read every step whose events have all completed, oldest first."""
+        pending, add = self.pending, self.recorder.add_gpu
+        while pending:
+            step = pending[0]
+            events = [step.start, step.end]
+            for _, a, b in step.fetches:
+                events += (a, b)
+            for a, b in step.phases:
+                events += (a, b)
+            if not all(ev.query() for ev in events):
+                return
+            pending.popleft()
+            if step.valid:
+                wait = sum(float(a.elapsed_time(b)) for _, a, b in step.fetches)
+                kept_out = sum(float(a.elapsed_time(b)) for a, b in step.phases)
+                total = float(step.start.elapsed_time(step.end)) - kept_out
+                add(step.index, wait, total - wait)
+            # The step's end is the next step's start: it stays in use until that one is read.
+            self._free.append(step.start)
+            for _, a, b in step.fetches:
+                self._free += (a, b)
+            for a, b in step.phases:
+                self._free += (a, b)
+
+    def close(self) -> None:
+        """Wait for the GPU once and read every closed step."""
+        if self.pending:
+            last = self.pending[-1].end
             if hasattr(last, "synchronize"):
                 last.synchronize()
-            self.poll()
+        self.poll()
+        self.current = None
+        self._free.clear()

@@ -443,7 +443,7 @@ def library_fit(
     loader: Any, model: Any, opt: Any, loss_fn: Any, device: Any, epochs: int = 1
 ) -> int:
     """Train as library code does: batches pulled with `next()` in a `while` loop, out of the
-    notebook's sight (`%%traceml` falls back to timing the DataLoader). Returns the steps."""
+    notebook's sight (`%%traceml` times it by its optimizer steps). Returns the steps."""
     steps = 0
     for _ in range(epochs):
         batches = iter(loader)

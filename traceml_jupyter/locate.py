@@ -58,9 +58,44 @@ def _calls_method(loop: ast.For, name: str) -> bool:
     )
 
 
-def _is_range(loop: ast.For) -> bool:
-    it = loop.iter
-    return isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range"
+# `.step()` of these is not an optimizer step: LR schedulers, AMP's GradScaler, warm-up helpers.
+NOT_OPTIMIZERS = re.compile(r"sched|scaler|warmup|^lr$|swa", re.IGNORECASE)
+
+
+def _receiver_name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Subscript):
+        return _receiver_name(node.value)
+    return None
+
+
+def _steps_an_optimizer(loop: ast.For) -> bool:
+    """The loop's own body calls `.step()` on something that is not a scheduler or a scaler."""
+    for call in _own_calls(loop):
+        func = call.func
+        if isinstance(func, ast.Attribute) and func.attr == "step":
+            name = _receiver_name(func.value)
+            if name is None or not NOT_OPTIMIZERS.search(name):
+                return True
+    return False
+
+
+def is_range(loop: ast.For) -> bool:
+    """The loop counts steps: `range(...)`, `trange(...)`, or tqdm/enumerate of one."""
+    it: ast.expr = loop.iter
+    for _ in range(3):
+        if not isinstance(it, ast.Call):
+            return False
+        name = it.func.id if isinstance(it.func, ast.Name) else getattr(it.func, "attr", None)
+        if name in ("range", "trange"):
+            return True
+        if name not in ("tqdm", "enumerate") or not it.args:
+            return False
+        it = it.args[0]
+    return False
 
 
 def _has_nested_for(loop: ast.For) -> bool:
@@ -75,17 +110,27 @@ def for_loop_lines(tree: ast.AST) -> list[int]:
     return sorted(loop.lineno for loop, _, _ in _for_loops(tree))
 
 
-def find_training_loop(tree: ast.AST, lines: Sequence[str] = ()) -> LoopChoice | None:
-    """A loop marked `# traceml: loop`; else the first whose own body calls `.backward(`;
-    else the innermost whose own body calls `.step(`."""
+def find_marked_loop(tree: ast.AST, lines: Sequence[str] = ()) -> LoopChoice | None:
+    """The loop marked `# traceml: loop` on its line."""
     loops = sorted(_for_loops(tree), key=lambda t: (t[0].lineno, t[0].col_offset))
     for loop, _, func in loops:
         if 0 < loop.lineno <= len(lines) and MARK.search(lines[loop.lineno - 1]):
             return _choice(loop, "marked", func)
+    return None
+
+
+def find_training_loop(tree: ast.AST, lines: Sequence[str] = ()) -> LoopChoice | None:
+    """A loop marked `# traceml: loop`; else the first whose own body calls `.backward(`;
+    else the innermost whose own body steps an optimizer (`.step(` of anything that is not a
+    scheduler or a GradScaler)."""
+    marked = find_marked_loop(tree, lines)
+    if marked is not None:
+        return marked
+    loops = sorted(_for_loops(tree), key=lambda t: (t[0].lineno, t[0].col_offset))
     for loop, _, func in loops:
         if _calls_method(loop, "backward"):
             return _choice(loop, "trains", func)
-    stepping = [(loop, depth, func) for loop, depth, func in loops if _calls_method(loop, "step")]
+    stepping = [(loop, depth, func) for loop, depth, func in loops if _steps_an_optimizer(loop)]
     if stepping:
         loop, _, func = max(stepping, key=lambda t: t[1])
         return _choice(loop, "steps", func)
@@ -96,7 +141,7 @@ def find_innermost_loop(tree: ast.AST) -> LoopChoice | None:
     """The first innermost `for` over something other than `range(...)`."""
     loops = sorted(_for_loops(tree), key=lambda t: (t[0].lineno, t[0].col_offset))
     for loop, _, func in loops:
-        if not _is_range(loop) and not _has_nested_for(loop):
+        if not is_range(loop) and not _has_nested_for(loop):
             return _choice(loop, "innermost", func)
     return None
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,6 +13,7 @@ import numpy as np
 # decimated in place, with exact running totals. Milliseconds are derived when read.
 CHUNK = 1 << 16
 HISTORY_CAP = 1 << 17
+NAN = float("nan")
 
 COLUMNS = ("step", "time_s", "data_wait_ms", "compute_ms", "step_ms")
 GPU_COLUMNS = ("data_wait_gpu_ms", "compute_gpu_ms", "step_gpu_ms")
@@ -21,7 +21,7 @@ TOTALS = COLUMNS[2:] + GPU_COLUMNS
 
 
 class Recorder:
-    """Timestamps of each step: fetch start, fetch end (body start), body end.
+    """Three timestamps a step (see `add`): its start, start + data wait, end - kept-out time.
 
     `add` is the only call on the per-step path; everything else runs rarely.
     """
@@ -41,27 +41,38 @@ class Recorder:
         self._n_kept = 0
         self._totals_ns = [0, 0]  # exact sums of data wait and compute over folded steps
         self._totals_gpu = [0.0, 0.0]
-        self._gpu_next = 0  # the step the next GPU timing belongs to
-        # Called before a chunk is folded, so pending GPU timings can be resolved first.
-        self.before_fold: Callable[[], None] | None = None
 
     # -- per step -------------------------------------------------------------------------
     def add(self, t0: int, t1: int, t2: int) -> None:
+        """One step: its start, its start plus its data wait, its end minus the time kept out of
+        it (phases, the view's own refresh). So data wait = t1 - t0, step = t2 - t0."""
         self._t0.append(t0)
         self._t1.append(t1)
         self._t2.append(t2)
+        if self.has_gpu:
+            self._gpu_wait.append(NAN)
+            self._gpu_compute.append(NAN)
         if len(self._t0) >= CHUNK:
             self.fold()
 
-    def add_gpu(self, wait_ms: float, compute_ms: float) -> None:
-        """GPU timings of the oldest step that has none yet (they resolve in step order,
-        sometimes after that step's chunk was folded)."""
-        step = self._gpu_next
-        self._gpu_next += 1
-        self.has_gpu = True
+    def enable_gpu(self) -> None:
+        """From now on steps can have GPU timings (add_gpu); earlier ones have none."""
+        if not self.has_gpu:
+            n = len(self._t0)
+            self._gpu_wait = array("d", [NAN] * n)
+            self._gpu_compute = array("d", [NAN] * n)
+            self.has_gpu = True
+
+    def add_gpu(self, step: int, wait_ms: float, compute_ms: float) -> None:
+        """GPU timings of step `step` (they resolve later than the step, sometimes after its
+        chunk was folded)."""
+        if not self.has_gpu:
+            self.enable_gpu()
         if step >= self._base:
-            self._gpu_wait.append(wait_ms)
-            self._gpu_compute.append(compute_ms)
+            i = step - self._base
+            if i < len(self._gpu_wait):
+                self._gpu_wait[i] = wait_ms
+                self._gpu_compute[i] = compute_ms
             return
         self._totals_gpu[0] += wait_ms
         self._totals_gpu[1] += compute_ms
@@ -69,6 +80,23 @@ class Recorder:
             if self._kept_gpu is None:
                 self._kept_gpu = np.full((2, HISTORY_CAP), np.nan)
             self._kept_gpu[:, step // self._stride] = (wait_ms, compute_ms)
+
+    def pop_tail(self, n: int) -> tuple[int, int, int] | None:
+        """Remove the last n steps (all still in the chunk) for merging them into the step that
+        follows: the first one's start, their data wait and their step time (ns). Steps are back
+        to back, so their kept-out time is (next start - first start) - step time."""
+        if not 0 < n <= len(self._t0):
+            return None
+        t0, t1, t2 = self._t0[-n:], self._t1[-n:], self._t2[-n:]
+        wait = sum(b - a for a, b in zip(t0, t1, strict=True))
+        steps = sum(c - a for a, c in zip(t0, t2, strict=True))
+        first = t0[0]
+        for arr in (self._t0, self._t1, self._t2):
+            del arr[-n:]
+        if self.has_gpu:
+            del self._gpu_wait[-n:]
+            del self._gpu_compute[-n:]
+        return first, wait, steps
 
     # -- reading --------------------------------------------------------------------------
     @property
@@ -155,8 +183,6 @@ class Recorder:
 
     # -- folding --------------------------------------------------------------------------
     def fold(self) -> None:
-        if self.before_fold is not None:
-            self.before_fold()
         n = len(self._t0)
         if not n:
             return
@@ -192,7 +218,8 @@ class Recorder:
         del t0, t1, t2  # release the views before the buffers are replaced
         self._base += n
         self._t0, self._t1, self._t2 = array("q"), array("q"), array("q")
-        # GPU timings still pending for this chunk's last steps arrive later (add_gpu).
+        # GPU timings still pending for this chunk's steps arrive later (add_gpu, by index): a
+        # fold never waits for the GPU.
         self._gpu_wait, self._gpu_compute = array("d"), array("d")
 
     def _halve(self) -> None:

@@ -1,17 +1,19 @@
-"""A traced run: the per-step hooks, the recorded steps, and the result users read."""
+"""A traced run: what its capture recorded, and the result users read (summary, verdict, text,
+JSON). The capture (capture.py) does the measuring; views read the run."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
-from .cuda_clock import CudaClock, cuda_in_use, gpu_memory_in_use
+from .probes import safe_len
 from .recorder import Recorder
+from .sources import phase_sentence
 from .summary import summarize, with_batch_size
 from .textbox import report_text, verdict_box
 from .verdict import Verdict, diagnose
@@ -44,29 +46,18 @@ def find_run(name: str) -> Run | None:
     return None
 
 
-def batch_size_of(batch: Any) -> int | None:
-    """Rows of the first tensor (or array) found in a batch: a tensor, a tuple/list, a dict,
-    or any nesting of those (`enumerate` gives `(i, (x, y))`)."""
-    queue: list[Any] = [batch]
-    for _ in range(16):
-        if not queue:
-            return None
-        item = queue.pop(0)
-        shape = getattr(item, "shape", None)
-        if shape is not None and len(shape):
-            return int(shape[0])
-        if isinstance(item, (tuple, list)):
-            queue.extend(item[:8])
-        elif isinstance(item, dict):
-            queue.extend(list(item.values())[:8])
-    return None
+def clear() -> int:
+    """Forget every run of this kernel (their charts stay on screen). Returns how many."""
+    n = len(_RUNS)
+    _RUNS.clear()
+    return n
 
 
 class Run:
-    """One traced loop: hooks that time it while it runs, then its summary and verdict.
+    """One traced run: what was captured while it ran (capture.py), then its summary and verdict.
 
-    While the loop runs, `loop(iterable)` wraps its iterator; the time blocked in `next()` is
-    data wait, the time until the loop asks for the next batch is compute.
+    Steps are what the training does (step_model.py): one optimizer step, else one backward(),
+    else one iteration of the located loop, else the interval between two batches.
     """
 
     def __init__(self, name: str | None = None, warmup: int | None = None) -> None:
@@ -77,31 +68,41 @@ class Run:
         self.recorder.origin_ns = perf_counter_ns()
         self.batch_size: int | None = None
         self.batch_kind: str | None = None
+        self.batches_per_step: float | None = None
         self.loop_line: int | None = None
         self.loop_where: str | None = None  # "this cell", "function train (cell In[3])", ...
+        self.loop_is_range = False  # the located loop iterates range(...): its items are no batches
         self.cell_source: str | None = None
         self.cell_filename: str | None = None
-        self.loader_info: dict[str, Any] | None = None
+        self.loader_info: dict[str, Any] | None = None  # the training loader's settings
         self.loader_ref: Callable[[], Any] | None = None
+        self.loader_name: str | None = None  # the name the training loader is bound to
         self.expected_steps: int | None = None
+        self.step_kind = "none"  # "optimizer", "backward", "iteration", "fetch" or "none"
+        self.step_definition = "no step ran"
+        self.sources: list[dict[str, Any]] = []  # where batches came from (per loader)
+        self.phases: list[dict[str, Any]] = []  # passes kept out of the steps (validation...)
+        self.wall_ms: float | None = None  # the whole capture (the cell), for phase shares
         self.notes: list[str] = []
         self.error: str | None = None
+        self.error_before_first_step = False
         self.finished = False
         self.ended_at: float | None = None
-        self._cuda: CudaClock | None = None
+        self.cuda_device: int | None = None  # the CUDA device the loop ran on (capture decides)
+        self.capture_thread: int | None = None
+        self._capture: Any = None  # capture.Capture while recording
         self._gpu_used = False
         self._observers: list[Observer] = []
         self._next_tick = 0
         self._loops_started = 0
+        self._loader_infos: dict[Any, dict[str, Any]] = {}
         self._summary: dict[str, Any] | None = None
         self._verdict: Verdict | None = None
-        self.loader_seen: Callable[[], Any] | None = None  # last DataLoader whose __iter__ ran
         # Optional watches (sync_stalls.GpuWatch, line_costs): per-step columns they measure,
         # aligned to the recorder's steps on demand, and the few facts the verdict quotes.
         self.extra_columns: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
         self.watch_summary: dict[str, Any] = {}
-        self.gpu_watch: Any = None  # has loop_started() and step_ended(t2); CUDA path only
-        self.in_loop = False  # a pass of the step loop is running (CUDA path)
+        self.gpu_watch: Any = None  # loop_started(device) and step_ended(t); CUDA path only
         self.h2d: dict[str, Any] | None = None  # host-to-device copies by line (h2d.py)
         self.sync_stalls: dict[str, Any] | None = None  # synchronising calls by line
         self.line_costs: dict[str, Any] | None = None  # ms per step of each body line
@@ -110,123 +111,37 @@ class Run:
         self.gpu_device: str | None = None  # e.g. "NVIDIA H200, 0000:17:00.0, 143771 MiB"
         _RUNS.append(self)
 
-    # -- hooks on the user's loop -----------------------------------------------------------
-    def loop(self, iterable: Iterable[Any]) -> Iterator[Any]:
-        """Iterate `iterable` as a plain for loop would, timing each fetch and each body."""
-        if cuda_in_use():
-            if self._cuda is None:
-                self._cuda = CudaClock(self.recorder)
-            self._gpu_used = self._gpu_used or gpu_memory_in_use()
-            if self.gpu_watch is not None:
-                self.gpu_watch.loop_started()
-            return self._loop_cuda(iterable, self._cuda)
-        return self._loop_cpu(iterable)
+    # -- while it runs ----------------------------------------------------------------------
+    def loop(self, iterable: Iterable[Any]) -> Iterable[Any]:
+        """Iterate `iterable` as a plain for loop would, timing each fetch and each iteration
+        (the `trace()` API; inside `%%traceml` the located loop is wrapped for you)."""
+        capture = self._capture
+        if capture is None or capture.thread != threading.get_ident():
+            return iterable
+        return capture.loop(iterable)  # type: ignore[no-any-return]
 
-    def _loop_cpu(self, iterable: Iterable[Any]) -> Iterator[Any]:
-        __tracebackhide__ = True  # noqa: F841  (IPython hides this frame in tracebacks)
-        clock, add = perf_counter_ns, self.recorder.add
-        t0 = clock()
-        it = iter(iterable)
+    def current_step(self) -> int | None:
+        """Index of the step being run on the capture's thread; None elsewhere or between runs."""
+        capture = self._capture
+        if capture is None or capture.thread != threading.get_ident():
+            return None
+        return capture.model.current_step  # type: ignore[no-any-return]
+
+    def note_loop_iterable(self, iterable: Any) -> None:
+        """After the located loop's first batch: how many iterations a pass has, if it says
+        (else the length of the DataLoader it iterates: `enumerate(loader)`, `tqdm(loader)`)."""
+        self.expected_steps = safe_len(iterable)
+        if self.expected_steps is None and self._loader_infos:
+            self.expected_steps = list(self._loader_infos.values())[-1].get("len")
+
+    def note_dataloader(self, source: Any, loader: Any) -> None:
+        """A DataLoader's first iter() in the run: keep its settings (read once, guarded)."""
+        from .dataloaders import describe_loader
+
         try:
-            item = next(it)
-        except StopIteration:
-            self._loop_started(iterable, None)
-            return
-        except BaseException:
-            self._loop_started(iterable, None)  # the loader is still worth describing
-            raise
-        t1 = clock()
-        self._loop_started(iterable, item)
-        while True:
-            try:
-                yield item
-            finally:
-                t2 = clock()
-                add(t0, t1, t2)
-            t0 = t2
-            if t2 >= self._next_tick:
-                self._tick(t2)
-                t0 = clock()  # the view's own time is nobody's data wait
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            t1 = clock()
-
-    def _loop_cuda(self, iterable: Iterable[Any], cuda: CudaClock) -> Iterator[Any]:
-        __tracebackhide__ = True  # noqa: F841
-        clock, add, mark, step = perf_counter_ns, self.recorder.add, cuda.mark, cuda.step
-        ended = self.gpu_watch.step_ended if self.gpu_watch is not None else None
-        self.in_loop = True
-        try:
-            t0 = clock()
-            a = mark()
-            it = iter(iterable)
-            try:
-                item = next(it)
-            except StopIteration:
-                self._loop_started(iterable, None)
-                return
-            except BaseException:
-                self._loop_started(iterable, None)
-                raise
-            t1 = clock()
-            b = mark()
-            self._loop_started(iterable, item)
-            while True:
-                try:
-                    yield item
-                finally:
-                    c = mark()
-                    t2 = clock()
-                    add(t0, t1, t2)
-                    step(a, b, c)
-                    if ended is not None:
-                        ended(t2)
-                t0, a = t2, c
-                if t2 >= self._next_tick:
-                    self._gpu_used = self._gpu_used or gpu_memory_in_use()
-                    self._tick(t2)
-                    t0, a = clock(), mark()  # the view's own time is nobody's data wait
-                try:
-                    item = next(it)
-                except StopIteration:
-                    return
-                t1 = clock()
-                b = mark()
-        finally:
-            self.in_loop = False
-
-    def _loop_started(self, iterable: Any, first: Any) -> None:
-        """Once per pass over the loader: note the loader, the batch size, the expected steps."""
-        self._loops_started += 1
-        if self._loops_started == 1:
-            self._note_loader(iterable)
-            if first is not None:
-                self.batch_size = batch_size_of(first)
-                self.batch_kind = type(first).__name__
-                if self.batch_size is None:
-                    self.notes.append(
-                        f"Batches are {type(first).__name__}, not tensors: samples/s is not shown."
-                    )
-
-    def _note_loader(self, iterable: Any) -> None:
-        from .dataloader_watch import describe_loader, unwrap_loader
-
-        loader = unwrap_loader(iterable)
-        if loader is None and self.loader_seen is not None:
-            loader = self.loader_seen()
-        if loader is None:
-            return
-        self.loader_info = describe_loader(loader)
-        try:
-            self.loader_ref = weakref.ref(loader)
-        except TypeError:
-            self.loader_ref = None
-        try:
-            self.expected_steps = len(iterable)  # type: ignore[arg-type,unused-ignore]
-        except TypeError:
-            self.expected_steps = self.loader_info.get("len")
+            self._loader_infos[source.key] = describe_loader(loader)
+        except Exception:
+            self._loader_infos[source.key] = {}
 
     # -- observers (the live view) ---------------------------------------------------------
     def observe(self, observer: Observer) -> None:
@@ -243,18 +158,30 @@ class Run:
                 self.notes.append(f"The live view stopped: {type(exc).__name__}: {exc}")
 
     # -- the end ---------------------------------------------------------------------------
+    def captured(self, capture: Any, wall_ns: int) -> None:
+        """What the capture saw, once it closed: where batches came from, which of them fed the
+        steps (the training loader), the phases kept out, and what a step was."""
+        from .sources import describe_run_sources
+
+        self.wall_ms = wall_ns / 1e6
+        facts = describe_run_sources(self, capture)
+        self.sources, self.phases = facts.sources, facts.phases
+        self.step_kind, self.step_definition = facts.step_kind, facts.step_definition
+        self.batches_per_step = facts.batches_per_step
+        self.batch_size, self.batch_kind = facts.batch_size, facts.batch_kind
+        if facts.loader_info is not None:
+            self.loader_info = facts.loader_info
+        self.loader_ref, self.loader_name = facts.loader_ref, facts.loader_name
+        self.notes.extend(facts.notes)
+
     def finish(self, error: BaseException | None = None) -> Run:
-        """Resolve pending GPU timings once, then compute the summary and the verdict."""
+        """Close the run (after its capture): the final refresh of its views, then the summary
+        and the verdict are computed when first read."""
         if self.finished:
             return self
         if error is not None:
             self.error = f"{type(error).__name__}: {error}".rstrip(": ")
-        if self._cuda is not None:
-            try:
-                self._cuda.synchronize()
-            except Exception as exc:
-                self.notes.append(f"GPU timings unavailable: {exc}")
-            self._gpu_used = self._gpu_used or gpu_memory_in_use()
+            self.error_before_first_step = self.recorder.n_steps == 0
         self.finished = True
         self.ended_at = time.time()
         for observer in list(self._observers):
@@ -296,12 +223,26 @@ class Run:
                 self.columns(), rec.n_steps, self.warmup, self._gpu_used, rec.totals()
             )
             summary.update(self.watch_summary)
-            with_batch_size(summary, self.batch_size)
+            summary.update(self._source_summary())
+            with_batch_size(summary, self.batch_size, self.batches_per_step)
             verdict = diagnose(summary)
             if not self.finished:
                 return summary, verdict
             self._summary, self._verdict = summary, verdict
         return self._summary, self._verdict
+
+    def _source_summary(self) -> dict[str, Any]:
+        """What the verdict quotes of the data sources and the phases."""
+        training = next((src for src in self.sources if src.get("training")), None)
+        return {
+            "step_kind": self.step_kind,
+            "step_definition": self.step_definition,
+            "batches_per_step": self.batches_per_step,
+            "data_source": training.get("label") if training else None,
+            "data_source_kind": training.get("kind") if training else None,
+            "phases": list(self.phases),
+            "wall_ms": self.wall_ms,
+        }
 
     # -- the result API --------------------------------------------------------------------
     @property
@@ -339,12 +280,13 @@ class Run:
 
     def text(self) -> str:
         v = self.verdict_detail
-        head = f"traceml: {self.name} - {self.n_steps} steps"
+        head = f"traceml: {self.name} - {self.n_steps} steps ({self.step_definition})"
         if self.loop_line is not None:
             head += f", loop on line {self.loop_line}"
         if self.loop_where and self.loop_where != "this cell":
             head += f" of {self.loop_where}"
         lines = [report_text(head, v.label, v.why, v.next, self.summary)]
+        lines.extend(f"Phase: {phase_sentence(phase)}" for phase in self.phases)
         if self.error:
             lines.append(f"Stopped by: {self.error}")
         lines.extend(f"Note: {note}" for note in self.notes)
@@ -367,7 +309,10 @@ class Run:
             "verdict": self.verdict_detail.to_dict(),
             "summary": _jsonable(self.summary),
             "loop": {"line": self.loop_line, "where": self.loop_where},
+            "step": {"kind": self.step_kind, "definition": self.step_definition},
             "loader": _jsonable(self.loader_info),
+            "sources": _jsonable(self.sources),
+            "phases": _jsonable(self.phases),
             "checklist": self._checklist(),
             "error": self.error,
             "notes": list(self.notes),
@@ -406,19 +351,25 @@ def _jsonable(value: Any) -> Any:
 
 @contextmanager
 def trace(name: str | None = None, warmup: int | None = None, show: bool = True) -> Iterator[Run]:
-    """Time a loop outside the magic (scripts, library code).
+    """Time training outside the magic (scripts, library code, `torchrun`)::
 
         with traceml_jupyter.trace("baseline") as run:
             for x, y in run.loop(loader):
                 ...
         print(run.verdict)
 
-    At the end the report is shown (printed outside IPython), also after an error.
+    Inside the block every DataLoader fetch, `backward()` and optimizer step is seen (steps are
+    what the training does, as in `%%traceml`); `run.loop(it)` marks the loop whose iterations
+    are steps when the training has neither. At the end the report is shown (printed outside
+    IPython), also after an error.
     """
+    from .capture import capturing
+
     run = Run(name, warmup)
     error: BaseException | None = None
     try:
-        yield run
+        with capturing(run):
+            yield run
     except BaseException as exc:
         error = exc
         raise

@@ -6,30 +6,40 @@ from __future__ import annotations
 import ast
 import importlib.util
 import sys
-import weakref
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 from IPython.core.error import UsageError
 
+from .capture import Capture, capturing
 from .cell_functions import (
     FunctionLoop,
     called_cell_functions,
+    compile_function_loop,
     find_function_loop,
+    function_loop,
+    named_cell_function,
     restore_definitions,
     swapped_code,
 )
-from .dataloader_watch import LoaderSteps, describe_loader, time_loader_iterators, watch_loaders
-from .locate import find_innermost_loop, find_training_loop, for_loop_lines, loop_at_line
-from .rewrite import HOOK, instrument_loop
+from .locate import (
+    LoopChoice,
+    find_innermost_loop,
+    find_marked_loop,
+    find_node,
+    find_training_loop,
+    for_loop_lines,
+    is_range,
+    loop_at_line,
+)
+from .rewrite import instrument_loop
 from .run import _RUNS, Run
 
 NO_LOOP = (
     "traceml: no training loop found in this cell (no `for` loop calling .backward() or "
-    ".step(), and no DataLoader was iterated); mark it with `# traceml: loop` on its line "
-    "or choose it with `--loop LINE`."
+    "an optimizer's .step(), and no optimizer step, backward() or DataLoader was seen); mark it "
+    "with `# traceml: loop` on its line or choose it with `--loop LINE`."
 )
 
 
@@ -39,8 +49,9 @@ class CellOptions:
     warmup: int | None = None
     live: bool = True
     save: str | None = None
-    loop: int | None = None
+    loop: int | str | None = None  # a line of the cell, or "FUNCTION:LINE"
     lines: bool = True  # time each top-level statement of the loop body (line_costs.py)
+    lines_chosen: bool = False  # --lines was given explicitly
 
 
 def _import_torch() -> None:
@@ -71,19 +82,6 @@ def cache_cell(shell: Any, code: str, raw: str) -> str:
         return str(shell.compile.cache(code, number))
 
 
-@contextmanager
-def name_in(namespace: dict[str, Any], name: str, value: Any) -> Iterator[None]:
-    had, previous = name in namespace, namespace.get(name)
-    namespace[name] = value
-    try:
-        yield
-    finally:
-        if had:
-            namespace[name] = previous
-        else:
-            namespace.pop(name, None)
-
-
 def _keep_leading_blank_lines(cell: str, transformed: str) -> str:
     """IPython drops a cell's leading blank lines; put them back so line numbers match."""
     lines = cell.splitlines()
@@ -102,30 +100,73 @@ def _split_last_expression(tree: ast.Module) -> tuple[ast.Module, ast.Expression
     return tree, None
 
 
-def _locate(
-    shell: Any, tree: ast.Module, lines: list[str], opts: CellOptions
-) -> tuple[Any, FunctionLoop | None]:
-    """The loop in this cell, or in a function the cell calls (cell first, training first)."""
-    if opts.loop is not None:
-        choice = loop_at_line(tree, opts.loop)
+class CellSyntaxError(Exception):
+    """A syntax error in the traced cell, shown as IPython shows one in a plain cell: the cell's
+    line and caret, no frames of the magic (IPython renders it with `_render_traceback_`)."""
+
+    def __init__(self, error: SyntaxError, shell: Any) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.shell = shell
+
+    def _render_traceback_(self) -> list[str]:
+        err = self.error
+        return list(self.shell.SyntaxTB.structured_traceback(type(err), err, []))
+
+
+def syntax_error(error: SyntaxError, shell: Any) -> CellSyntaxError:
+    """The error to raise for `error` (its class named like the original: SyntaxError,
+    IndentationError, TabError), so the cell fails as a plain cell with that error would."""
+    kind = type(error)
+    cls = type(kind.__name__, (CellSyntaxError,), {"__module__": "builtins", "__qualname__": kind.__name__})
+    made: CellSyntaxError = cls(error, shell)
+    return made
+
+
+def _loop_option(shell: Any, tree: ast.Module, opts: CellOptions) -> tuple[LoopChoice | None, FunctionLoop | None]:
+    """--loop LINE (a line of this cell) or --loop FUNCTION:LINE (as shown in that function's
+    cell)."""
+    value = opts.loop
+    if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
+        line = int(value)
+        choice = loop_at_line(tree, line)
         if choice is None:
             starts = ", ".join(map(str, for_loop_lines(tree))) or "none"
             raise UsageError(
-                f"--loop {opts.loop}: no for loop on line {opts.loop} of this cell "
+                f"--loop {line}: no for loop on line {line} of this cell "
                 f"(for loops start on lines: {starts})"
             )
         return choice, None
-    choice = find_training_loop(tree, lines)
-    if choice is not None:
-        return choice, None
+    name, _, line_text = str(value).rpartition(":")
+    if not name or not line_text.strip().isdigit():
+        raise UsageError(f"--loop {value}: give a line of this cell (--loop 5) or FUNCTION:LINE (--loop train:7)")
+    line = int(line_text)
+    func = named_cell_function(name, tree, shell.user_ns)
+    if func is None:
+        raise UsageError(f"--loop {value}: no function {name!r} defined in a notebook cell was found")
+    found = function_loop(func, lambda node, _lines: loop_at_line(node, line))
+    if found is None:
+        raise UsageError(f"--loop {value}: no for loop on line {line} of {name} (lines as its cell shows them)")
+    return None, found
+
+
+def _locate(
+    shell: Any, tree: ast.Module, lines: list[str], opts: CellOptions
+) -> tuple[LoopChoice | None, FunctionLoop | None]:
+    """The loop the cell trains in: --loop; a marked loop (in the cell, then in the functions it
+    calls); a training loop (same order); the innermost non-range loop (same order)."""
+    if opts.loop is not None:
+        return _loop_option(shell, tree, opts)
     functions = called_cell_functions(tree, shell.user_ns)
-    found = find_function_loop(functions, lambda node, ls: find_training_loop(node, ls), HOOK)
-    if found is not None:
-        return None, found
-    choice = find_innermost_loop(tree)
-    if choice is not None:
-        return choice, None
-    return None, find_function_loop(functions, lambda node, ls: find_innermost_loop(node), HOOK)
+    finders: list[Any] = [find_marked_loop, find_training_loop, lambda node, _lines: find_innermost_loop(node)]
+    for finder in finders:
+        choice = finder(tree, lines)
+        if choice is not None:
+            return choice, None
+        found = find_function_loop(functions, finder)
+        if found is not None:
+            return None, found
+    return None, None
 
 
 def _describe_function_loop(shell: Any, found: FunctionLoop) -> str:
@@ -136,8 +177,22 @@ def _describe_function_loop(shell: Any, found: FunctionLoop) -> str:
     return f"{found.where} ({cell})"
 
 
+def _instrument(
+    tree: ast.Module, choice: LoopChoice, lines: list[str], capture: Capture, where: str, opts: CellOptions
+) -> tuple[ast.Module, list[Any]]:
+    """The tree with the loop's iterator, fetch calls and (--lines) body statements hooked."""
+    new, sites = instrument_loop(tree, choice, capture.token)
+    capture.call_labels = {line: f"`{text}` on line {line}{where}" for line, text in sites.items()}
+    statements: list[Any] = []
+    if opts.lines:
+        from .line_costs import time_lines
+
+        new, statements = time_lines(new, choice, lines, capture.token)
+    return new, statements
+
+
 def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -> Any:
-    """Execute `cell` as IPython would, timing its step loop. Returns the last expression."""
+    """Execute `cell` as IPython would, timing its steps. Returns the last expression."""
     __tracebackhide__ = True  # noqa: F841
     first_line = ("%%traceml " + magic_line).rstrip()
     transformed = _keep_leading_blank_lines(cell, shell.transform_cell(cell))
@@ -146,71 +201,61 @@ def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -
         tree = ast.parse(transformed, filename)
     except SyntaxError as exc:
         exc.lineno = (exc.lineno or 0) + 1
+        if getattr(exc, "end_lineno", None):
+            exc.end_lineno = (exc.end_lineno or 0) + 1
         exc.filename = filename
-        raise
+        raise syntax_error(exc, shell) from None
     ast.increment_lineno(tree, 1)
     lines = [first_line] + transformed.splitlines()
     _import_torch()
 
     choice, func_loop = _locate(shell, tree, lines, opts)
     run = Run(opts.name, opts.warmup)
+    capture = Capture(run)
     run.cell_source = first_line + "\n" + cell
     run.cell_filename = filename
+    code_tree = tree
+    statements: list[Any] = []
     if choice is not None:
         run.loop_line = choice.lineno
         run.loop_where = "this cell" if choice.function is None else f"function {choice.function}"
+        run.loop_is_range = is_range(find_node(tree, choice))
+        code_tree, statements = _instrument(tree, choice, lines, capture, "", opts)
     elif func_loop is not None:
         run.loop_line = func_loop.choice.lineno
         run.loop_where = _describe_function_loop(shell, func_loop)
+        run.loop_is_range = is_range(find_node(func_loop.module, func_loop.choice))
+        where = " of " + run.loop_where
+        new_module, statements = _instrument(func_loop.module, func_loop.choice, func_loop.lines, capture, where, opts)
+        if not compile_function_loop(func_loop, new_module):
+            run.notes.append(f"The loop in {func_loop.where} could not be instrumented; its steps come from training events.")
+            func_loop, statements = None, []
+    if statements:
+        from .line_costs import new_clock
 
-    code_tree = instrument_loop(tree, choice, HOOK) if choice is not None else tree
-    line_clock = None
-    if opts.lines and choice is not None:
-        from .line_costs import new_clock, time_lines
-
-        code_tree, statements = time_lines(code_tree, choice, lines)
-        line_clock = new_clock(statements, run, opts.warmup)
-    elif opts.lines:
-        run.notes.append("--lines: cost per line is measured only for a loop written in this cell.")
+        capture.lines = new_clock(statements, run, opts.warmup)
+    elif opts.lines_chosen and choice is None and func_loop is None:
+        run.notes.append("--lines: cost per line is measured for a loop written in a notebook cell.")
     body, last = _split_last_expression(code_tree)
     flags = getattr(shell.compile, "flags", 0)
     code = compile(body, filename, "exec", flags, dont_inherit=True)
     last_code = compile(last, filename, "eval", flags, dont_inherit=True) if last else None
 
-    fallback = LoaderSteps() if choice is None and func_loop is None else None
-    seen: list[Any] = []
-
-    def remember(loader: Any) -> None:
-        try:
-            seen[:] = [weakref.ref(loader)]
-        except TypeError:
-            pass
-
-    run.loader_seen = lambda: seen[0]() if seen else None
     ns = shell.user_ns
     error: BaseException | None = None
-    view = None
+    views: list[Any] = []
     try:
-        with ExitStack() as patches:
-            patches.enter_context(name_in(ns, HOOK, run.loop))
-            patches.enter_context(swapped_code(func_loop, run.loop, HOOK))
-            if fallback is not None:
-                patches.enter_context(time_loader_iterators(fallback))
-            else:
-                patches.enter_context(watch_loaders(remember))
-                from .sync_stalls import gpu_watched
+        with ExitStack() as stack:
+            from .sync_stalls import gpu_watched
 
-                patches.enter_context(gpu_watched(run))
-            if line_clock is not None:
-                from .line_costs import LINES, SAMPLE, line_costs_kept
+            stack.enter_context(gpu_watched(run))
+            stack.enter_context(capturing(run, capture))
+            stack.enter_context(swapped_code(func_loop))
+            if capture.lines is not None:
+                from .line_costs import line_costs_kept
 
-                patches.enter_context(name_in(ns, LINES, line_clock))
-                patches.enter_context(name_in(ns, SAMPLE, line_clock.sample))
-                patches.enter_context(line_costs_kept(run, line_clock))
-            if fallback is None:
-                from .display import start_live_view
-
-                view = start_live_view(run, show=opts.live)
+                stack.enter_context(line_costs_kept(run, capture.lines))
+            run.observe(_live_view_starter(run, opts, views))
             exec(code, shell.user_global_ns, ns)
             return eval(last_code, shell.user_global_ns, ns) if last_code else None
     except BaseException as exc:
@@ -220,30 +265,70 @@ def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -
         if choice is not None and choice.function is not None:
             plain = compile(tree, filename, "exec", flags, dont_inherit=True)
             restore_definitions(ns, code, plain)
-        _finish(run, fallback, error, opts, view)
+        _finish(run, error, opts, views[0] if views else None)
 
 
-def _finish(
-    run: Run, fallback: LoaderSteps | None, error: BaseException | None, opts: CellOptions, view: Any
-) -> None:
-    """Show the report (or the one-line 'no loop' message); never mask the user's error."""
+def _live_view_starter(run: Run, opts: CellOptions, views: list[Any]) -> Any:
+    """The live view starts with the first step (a cell without steps shows none)."""
+
+    def start(_run: Run) -> None:
+        run._observers.remove(start)
+        from .display import start_live_view
+
+        view = start_live_view(run, show=opts.live)
+        if view is not None:
+            views.append(view)
+            view.refresh(run)
+
+    return start
+
+
+def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any) -> None:
+    """Show the report, or one line when there is nothing to report; never mask the user's error."""
     from .display import show_report
 
     try:
-        if fallback is not None:
-            recorder, loader = fallback.busiest()
-            if recorder is None or recorder.n_steps == 0:
+        run.finish(error)
+        if run.n_steps == 0:
+            if view is not None:
+                view.close()
+            if error is not None:
+                print(
+                    f"traceml: no step ran: the cell stopped with {run.error} before its first "
+                    f"step ended.{_likely_cause(run)}"
+                )
+            elif run.step_kind == "none" and run.loop_line is None:
                 _RUNS.remove(run)
                 print(NO_LOOP)
-                return
-            run.recorder = recorder
-            run.loop_where = "DataLoader iterator (no loop in the cell: timed next() on the loader)"
-            if loader is not None:
-                run.loader_info = describe_loader(loader)
-        run.finish(error)
+            else:
+                print(f"traceml: {run.name}: no step ran ({_why_no_step(run)}).")
+            return
         show_report(run, view)
-        if opts.save:
-            run.save(opts.save)
-            print(f"traceml: saved {run.name} to {opts.save}")
     except Exception as exc:  # the report must never hide what the cell did
         print(f"traceml: could not build the report: {type(exc).__name__}: {exc}", file=sys.stderr)
+    if opts.save:
+        try:
+            run.save(opts.save)
+            print(f"traceml: saved {run.name} to {opts.save}")
+        except Exception as exc:
+            print(f"traceml: could not save {run.name} to {opts.save}: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def _likely_cause(run: Run) -> str:
+    """A checklist fix that explains an error before the first step (workers that cannot
+    import a Dataset defined in a notebook cell), as the end of the one-line note."""
+    try:
+        items = run._checklist() or []
+    except Exception:
+        return ""
+    for item in items:
+        if item["key"] == "start_method" and item["status"] == "fix":
+            where = f" ({item['where']})" if item.get("where") else ""
+            return f" Likely cause: {item['seen']}: {item['to_try']}{where}."
+    return ""
+
+
+def _why_no_step(run: Run) -> str:
+    if run.loop_line is not None and not any(src.get("batches") for src in run.sources):
+        return f"the loop on line {run.loop_line} got no batch: its iterator is empty"
+    return "no optimizer step, backward() or loop iteration ended"

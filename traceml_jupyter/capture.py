@@ -1,0 +1,418 @@
+"""While a traced cell (or a `trace()` block) runs: every DataLoader fetch, `backward()`, optimizer
+step and iteration of the located loop goes to the step model, on the thread that runs the cell.
+
+What it changes, for the duration only, each undone in `finally`: `DataLoader.__iter__`,
+`_BaseDataLoaderIter.__next__`, `torch.autograd.backward`, and one global optimizer step hook.
+Each of them passes straight through on any other thread, and for any other capture. On a GPU,
+CUDA events follow the same boundaries (cuda_clock.py); any error there turns the GPU clock off
+for the run with a note, and nothing of ours is raised into the user's code.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+from time import perf_counter_ns
+from typing import TYPE_CHECKING, Any
+
+from . import hooks
+from .cuda_clock import (
+    CudaSteps,
+    Marks,
+    allocation_counts,
+    busiest_device,
+    cuda_initialized,
+    current_device,
+    torch_marks,
+)
+from .patches import patched
+from .probes import batch_size_of, type_name
+from .step_model import BACKWARD, FETCH, OPTIMIZER, Pass, Source, Span, StepModel
+
+if TYPE_CHECKING:
+    from .run import Run
+
+DECIDE_STEPS = 3  # the loop's device is decided from the allocations of its first steps
+_tokens = iter(range(1, 1 << 62))
+
+
+def new_token() -> int:
+    """A serial number tying instrumented code to the run it was made for."""
+    return next(_tokens)
+
+
+class Capture:
+    """Routes the training's events to a StepModel; owns the GPU clock and the view's ticks."""
+
+    def __init__(self, run: Run, token: int | None = None, marks: Callable[[int], Marks] | None = None) -> None:
+        self.run = run
+        self.token = token if token is not None else new_token()
+        self.thread = threading.get_ident()
+        self.model = model = StepModel(run.recorder, steps_at_start=run.recorder.n_steps)
+        model.on_step = self._step_closed
+        model.on_merge = self._steps_merged
+        model.on_exclude = self._phase_excluded
+        self.lines: Any = None  # line_costs.LineClock, set by the traced cell
+        self.call_labels: dict[int, str] = {}  # fetch call site -> "`next(it)` on line 4"
+        self.active = False
+        self.cuda: CudaSteps | None = None
+        self.gpu_note: str | None = None
+        self.optimizer_name: str | None = None
+        self.backward_seen = False
+        self.loop_passes = 0  # passes of the located loop
+        self._marks = marks or torch_marks
+        self._iter_passes: dict[int, Pass] = {}  # id(DataLoader iterator) -> its pass
+        self._deciding = True
+        self._alloc_before: dict[int, int] = {}
+        self._first_step = run.recorder.n_steps
+
+    # -- the located loop -------------------------------------------------------------------
+    def loop(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """`for x in loop(it)`: each fetch is data wait, each iteration ends a step or not (see
+        step_model.py)."""
+        self.loop_passes += 1
+        self.run._loops_started = self.loop_passes
+        source = self.model.source("loop", "loop", "the loop's iterator", None)
+        return self._loop(iterable, Pass(source), source)
+
+    def _loop(self, iterable: Iterable[Any], pass_: Pass, source: Source) -> Iterator[Any]:
+        __tracebackhide__ = True  # noqa: F841  (IPython hides this frame in tracebacks)
+        model, clock = self.model, perf_counter_ns
+        begin, end = self._fetch_begin, self._fetch_end
+        try:
+            t0 = clock()
+            begin()
+            try:
+                it = iter(iterable)
+                item = next(it)
+            except StopIteration:
+                end(t0, clock(), pass_, False)
+                return
+            except BaseException:
+                end(t0, clock(), pass_, False)
+                raise
+            end(t0, clock(), pass_, True)
+            if source.batch_kind is None:
+                self._first_batch(source, item)
+                self.run.note_loop_iterable(iterable)
+            while True:
+                model.in_iteration = True
+                try:
+                    yield item
+                finally:
+                    if self.active:
+                        model.iteration_end(clock())
+                t0 = clock()
+                begin()
+                try:
+                    item = next(it)
+                except StopIteration:
+                    end(t0, clock(), pass_, False)
+                    return
+                except BaseException:
+                    end(t0, clock(), pass_, False)
+                    raise
+                end(t0, clock(), pass_, True)
+        finally:
+            if self.active:
+                model.pass_ended(pass_)
+
+    # -- fetches ------------------------------------------------------------------------------
+    def _fetch_begin(self) -> None:
+        model = self.model
+        if self.cuda is not None and not model._stack:
+            try:
+                self.cuda.before_fetch(model.recorder.n_steps)
+            except Exception as exc:
+                self._gpu_failed(exc)
+        model.fetch_begin()
+
+    def _fetch_end(self, t0: int, t1: int, pass_: Pass | None, batch: bool, source: Source | None = None) -> None:
+        model = self.model
+        model.fetch_end(t0, t1, source, pass_, batch)
+        if self.cuda is not None and not model._stack:
+            try:
+                self.cuda.after_fetch(model.fetch_serial - 1)
+            except Exception as exc:
+                self._gpu_failed(exc)
+
+    def fetch(self, site: int, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """A fetch call in the loop body (`next(it)`, `get_batch()`): its time is data wait."""
+        __tracebackhide__ = True  # noqa: F841
+        source = self.model.source(("call", site), "call", self.call_labels.get(site, "a fetch call"))
+        clock = perf_counter_ns
+        t0 = clock()
+        self._fetch_begin()
+        try:
+            item = func(*args, **kwargs)
+        except BaseException:
+            self._fetch_end(t0, clock(), None, False, source)
+            raise
+        self._fetch_end(t0, clock(), None, True, source)
+        if source.batches == 1:
+            self._first_batch(source, item)
+        return item
+
+    def dataloader_iter(self, loader: Any, original: Callable[[Any], Any]) -> Any:
+        """`iter(loader)`: starts a pass; its time (worker start-up) is the pass's first wait."""
+        __tracebackhide__ = True  # noqa: F841
+        model = self.model
+        source = model.sources.get(id(loader))
+        if source is None:
+            source = model.source(id(loader), "dataloader", "DataLoader", loader)
+            self.run.note_dataloader(source, loader)
+        pass_ = Pass(source, grad_disabled=not _grad_enabled())
+        clock = perf_counter_ns
+        t0 = clock()
+        self._fetch_begin()
+        try:
+            it = original(loader)
+        finally:
+            self._fetch_end(t0, clock(), pass_, False)
+        self._iter_passes[id(it)] = pass_
+        return it
+
+    def dataloader_next(self, it: Any, original: Callable[[Any], Any]) -> Any:
+        __tracebackhide__ = True  # noqa: F841
+        model = self.model
+        pass_ = self._iter_passes.get(id(it))
+        if pass_ is None:  # an iterator made before the capture started
+            source = model.source(("iterator", id(it)), "dataloader", "DataLoader iterator", None)
+            pass_ = self._iter_passes[id(it)] = Pass(source, grad_disabled=not _grad_enabled())
+        source = pass_.source
+        clock = perf_counter_ns
+        t0 = clock()
+        if model.level <= FETCH and not model._stack:
+            model.fetch_started(source, t0)
+            t0 = clock()
+        self._fetch_begin()
+        try:
+            item = original(it)
+        except StopIteration:
+            self._fetch_end(t0, clock(), pass_, False)
+            model.pass_ended(pass_)
+            self._iter_passes.pop(id(it), None)
+            raise
+        except BaseException:
+            self._fetch_end(t0, clock(), pass_, False)
+            raise
+        self._fetch_end(t0, clock(), pass_, True)
+        if source.batch_kind is None:
+            self._first_batch(source, item)
+        return item
+
+    def _first_batch(self, source: Source, item: Any) -> None:
+        source.batch_kind = type_name(item)
+        source.batch_size = batch_size_of(item)
+
+    # -- training events --------------------------------------------------------------------------
+    def training_event(self, level: int, optimizer: Any = None) -> None:
+        t = perf_counter_ns()
+        if level == OPTIMIZER and self.optimizer_name is None:
+            self.optimizer_name = type_name(optimizer)
+        elif level == BACKWARD:
+            self.backward_seen = True
+        self.model.training_event(level, t, optimizer)
+
+    # -- steps ------------------------------------------------------------------------------------
+    def _step_closed(self, index: int, t: int, next_serial: int) -> None:
+        if self.cuda is not None:
+            try:
+                self.cuda.step_closed(index, next_serial)
+            except Exception as exc:
+                self._gpu_failed(exc)
+        if self._deciding and index - self._first_step < DECIDE_STEPS:
+            self._decide_device(index)
+        run = self.run
+        if self.cuda is not None and run.gpu_watch is not None:
+            try:
+                run.gpu_watch.step_ended(t)
+            except Exception as exc:
+                run.notes.append(f"GPU watch stopped: {type(exc).__name__}: {exc}")
+                run.gpu_watch = None
+        if t >= run._next_tick:
+            run._tick(t)
+            after = perf_counter_ns()
+            self.model.exclude_time(after - t)  # the view's own time is nobody's step
+            if self.cuda is not None:
+                try:
+                    self.cuda.open(index + 1)
+                except Exception as exc:
+                    self._gpu_failed(exc)
+
+    def _steps_merged(self, n: int) -> None:
+        if self.cuda is not None:
+            self.cuda.merged(n)
+
+    def _phase_excluded(self, span: Span) -> None:
+        if self.cuda is not None:
+            try:
+                self.cuda.exclude(span.first_serial, span.last_serial)
+            except Exception as exc:
+                self._gpu_failed(exc)
+
+    # -- the GPU ----------------------------------------------------------------------------------
+    def _start_gpu(self) -> None:
+        """At the start: if CUDA is already initialised, time the first steps on the current
+        device until the loop shows where it runs (never initialises CUDA)."""
+        self._alloc_before = allocation_counts()
+        device = current_device()
+        if device is not None:
+            self._use_device(device, confirmed=False)
+
+    def _use_device(self, device: int, confirmed: bool) -> None:
+        try:
+            self.cuda = CudaSteps(self.run.recorder, device, self._marks(device))
+        except Exception as exc:
+            self._gpu_failed(exc)
+            return
+        if confirmed:
+            self._gpu_confirmed(device)
+
+    def _decide_device(self, index: int) -> None:
+        """After each of the first steps: the device the loop allocated on is the loop's."""
+        device = busiest_device(self._alloc_before, allocation_counts())
+        if device is None:
+            if index - self._first_step >= DECIDE_STEPS - 1:
+                self._deciding = False
+                self.cuda = None  # a CPU loop: no GPU clock, whatever sits on the GPU
+                self.run.recorder.has_gpu = False
+            return
+        self._deciding = False
+        if self.cuda is not None and self.cuda.device == device:
+            self._gpu_confirmed(device)
+            return
+        self._use_device(device, confirmed=True)
+        if self.cuda is not None:
+            self.cuda.open(index + 1)
+
+    def _gpu_confirmed(self, device: int) -> None:
+        run = self.run
+        run.cuda_device = device
+        run._gpu_used = True
+        if run.gpu_watch is not None:
+            try:
+                run.gpu_watch.loop_started(device)
+            except Exception as exc:
+                run.notes.append(f"Copies and syncs were not watched: {type(exc).__name__}: {exc}")
+
+    def _gpu_failed(self, exc: BaseException) -> None:
+        """Any error in the GPU bookkeeping: the run goes on the CPU clock, with a note."""
+        self.cuda = None
+        self._deciding = False
+        self.gpu_note = f"GPU timings turned off: {type(exc).__name__}: {exc}"
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Read the pending GPU timings (one wait for the GPU) and classify what is still open."""
+        self.active = False
+        self.model.close()
+        if self.cuda is not None:
+            try:
+                self.cuda.close()
+            except Exception as exc:
+                self._gpu_failed(exc)
+        self._iter_passes.clear()
+
+
+def _grad_enabled() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch.is_grad_enabled()) if torch is not None else True
+    except Exception:
+        return True
+
+
+# -- the patches ----------------------------------------------------------------------------------
+
+
+def _dataloader_patches(capture: Capture, stack: ExitStack) -> None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    try:
+        from torch.utils.data import DataLoader
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+    except Exception:
+        return
+    original_iter = DataLoader.__dict__["__iter__"]
+    original_next = _BaseDataLoaderIter.__dict__["__next__"]
+    active = hooks.ACTIVE
+
+    def __iter__(self: Any) -> Any:
+        __tracebackhide__ = True  # noqa: F841
+        if active.capture is not capture:
+            return original_iter(self)
+        return capture.dataloader_iter(self, original_iter)
+
+    def __next__(self: Any) -> Any:
+        __tracebackhide__ = True  # noqa: F841
+        if active.capture is not capture:
+            return original_next(self)
+        return capture.dataloader_next(self, original_next)
+
+    stack.enter_context(patched(DataLoader, {"__iter__": __iter__}))
+    stack.enter_context(patched(_BaseDataLoaderIter, {"__next__": __next__}))
+
+
+def _training_patches(capture: Capture, stack: ExitStack) -> None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    active = hooks.ACTIVE
+    autograd = torch.autograd
+    original_backward = autograd.__dict__.get("backward")
+    if original_backward is not None:
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # noqa: F841
+            out = original_backward(*args, **kwargs)
+            if active.capture is capture:
+                capture.training_event(BACKWARD)
+            return out
+
+        backward.__doc__ = original_backward.__doc__
+        backward.__wrapped__ = original_backward  # type: ignore[attr-defined]
+        stack.enter_context(patched(autograd, {"backward": backward}))
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook as register
+    except Exception:  # torch < 2.0
+        register = None
+    if register is not None:
+
+        def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if active.capture is capture:
+                capture.training_event(OPTIMIZER, optimizer)
+
+        handle = register(stepped)
+        stack.callback(handle.remove)
+
+
+@contextmanager
+def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
+    """Record `run` on this thread for the duration: the hook names in builtins, the patches,
+    the GPU clock. Everything is undone on exit (nested captures restore the outer one)."""
+    capture = capture or Capture(run)
+    began = perf_counter_ns()
+    hooks.install()
+    previous = hooks.ACTIVE.capture
+    run._capture = capture
+    run.capture_thread = capture.thread
+    with ExitStack() as stack:
+        _dataloader_patches(capture, stack)
+        _training_patches(capture, stack)
+        if cuda_initialized():
+            capture._start_gpu()
+        capture.active = True
+        hooks.ACTIVE.capture = capture
+        try:
+            yield capture
+        finally:
+            hooks.ACTIVE.capture = previous
+            capture.close()
+            run._capture = None
+            if capture.gpu_note:
+                run.notes.append(capture.gpu_note)
+            run.captured(capture, perf_counter_ns() - began)

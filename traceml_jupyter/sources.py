@@ -1,0 +1,159 @@
+"""What fed a run's steps, in the user's words: its data sources (which one is the training
+loader), the phases kept out of the steps (validation, test, eval), and what a step was."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .figures import pct
+from .step_model import BACKWARD, FETCH, ITERATION, LEVEL_NAMES, OPTIMIZER, Source
+
+PHASE_WORDS = (("val", "validation"), ("test", "test"), ("eval", "evaluation"), ("dev", "validation"))
+
+
+@dataclass
+class SourceFacts:
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    step_kind: str = "none"
+    step_definition: str = "no step ran"
+    batches_per_step: float | None = None
+    batch_size: int | None = None
+    batch_kind: str | None = None
+    loader_info: dict[str, Any] | None = None
+    loader_ref: Any = None
+    loader_name: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def bound_name(obj: Any, namespace: Mapping[str, Any] | None) -> str | None:
+    """The (first public) name `obj` is bound to in the user's namespace."""
+    if obj is None or not namespace:
+        return None
+    try:
+        names = [k for k, v in list(namespace.items()) if v is obj and not k.startswith("_")]
+    except Exception:
+        return None
+    return names[0] if names else None
+
+
+def phase_kind(name: str | None, grad_disabled: bool) -> str:
+    """"validation", "test", "evaluation" from the loader's name, else from autograd being off."""
+    lowered = (name or "").lower()
+    for word, kind in PHASE_WORDS:
+        if word in lowered:
+            return kind
+    return "evaluation" if grad_disabled else "other passes"
+
+
+def training_source(sources: list[Source]) -> Source | None:
+    """The source that fed the training steps most: the DataLoader with the most wait (the slow
+    one of a `zip`), else the busiest other source (a `get_batch()` call, the loop's iterator)."""
+    fed = [s for s in sources if s.batches or s.wait_ns]
+    loaders = [s for s in fed if s.kind == "dataloader"]
+    return max(loaders or fed, key=lambda s: (s.wait_ns, s.batches), default=None)
+
+
+def step_definition(level: int, optimizer: str | None, batches_per_step: float | None, where: str | None) -> str:
+    """What a step was, in words ("a step = one `optimizer.step()` of SGD")."""
+    if level == OPTIMIZER:
+        text = f"a step = one `optimizer.step()` of {optimizer or 'the optimizer'}"
+        if batches_per_step is not None and batches_per_step >= 1.5:
+            text += f"; {batches_per_step:.3g} batches per step: gradient accumulation"
+        return text
+    if level == BACKWARD:
+        return "a step = one `backward()` (no optimizer step was seen)"
+    if level == ITERATION:
+        return "a step = one iteration of the loop" + (f" {where}" if where else "")
+    if level == FETCH:
+        return "a step = the time between two batches of the DataLoader (no loop, `backward()` or optimizer step was seen)"
+    return "no step ran"
+
+
+def phase_sentence(phase: Mapping[str, Any]) -> str:
+    """"validation: 1.1 s, 48.0 % of the cell, 95.0 % of it waiting for `val_loader`"."""
+    seconds = (phase.get("time_ms") or 0.0) / 1e3
+    text = f"{phase['kind']}: {seconds:.3g} s"
+    if phase.get("share_of_cell") is not None:
+        text += f", {pct(phase['share_of_cell'])} of the cell"
+    if phase.get("wait_share") is not None:
+        text += f", {pct(phase['wait_share'])} of it waiting for {phase['label']}"
+    passes, batches = phase.get("passes") or 0, phase.get("batches") or 0
+    text += f" ({passes} pass{'es' if passes != 1 else ''}, {batches} batches"
+    workers = phase.get("num_workers")
+    if workers is not None:
+        text += f", num_workers={workers}"
+    return text + ")"
+
+
+def _label(src: Source, name: str | None) -> str:
+    if src.kind == "dataloader":
+        return f"`{name}`" if name else "a DataLoader"
+    return src.label
+
+
+def describe_run_sources(run: Any, capture: Any) -> SourceFacts:
+    """The facts the run keeps of its capture (see the module docstring)."""
+    from .environment import ipython_shell
+
+    model = capture.model
+    shell = ipython_shell()
+    namespace = getattr(shell, "user_ns", None) if shell is not None else None
+    facts = SourceFacts(step_kind=LEVEL_NAMES[model.level])
+    sources = list(model.sources.values())
+    training = training_source(sources)
+    n_steps = run.recorder.n_steps - model.steps_at_start
+    for src in sources:
+        obj = src.ref() if src.ref is not None else None
+        name = bound_name(obj, namespace)
+        info = run._loader_infos.get(src.key) or {}
+        row = {
+            "label": _label(src, name),
+            "kind": src.kind,
+            "name": name,
+            "training": src is training,
+            "wait_ms": src.wait_ns / 1e6,
+            "batches": src.batches,
+            "passes": src.passes,
+            "num_workers": info.get("num_workers"),
+        }
+        facts.sources.append(row)
+        if src.phase_passes:
+            time_ms = src.phase_span_ns / 1e6
+            facts.phases.append(
+                {
+                    "label": row["label"],
+                    "kind": phase_kind(name, src.grad_disabled),
+                    "passes": src.phase_passes,
+                    "batches": src.phase_batches,
+                    "time_ms": time_ms,
+                    "wait_ms": src.phase_wait_ns / 1e6,
+                    "wait_share": src.phase_wait_ns / src.phase_span_ns if src.phase_span_ns > 0 else None,
+                    "share_of_cell": time_ms / run.wall_ms if run.wall_ms else None,
+                    "num_workers": info.get("num_workers"),
+                }
+            )
+        if training is not None and src is training:
+            if src.kind == "dataloader":
+                facts.loader_info = info or None
+                facts.loader_ref = src.ref
+                facts.loader_name = name
+            facts.batches_per_step = src.batches / n_steps if n_steps > 0 and src.batches else None
+            facts.batch_size, facts.batch_kind = src.batch_size, src.batch_kind
+    facts.phases.sort(key=lambda p: -p["time_ms"])
+    where = f"on line {run.loop_line}" if run.loop_line is not None else None
+    if where and run.loop_where and run.loop_where != "this cell":
+        where += f" of {run.loop_where}"
+    facts.step_definition = step_definition(model.level, capture.optimizer_name, facts.batches_per_step, where)
+    if n_steps <= 0:
+        facts.step_definition = "no step ran"
+    if training is not None and facts.batch_size is None and facts.batch_kind and _is_data(training, run):
+        facts.notes.append(f"Batches are {facts.batch_kind}, not tensors: samples/s is not shown.")
+    return facts
+
+
+def _is_data(src: Source, run: Any) -> bool:
+    """Whether the source's items are batches (a loop over range() yields step numbers)."""
+    return not (src.kind == "loop" and run.loop_is_range)
