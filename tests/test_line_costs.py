@@ -139,6 +139,19 @@ LOOP_FORMS = {
 }
 
 
+class ClockByToken:
+    """What `__traceml_lines__` is in builtins (hooks.py), bound to one clock."""
+
+    def __init__(self, clock: LineClock) -> None:
+        self.clock = clock
+
+    def start(self, token: int) -> None:
+        self.clock.start()
+
+    def lap(self, token: int, index: int) -> None:
+        self.clock.lap(index)
+
+
 def run_source(source: str, rewrite: bool, sample: Callable[[], bool]) -> dict[str, Any]:
     tree = ast.parse(source)
     lines = source.splitlines()
@@ -149,8 +162,8 @@ def run_source(source: str, rewrite: bool, sample: Callable[[], bool]) -> dict[s
         tree, statements = time_lines(tree, choice, lines)
     ns: dict[str, Any] = {"__file__": __file__}
     if rewrite:
-        ns[LINES] = LineClock(statements)
-        ns[SAMPLE] = sample
+        ns[LINES] = ClockByToken(LineClock(statements))
+        ns[SAMPLE] = lambda token: sample()
     exec(compile(tree, "<loop>", "exec"), ns)
     return {k: v for k, v in ns.items() if k in ("out", "done", "seen", "count", "first")}
 
@@ -178,7 +191,7 @@ def test_each_top_level_statement_is_timed_with_its_lines() -> None:
         (5, 7, "w = ["),
     ]
     clock = LineClock(statements)
-    exec(compile(new, "<loop>", "exec"), {LINES: clock, SAMPLE: clock.sample})
+    exec(compile(new, "<loop>", "exec"), {LINES: ClockByToken(clock), SAMPLE: lambda token: clock.sample()})
     assert clock.timed == 3 and clock.runs == [3, 3, 3]
     # Every node of the rewritten loop sits on one of the loop's own lines.
     loop = new.body[0]
@@ -205,7 +218,7 @@ def test_break_continue_and_exceptions_still_end_the_statements_time() -> None:
     assert choice is not None
     new, statements = time_lines(tree, choice, source.splitlines())
     clock = LineClock(statements)
-    exec(compile(new, "<loop>", "exec"), {LINES: clock, SAMPLE: clock.sample})
+    exec(compile(new, "<loop>", "exec"), {LINES: ClockByToken(clock), SAMPLE: lambda token: clock.sample()})
     # x = 0, 1, 2, 3, 4: five steps; `continue` on 1 and 3, the KeyError on 4.
     assert clock.timed == 5 and clock.runs == [5, 3, 3]
 
@@ -368,10 +381,12 @@ def test_a_loop_in_a_function_of_the_cell_is_timed_and_restored(ip: Any, no_name
     assert ip.user_ns["again"] == 66
 
 
-def test_a_loop_in_another_cell_says_why_it_has_no_line_costs(ip: Any, no_names_left: None) -> None:
+def test_a_loop_in_another_cell_gets_its_cost_per_line_in_its_own_numbering(ip: Any, no_names_left: None) -> None:
     ip.run_cell("def fit(data):\n    for x in data:  # traceml: loop\n        y = x\n    return y\n")
+    plain = ip.user_ns["fit"].__code__
     ip.run_cell("batches = list(range(12))")
     result, run = traced(ip, "%%traceml --no-live\nfit(batches)\n")
     assert result.error_in_exec is None and run.n_steps == 12
-    assert run.line_costs is None
-    assert any("--lines" in note for note in run.notes)
+    assert run.line_costs is not None and run.line_costs["loop_line"] == 2
+    assert [r["line"] for r in run.line_costs["statements"]] == [3]
+    assert "function fit" in (run.loop_where or "") and ip.user_ns["fit"].__code__ is plain

@@ -203,8 +203,16 @@ loader = DataLoader(CellData(), batch_size=2, num_workers=2, multiprocessing_con
 for x in loader:
     opt.step()
 """
-    run, page, result = run_cell(shell, cell)
-    assert result.error_in_exec is not None  # workers cannot load a class from __main__
+    with capture_output() as captured:
+        result = shell.run_cell(cell, store_history=True)
+    run = traceml_jupyter.last()
+    assert run is not None and result.error_in_exec is not None  # workers cannot load __main__.CellData
+    # No step ran: one line, with the exception and the fix, and no report.
+    lines = [line for line in captured.stdout.splitlines() if line.startswith("traceml:")]
+    assert len(lines) == 1 and "no step ran" in lines[0] and "PicklingError" in lines[0]
+    assert "move CellData into a .py module" in lines[0]
+    assert not [o for o in captured.outputs if "text/html" in o.data]
+    page = Page(render_html(run))  # the report is still there for those who ask (run.save, HTML)
     assert "Stopped by:" in page.one("tml-error").text
     item = page.one("tml-item-start_method")
     assert "tml-fix" in item.classes
@@ -280,8 +288,11 @@ for x, y in DataLoader(SlowSamples(8), batch_size=2):
 
 def test_unmeasured_values_show_n_a_never_zero(shell: Any) -> None:
     cell = "%%traceml --no-live\nfor x in DataLoader(SlowSamples(0)):\n    x.sum().backward()\n"
-    run, page, _ = run_cell(shell, cell)
-    assert run.verdict == "NO DATA"
+    with capture_output():
+        shell.run_cell(cell, store_history=True)
+    run = traceml_jupyter.last()
+    assert run is not None and run.verdict == "NO DATA"
+    page = Page(render_html(run))
     for tile in page.by_class("tml-number"):
         assert "n/a" in tile.text and "0.0" not in tile.text
     assert "n/a" in page.one("tml-evidence").text

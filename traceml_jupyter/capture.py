@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
@@ -80,7 +80,8 @@ class Capture:
     def _loop(self, iterable: Iterable[Any], pass_: Pass, source: Source) -> Iterator[Any]:
         __tracebackhide__ = True  # noqa: F841  (IPython hides this frame in tracebacks)
         model, clock = self.model, perf_counter_ns
-        begin, end = self._fetch_begin, self._fetch_end
+        begin, end, stack = self._fetch_begin, self._fetch_end, model._stack
+        fetch_end, iteration_end = model.fetch_end, model.iteration_end
         try:
             t0 = clock()
             begin()
@@ -103,8 +104,20 @@ class Capture:
                     yield item
                 finally:
                     if self.active:
-                        model.iteration_end(clock())
+                        iteration_end(clock())
                 t0 = clock()
+                if self.cuda is None:  # the per-step path on the CPU: no call it can spare
+                    stack.append(0)
+                    try:
+                        item = next(it)
+                    except StopIteration:
+                        fetch_end(t0, clock(), None, pass_, False)
+                        return
+                    except BaseException:
+                        fetch_end(t0, clock(), None, pass_, False)
+                        raise
+                    fetch_end(t0, clock(), None, pass_, True)
+                    continue
                 begin()
                 try:
                     item = next(it)
@@ -115,6 +128,44 @@ class Capture:
                     end(t0, clock(), pass_, False)
                     raise
                 end(t0, clock(), pass_, True)
+        finally:
+            if self.active:
+                model.pass_ended(pass_)
+
+    def aloop(self, iterable: AsyncIterable[Any]) -> AsyncIterator[Any]:
+        """`async for x in aloop(it)`: the same, for an asynchronous iterator."""
+        self.loop_passes += 1
+        self.run._loops_started = self.loop_passes
+        source = self.model.source("loop", "loop", "the loop's iterator", None)
+        return self._aloop(iterable, Pass(source), source)
+
+    async def _aloop(self, iterable: AsyncIterable[Any], pass_: Pass, source: Source) -> AsyncIterator[Any]:
+        __tracebackhide__ = True  # noqa: F841
+        model, clock = self.model, perf_counter_ns
+        begin, end = self._fetch_begin, self._fetch_end
+        try:
+            it = aiter(iterable)
+            while True:
+                t0 = clock()
+                begin()
+                try:
+                    item = await anext(it)
+                except StopAsyncIteration:
+                    end(t0, clock(), pass_, False)
+                    return
+                except BaseException:
+                    end(t0, clock(), pass_, False)
+                    raise
+                end(t0, clock(), pass_, True)
+                if source.batch_kind is None:
+                    self._first_batch(source, item)
+                    self.run.note_loop_iterable(iterable)
+                model.in_iteration = True
+                try:
+                    yield item
+                finally:
+                    if self.active:
+                        model.iteration_end(clock())
         finally:
             if self.active:
                 model.pass_ended(pass_)
@@ -179,8 +230,7 @@ class Capture:
         model = self.model
         pass_ = self._iter_passes.get(id(it))
         if pass_ is None:  # an iterator made before the capture started
-            source = model.source(("iterator", id(it)), "dataloader", "DataLoader iterator", None)
-            pass_ = self._iter_passes[id(it)] = Pass(source, grad_disabled=not _grad_enabled())
+            pass_ = self._iter_passes[id(it)] = Pass(self._iterator_source(it), grad_disabled=not _grad_enabled())
         source = pass_.source
         clock = perf_counter_ns
         t0 = clock()
@@ -203,6 +253,23 @@ class Capture:
             self._first_batch(source, item)
         return item
 
+    def _iterator_source(self, it: Any) -> Source:
+        """The source of an iterator made before the run: its DataLoader when the namespace
+        still holds it, else the iterator itself."""
+        from .dataloaders import loader_of_iterator
+        from .environment import ipython_shell
+
+        shell = ipython_shell()
+        loader = loader_of_iterator(it, getattr(shell, "user_ns", None))
+        model = self.model
+        if loader is not None:
+            source = model.sources.get(id(loader))
+            if source is None:
+                source = model.source(id(loader), "dataloader", "DataLoader", loader)
+                self.run.note_dataloader(source, loader)
+            return source
+        return model.source(("iterator", id(it)), "dataloader", "DataLoader iterator", None)
+
     def _first_batch(self, source: Source, item: Any) -> None:
         source.batch_kind = type_name(item)
         source.batch_size = batch_size_of(item)
@@ -217,14 +284,30 @@ class Capture:
         self.model.training_event(level, t, optimizer)
 
     # -- steps ------------------------------------------------------------------------------------
-    def _step_closed(self, index: int, t: int, next_serial: int) -> None:
+    def _step_closed(self, t: int, next_serial: int) -> None:
+        if self.cuda is not None or self._deciding:
+            self._gpu_step_closed(self.run.recorder.n_steps - 1, t, next_serial)
+        run = self.run
+        if t >= run._next_tick:
+            run._tick(t)
+            self.model.exclude_time(perf_counter_ns() - t)  # the view's own time is nobody's step
+            if self.cuda is not None:
+                try:
+                    self.cuda.open(run.recorder.n_steps)
+                except Exception as exc:
+                    self._gpu_failed(exc)
+
+    def _gpu_step_closed(self, index: int, t: int, next_serial: int) -> None:
         if self.cuda is not None:
             try:
                 self.cuda.step_closed(index, next_serial)
             except Exception as exc:
                 self._gpu_failed(exc)
-        if self._deciding and index - self._first_step < DECIDE_STEPS:
-            self._decide_device(index)
+        if self._deciding:
+            if index - self._first_step < DECIDE_STEPS:
+                self._decide_device(index)
+            else:
+                self._deciding = False
         run = self.run
         if self.cuda is not None and run.gpu_watch is not None:
             try:
@@ -232,15 +315,6 @@ class Capture:
             except Exception as exc:
                 run.notes.append(f"GPU watch stopped: {type(exc).__name__}: {exc}")
                 run.gpu_watch = None
-        if t >= run._next_tick:
-            run._tick(t)
-            after = perf_counter_ns()
-            self.model.exclude_time(after - t)  # the view's own time is nobody's step
-            if self.cuda is not None:
-                try:
-                    self.cuda.open(index + 1)
-                except Exception as exc:
-                    self._gpu_failed(exc)
 
     def _steps_merged(self, n: int) -> None:
         if self.cuda is not None:
@@ -376,6 +450,7 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
         backward.__doc__ = original_backward.__doc__
         backward.__wrapped__ = original_backward  # type: ignore[attr-defined]
         stack.enter_context(patched(autograd, {"backward": backward}))
+    register: Callable[..., Any] | None
     try:
         from torch.optim.optimizer import register_optimizer_step_post_hook as register
     except Exception:  # torch < 2.0

@@ -71,3 +71,20 @@ def _context_name(ctx: Any) -> str | None:
         return str(get()) if get else str(ctx)
     except Exception:
         return None
+
+
+def loader_of_iterator(iterator: Any, namespace: Any) -> Any:
+    """The DataLoader in the user's namespace that an iterator made before the run came from
+    (`it = iter(loader)` in an earlier cell): the one over the same dataset, else None."""
+    DataLoader = _dataloader_class()
+    dataset = attribute(iterator, "_dataset")
+    if DataLoader is None or dataset is None or not namespace:
+        return None
+    try:
+        values = list(namespace.values())
+    except Exception:
+        return None
+    for value in values:
+        if isinstance(value, DataLoader) and attribute(value, "dataset") is dataset:
+            return value
+    return None

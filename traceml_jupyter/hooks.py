@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import builtins
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable
 from typing import Any, Protocol
 
 LOOP = "__traceml_loop__"
+ALOOP = "__traceml_aloop__"
 FETCH = "__traceml_fetch__"
 SAMPLE = "__traceml_line_sample__"
 LINES = "__traceml_lines__"
-NAMES = (LOOP, FETCH, SAMPLE, LINES)
+NAMES = (LOOP, ALOOP, FETCH, SAMPLE, LINES)
 
 
 class Recording(Protocol):
@@ -30,6 +31,8 @@ class Recording(Protocol):
     lines: Any  # the line clock (line_costs.LineClock) or None
 
     def loop(self, iterable: Iterable[Any]) -> Iterable[Any]: ...
+
+    def aloop(self, iterable: AsyncIterable[Any]) -> AsyncIterable[Any]: ...
 
     def fetch(self, site: int, func: Callable[..., Any], args: Any, kwargs: Any) -> Any: ...
 
@@ -54,6 +57,14 @@ def loop(iterable: Any, token: int) -> Any:
     if capture is None or capture.token != token:
         return iterable
     return capture.loop(iterable)
+
+
+def aloop(iterable: Any, token: int) -> Any:
+    """`async for x in __traceml_aloop__(it, token)`: the located `async for` loop's iterator."""
+    capture = ACTIVE.capture
+    if capture is None or capture.token != token:
+        return iterable
+    return capture.aloop(iterable)
 
 
 def fetch(token: int, site: int, func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -92,6 +103,6 @@ class _Lines:
 
 def install() -> None:
     """Put the hook names in builtins (once per process; they stay, see the module docstring)."""
-    values = {LOOP: loop, FETCH: fetch, SAMPLE: sample, LINES: _Lines()}
+    values = {LOOP: loop, ALOOP: aloop, FETCH: fetch, SAMPLE: sample, LINES: _Lines()}
     for name, value in values.items():
         setattr(builtins, name, value)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 MARK = re.compile(r"#\s*traceml\s*:\s*loop\b")
 LOOPS = (ast.For, ast.While, ast.AsyncFor)
+FOR_LOOPS = (ast.For, ast.AsyncFor)
+ForLoop = ast.For | ast.AsyncFor
 SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 
 
@@ -22,14 +24,14 @@ class LoopChoice:
     function: str | None = None  # name of the enclosing function, if any
 
 
-def _for_loops(tree: ast.AST) -> Iterator[tuple[ast.For, int, str | None]]:
+def _for_loops(tree: ast.AST) -> Iterator[tuple[ForLoop, int, str | None]]:
     """Every `for` statement with its loop depth and its enclosing function name."""
 
-    def visit(node: ast.AST, depth: int, func: str | None) -> Iterator[tuple[ast.For, int, str | None]]:
+    def visit(node: ast.AST, depth: int, func: str | None) -> Iterator[tuple[ForLoop, int, str | None]]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 yield from visit(child, 0, child.name)
-            elif isinstance(child, ast.For):
+            elif isinstance(child, FOR_LOOPS):
                 yield child, depth, func
                 yield from visit(child, depth + 1, func)
             elif isinstance(child, LOOPS):
@@ -40,7 +42,7 @@ def _for_loops(tree: ast.AST) -> Iterator[tuple[ast.For, int, str | None]]:
     yield from visit(tree, 0, None)
 
 
-def _own_calls(loop: ast.For) -> Iterator[ast.Call]:
+def _own_calls(loop: ForLoop) -> Iterator[ast.Call]:
     """Calls in the loop's body and else, not inside a nested loop or definition."""
     stack: list[ast.AST] = [*loop.body, *loop.orelse]
     while stack:
@@ -52,7 +54,7 @@ def _own_calls(loop: ast.For) -> Iterator[ast.Call]:
         stack.extend(ast.iter_child_nodes(node))
 
 
-def _calls_method(loop: ast.For, name: str) -> bool:
+def _calls_method(loop: ForLoop, name: str) -> bool:
     return any(
         isinstance(call.func, ast.Attribute) and call.func.attr == name for call in _own_calls(loop)
     )
@@ -72,7 +74,7 @@ def _receiver_name(node: ast.expr) -> str | None:
     return None
 
 
-def _steps_an_optimizer(loop: ast.For) -> bool:
+def _steps_an_optimizer(loop: ForLoop) -> bool:
     """The loop's own body calls `.step()` on something that is not a scheduler or a scaler."""
     for call in _own_calls(loop):
         func = call.func
@@ -83,7 +85,7 @@ def _steps_an_optimizer(loop: ast.For) -> bool:
     return False
 
 
-def is_range(loop: ast.For) -> bool:
+def is_range(loop: ForLoop) -> bool:
     """The loop counts steps: `range(...)`, `trange(...)`, or tqdm/enumerate of one."""
     it: ast.expr = loop.iter
     for _ in range(3):
@@ -98,11 +100,11 @@ def is_range(loop: ast.For) -> bool:
     return False
 
 
-def _has_nested_for(loop: ast.For) -> bool:
+def _has_nested_for(loop: ForLoop) -> bool:
     return any(isinstance(n, (ast.For, ast.AsyncFor)) for b in loop.body for n in ast.walk(b))
 
 
-def _choice(loop: ast.For, reason: str, func: str | None) -> LoopChoice:
+def _choice(loop: ForLoop, reason: str, func: str | None) -> LoopChoice:
     return LoopChoice(loop.lineno, loop.col_offset, reason, func)
 
 
@@ -148,7 +150,7 @@ def find_innermost_loop(tree: ast.AST) -> LoopChoice | None:
 
 def loop_at_line(tree: ast.AST, line: int) -> LoopChoice | None:
     """The `for` starting on `line`, else the innermost `for` whose lines contain it."""
-    best: tuple[ast.For, str | None] | None = None
+    best: tuple[ForLoop, str | None] | None = None
     for loop, _, func in _for_loops(tree):
         if loop.lineno == line:
             return _choice(loop, "--loop", func)
@@ -158,10 +160,10 @@ def loop_at_line(tree: ast.AST, line: int) -> LoopChoice | None:
     return _choice(best[0], "--loop", best[1]) if best else None
 
 
-def find_node(tree: ast.AST, choice: LoopChoice) -> ast.For:
+def find_node(tree: ast.AST, choice: LoopChoice) -> ForLoop:
     for node in ast.walk(tree):
         if (
-            isinstance(node, ast.For)
+            isinstance(node, FOR_LOOPS)
             and node.lineno == choice.lineno
             and node.col_offset == choice.col_offset
         ):

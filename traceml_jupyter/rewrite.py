@@ -1,6 +1,7 @@
 """Rewriting the located loop so that its fetches go through the hooks. A pure AST -> AST function.
 
-`for x in it: body` becomes `for x in __traceml_loop__(it, TOKEN): body`, and in the body each
+`for x in it: body` becomes `for x in __traceml_loop__(it, TOKEN): body` (`async for`:
+`__traceml_aloop__`), and in the body each
 fetch call — `next(it)`, `get_batch(...)`, `loader.next_batch()` — becomes
 `__traceml_fetch__(TOKEN, LINE, next, it)`. Only those expressions change, so targets, `break`,
 `continue`, `else:`, `return` and exceptions keep their meaning, the call's arguments are
@@ -14,7 +15,7 @@ import ast
 import copy
 import re
 
-from .hooks import FETCH, LOOP
+from .hooks import ALOOP, FETCH, LOOP
 from .locate import LoopChoice, find_node
 
 HOOK = LOOP
@@ -69,7 +70,8 @@ def instrument_loop(tree: ast.Module, choice: LoopChoice, token: int) -> tuple[a
     fetches = _Fetches(token)
     loop.body = [fetches.visit(stmt) for stmt in loop.body]
     original = loop.iter
-    call = ast.Call(func=ast.Name(id=HOOK, ctx=ast.Load()), args=[original, ast.Constant(token)], keywords=[])
+    hook = ALOOP if isinstance(loop, ast.AsyncFor) else HOOK
+    call = ast.Call(func=ast.Name(id=hook, ctx=ast.Load()), args=[original, ast.Constant(token)], keywords=[])
     loop.iter = ast.copy_location(call, original)
     ast.copy_location(call.func, original)
     ast.copy_location(call.args[1], original)

@@ -29,14 +29,23 @@ class SourceFacts:
 
 
 def bound_name(obj: Any, namespace: Mapping[str, Any] | None) -> str | None:
-    """The (first public) name `obj` is bound to in the user's namespace."""
+    """The (first public) name `obj` is bound to in the user's namespace: `val_loader`, or an
+    entry of a dict there (`dataloaders['val']`)."""
     if obj is None or not namespace:
         return None
     try:
-        names = [k for k, v in list(namespace.items()) if v is obj and not k.startswith("_")]
+        items = [(k, v) for k, v in list(namespace.items()) if not k.startswith("_")]
+        for name, value in items:
+            if value is obj:
+                return name
+        for name, value in items:
+            if type(value) is dict and len(value) <= 64:
+                for key, entry in list(value.items()):
+                    if entry is obj:
+                        return f"{name}[{key!r}]"
     except Exception:
         return None
-    return names[0] if names else None
+    return None
 
 
 def phase_kind(name: str | None, grad_disabled: bool) -> str:
@@ -125,6 +134,7 @@ def describe_run_sources(run: Any, capture: Any) -> SourceFacts:
             facts.phases.append(
                 {
                     "label": row["label"],
+                    "source_kind": src.kind,
                     "kind": phase_kind(name, src.grad_disabled),
                     "passes": src.phase_passes,
                     "batches": src.phase_batches,
@@ -142,6 +152,8 @@ def describe_run_sources(run: Any, capture: Any) -> SourceFacts:
                 facts.loader_name = name
             facts.batches_per_step = src.batches / n_steps if n_steps > 0 and src.batches else None
             facts.batch_size, facts.batch_kind = src.batch_size, src.batch_kind
+    if any(p["source_kind"] != "loop" for p in facts.phases):  # the loop's passes over a loader
+        facts.phases = [p for p in facts.phases if p["source_kind"] != "loop"]  # are the loader's
     facts.phases.sort(key=lambda p: -p["time_ms"])
     where = f"on line {run.loop_line}" if run.loop_line is not None else None
     if where and run.loop_where and run.loop_where != "this cell":

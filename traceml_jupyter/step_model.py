@@ -110,10 +110,10 @@ class StepModel:
     sources: dict[Hashable, Source] = field(default_factory=dict)
     open_passes: list[Pass] = field(default_factory=list)  # unclassified passes with a fetch
     spans: list[Span] = field(default_factory=list)  # phases kept out of the open step
-    # Listeners (the capture): a step closed (its index, its end, the serial number of the first
-    # fetch that is not its own); the last n closed steps were merged into the open one; a phase
-    # was kept out of the open step.
-    on_step: Callable[[int, int, int], None] | None = None
+    # Listeners (the capture): a step closed (its end, the serial number of the first fetch that
+    # is not its own; its index is the recorder's last); the last n closed steps were merged into
+    # the open one; a phase was kept out of the open step.
+    on_step: Callable[[int, int], None] | None = None
     on_merge: Callable[[int], None] | None = None
     on_exclude: Callable[[Span], None] | None = None
     _first_optimizer: Callable[[], Any] | None = None
@@ -135,13 +135,12 @@ class StepModel:
 
     # -- fetches ----------------------------------------------------------------------------
     def fetch_begin(self) -> None:
-        if not self._stack:
-            self._outer_passes = []
         self._stack.append(0)
 
     def fetch_end(self, t0: int, t1: int, source: Source | None, pass_: Pass | None, batch: bool) -> None:
         """A fetch that began with fetch_begin() at t0 ended at t1; `batch`: it delivered one.
-        Its own time goes to its pass (or source); an outermost fetch's time is data wait."""
+        Its own time goes to its pass (or source); an outermost fetch's time is data wait.
+        On the per-step path: the common case (a pass already feeding the steps) is short."""
         d = t1 - t0
         stack = self._stack
         exclusive = d - stack.pop()
@@ -167,6 +166,11 @@ class StepModel:
         self.wait_total += d
         serial = self.fetch_serial
         self.fetch_serial = serial + 1
+        if self._outer_passes:
+            self._place(t0, t1, d, serial)
+
+    def _place(self, t0: int, t1: int, d: int, serial: int) -> None:
+        """The passes not yet classified that the outermost fetch held: where they are."""
         for p in self._outer_passes:
             if p.first_serial < 0:
                 p.first_serial = serial
@@ -176,6 +180,7 @@ class StepModel:
             p.last_serial = serial
             p.end_ns = t1
             p.wait_after = self.wait_total
+        self._outer_passes = []
 
     def pass_ended(self, pass_: Pass) -> None:
         """A pass is over (StopIteration, or the located loop's iterator closed). Once steps are
@@ -294,12 +299,12 @@ class StepModel:
     def iteration_end(self, t: int) -> bool:
         """An iteration of the located loop ended at t. True when it closed a step."""
         self.in_iteration = False
-        if self.level <= ITERATION:
-            if self.level < ITERATION:
-                self._upgrade(ITERATION)
-            return self.boundary(t)
-        if self.deferred is not None:
+        level = self.level
+        if level == ITERATION or self.deferred is not None:
             self.deferred = None
+            return self.boundary(t)
+        if level < ITERATION:
+            self._upgrade(ITERATION)
             return self.boundary(t)
         return False
 
@@ -318,17 +323,26 @@ class StepModel:
     # -- steps ----------------------------------------------------------------------------------
     def boundary(self, t: int) -> bool:
         """Close the open step at t (the first boundary only opens one)."""
-        self._classify_at_boundary()
-        if self.start is None:
+        if self.open_passes:
+            self._classify_at_boundary()
+        start = self.start
+        if start is None:
             self.start = t
             self.step_wait_base = self.wait_total
             return False
-        self._close(t, self.wait, self.excluded, self.fetch_serial)
+        self.recorder.add(start, start + self.wait, t - self.excluded)
+        self.start = t
+        self.wait = self.excluded = 0
+        self.step_wait_base = self.wait_total
+        if self.spans:
+            self.spans.clear()
+        if self.on_step is not None:
+            self.on_step(t, self.fetch_serial)
         return True
 
     def _close(self, t: int, wait: int, excluded: int, next_serial: int) -> None:
-        """Record the open step as ending at t with these totals; what came after t (a split at
-        an earlier training event) stays in the new open step."""
+        """Record the open step as ending at an earlier training event t, with the totals it had
+        then; what came after t stays in the new open step."""
         assert self.start is not None
         start = self.start
         self.recorder.add(start, start + wait, t - excluded)
@@ -338,7 +352,7 @@ class StepModel:
         self.step_wait_base = self.wait_total - self.wait
         self.spans.clear()
         if self.on_step is not None:
-            self.on_step(self.recorder.n_steps - 1, t, next_serial)
+            self.on_step(t, next_serial)
 
     def _upgrade(self, level: int) -> None:
         """Steps closed on a weaker kind of event are micro-steps of the first real one: merge

@@ -4,9 +4,12 @@ report, and undo every patch, also on error and KeyboardInterrupt."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import importlib.util
+import inspect
 import sys
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,8 +194,32 @@ def _instrument(
     return new, statements
 
 
-def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -> Any:
-    """Execute `cell` as IPython would, timing its steps. Returns the last expression."""
+@dataclass
+class TracedCell:
+    """A cell ready to run: its run and capture, and its code (compiled under IPython's name for
+    the cell, so tracebacks show `Cell In[n]`), the last expression apart (it is `Out[n]`)."""
+
+    shell: Any
+    opts: CellOptions
+    run: Run
+    capture: Capture
+    tree: ast.Module
+    filename: str
+    code: Any
+    last_code: Any
+    choice: LoopChoice | None
+    func_loop: FunctionLoop | None
+    flags: int
+
+    @property
+    def is_async(self) -> bool:
+        """The cell awaits at top level (`await`, `async for`): IPython runs it on its loop."""
+        return any(c is not None and c.co_flags & inspect.CO_COROUTINE for c in (self.code, self.last_code))
+
+
+def prepare_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -> TracedCell:
+    """Locate the loop, rewrite it, compile the cell. Raises the cell's SyntaxError as IPython
+    shows one, and UsageError for a --loop that names no loop."""
     __tracebackhide__ = True  # noqa: F841
     first_line = ("%%traceml " + magic_line).rstrip()
     transformed = _keep_leading_blank_lines(cell, shell.transform_cell(cell))
@@ -237,11 +264,22 @@ def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -
     elif opts.lines_chosen and choice is None and func_loop is None:
         run.notes.append("--lines: cost per line is measured for a loop written in a notebook cell.")
     body, last = _split_last_expression(code_tree)
-    flags = getattr(shell.compile, "flags", 0)
-    code = compile(body, filename, "exec", flags, dont_inherit=True)
-    last_code = compile(last, filename, "eval", flags, dont_inherit=True) if last else None
+    flags = getattr(shell.compile, "flags", 0) | getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
+    try:
+        code = compile(body, filename, "exec", flags, dont_inherit=True)
+        last_code = compile(last, filename, "eval", flags, dont_inherit=True) if last else None
+    except SyntaxError as exc:  # parses, but does not compile: `return` outside a function
+        _RUNS.remove(run)
+        raise syntax_error(exc, shell) from None
+    return TracedCell(shell, opts, run, capture, tree, filename, code, last_code, choice, func_loop, flags)
 
-    ns = shell.user_ns
+
+@contextmanager
+def recording(cell: TracedCell) -> Iterator[None]:
+    """Everything that is on while the cell runs, undone (and the report shown) after it, also
+    on an error or KeyboardInterrupt, which goes on up unchanged."""
+    __tracebackhide__ = True  # noqa: F841
+    run, capture = cell.run, cell.capture
     error: BaseException | None = None
     views: list[Any] = []
     try:
@@ -250,22 +288,69 @@ def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -
 
             stack.enter_context(gpu_watched(run))
             stack.enter_context(capturing(run, capture))
-            stack.enter_context(swapped_code(func_loop))
+            stack.enter_context(swapped_code(cell.func_loop))
             if capture.lines is not None:
                 from .line_costs import line_costs_kept
 
                 stack.enter_context(line_costs_kept(run, capture.lines))
-            run.observe(_live_view_starter(run, opts, views))
-            exec(code, shell.user_global_ns, ns)
-            return eval(last_code, shell.user_global_ns, ns) if last_code else None
+            run.observe(_live_view_starter(run, cell.opts, views))
+            yield
     except BaseException as exc:
         error = exc
         raise
     finally:
-        if choice is not None and choice.function is not None:
-            plain = compile(tree, filename, "exec", flags, dont_inherit=True)
-            restore_definitions(ns, code, plain)
-        _finish(run, error, opts, views[0] if views else None)
+        if cell.choice is not None and cell.choice.function is not None:
+            plain = compile(cell.tree, cell.filename, "exec", cell.flags, dont_inherit=True)
+            restore_definitions(cell.shell.user_ns, cell.code, plain)
+        _finish(run, error, cell.opts, views[0] if views else None)
+
+
+def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -> Any:
+    """Execute `cell` as IPython would, timing its steps. Returns the last expression."""
+    __tracebackhide__ = True  # noqa: F841
+    traced = prepare_cell(shell, magic_line, cell, opts)
+    if traced.is_async:  # called directly (not through the cell transformer): run it on IPython's loop
+        return _run_coroutine(shell, run_traced_async(traced))
+    g, ns = shell.user_global_ns, shell.user_ns
+    with recording(traced):
+        exec(traced.code, g, ns)
+        return eval(traced.last_code, g, ns) if traced.last_code else None
+
+
+async def run_traced_async(traced: TracedCell) -> Any:
+    """The same for a cell that awaits at top level, awaited where IPython awaits cells."""
+    __tracebackhide__ = True  # noqa: F841
+    g, ns = traced.shell.user_global_ns, traced.shell.user_ns
+    with recording(traced):
+        result = eval(traced.code, g, ns)
+        if inspect.iscoroutine(result):
+            await result
+        if traced.last_code is None:
+            return None
+        value = eval(traced.last_code, g, ns)
+        return await value if inspect.isawaitable(value) else value
+
+
+def _run_coroutine(shell: Any, coro: Any) -> Any:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return shell.loop_runner(coro)
+    coro.close()
+    raise UsageError(
+        "%%traceml: this cell awaits at top level and an event loop is already running here; "
+        "run the cell itself (`%%traceml` on its first line) so that IPython awaits it."
+    )
+
+
+async def traced_cell_async(shell: Any, magic_line: str, cell: str) -> Any:
+    """What a `%%traceml` cell that awaits at top level becomes (see `route_async_cells`)."""
+    __tracebackhide__ = True  # noqa: F841
+    from .magic import parse_cell_line
+
+    traced = prepare_cell(shell, magic_line, cell, parse_cell_line(magic_line))
+    value = await run_traced_async(traced)
+    return value
 
 
 def _live_view_starter(run: Run, opts: CellOptions, views: list[Any]) -> Any:

@@ -1,0 +1,247 @@
+"""A traced cell behaves as the plain cell does, also for hostile cells: threads, instrumented code
+that outlives its cell, batches and lengths that lie or raise, `await`, syntax errors, a failed
+--save, steps too short to time. Through a real shell; each compared with the plain cell."""
+
+from __future__ import annotations
+
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from IPython.utils.capture import capture_output
+
+import traceml_jupyter
+from traceml_jupyter import hooks
+
+
+def run(ip: Any, cell: str) -> Any:
+    with capture_output() as out:
+        result = ip.run_cell(textwrap.dedent(cell), store_history=True)
+    result.out = out
+    return result
+
+
+def both(ip: Any, setup: str, cell: str, names: list[str], options: str = "--no-live") -> tuple[dict[str, Any], dict[str, Any]]:
+    """The values of `names` after the plain cell and after the traced one (same setup)."""
+    values = []
+    for prefix in ("", f"%%traceml {options}\n"):
+        assert run(ip, setup).error_in_exec is None
+        result = run(ip, prefix + textwrap.dedent(cell))
+        assert result.error_in_exec is None, result.out.stdout + result.out.stderr
+        values.append({n: ip.user_ns[n] for n in names})
+    return values[0], values[1]
+
+
+def test_a_loop_started_on_a_thread_runs_to_the_end_after_the_cell(ip: Any) -> None:
+    errors: list[BaseException] = []
+    previous = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)  # type: ignore[assignment]
+    try:
+        for lines in ("--no-live", "--no-live --lines off"):
+            r = run(
+                ip,
+                f"""\
+                %%traceml {lines}
+                import threading, time
+                done = []
+                def train(n):
+                    for step in range(n):  # traceml: loop
+                        time.sleep(0.002)
+                        done.append(step)
+                worker = threading.Thread(target=train, args=(30,))
+                worker.start()
+                """,
+            )
+            assert r.error_in_exec is None
+            assert run(ip, "worker.join(10)").error_in_exec is None  # a later, plain cell
+            assert ip.user_ns["done"] == list(range(30)) and not errors
+    finally:
+        threading.excepthook = previous
+
+
+def test_instrumented_code_that_outlives_its_cell_stays_harmless(ip: Any) -> None:
+    r = run(
+        ip,
+        """\
+        %%traceml --no-live
+        import functools
+        def logged(f):
+            @functools.wraps(f)
+            def wrapper(*args, **kwargs):
+                return f(*args, **kwargs)
+            return wrapper
+        @logged
+        def fit(xs):
+            total = 0
+            for x in xs:  # traceml: loop
+                total += x
+            return total
+        def batches(xs):
+            for x in xs:  # traceml: loop
+                yield x * 2
+        class Holder: pass
+        holder = Holder()
+        holder.fn = fit
+        registry = {"fit": fit}
+        part = functools.partial(fit, [1, 2, 3])
+        gen = batches([1, 2, 3])
+        first = fit([1, 2])
+        """,
+    )
+    assert r.error_in_exec is None and ip.user_ns["first"] == 3
+    later = run(ip, "out = (fit([4]), registry['fit']([5]), part(), holder.fn([6]), list(gen))")
+    assert later.error_in_exec is None, later.out.stdout
+    assert ip.user_ns["out"] == (4, 5, 6, 6, [2, 4, 6])
+    assert hooks.ACTIVE.capture is None
+
+
+def test_the_hook_names_pass_through_outside_their_run() -> None:
+    import builtins
+
+    hooks.install()
+    items = [1, 2]
+    assert getattr(builtins, hooks.LOOP)(items, 12345) is items
+    assert getattr(builtins, hooks.FETCH)(12345, 3, next, iter(items)) == 1
+    assert getattr(builtins, hooks.SAMPLE)(12345) is False
+    getattr(builtins, hooks.LINES).start(12345)
+    getattr(builtins, hooks.LINES).lap(12345, 0)
+
+
+SETUP = """
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+"""
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        "torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])",
+        "type('Odd', (), {'shape': (float('nan'),)})()",
+        "type('Raises', (), {'shape': property(lambda self: 1 / 0)})()",
+        "type('Huge', (), {'shape': (10**30,)})()",
+    ],
+)
+def test_batches_whose_shape_lies_or_raises_never_break_the_loop(ip: Any, batch: str) -> None:
+    cell = f"""\
+    items = [{batch} for _ in range(4)]
+    seen = 0
+    for b in items:
+        seen += 1
+    """
+    plain, traced = both(ip, SETUP, cell, ["seen"])
+    assert plain == traced == {"seen": 4}
+    got = traceml_jupyter.last()
+    assert got is not None and got.batch_size is None
+
+
+def test_a_nested_tensor_collate_runs_as_without_the_magic(ip: Any) -> None:
+    setup = SETUP + """
+class Ragged(Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return torch.ones(i + 1)
+loader = DataLoader(Ragged(), batch_size=2, collate_fn=torch.nested.nested_tensor)
+"""
+    plain, traced = both(ip, setup, "total = 0\nfor b in loader:\n    total += 1\n", ["total"])
+    assert plain == traced == {"total": 4}
+
+
+@pytest.mark.parametrize(
+    "length",
+    ["raise NotImplementedError", "raise RuntimeError('no len')", "return -1", "return 10**30", "return float('nan')"],
+)
+def test_lengths_that_raise_or_lie_never_break_a_loop_that_never_asks(ip: Any, length: str) -> None:
+    setup = SETUP + f"""
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter([torch.ones(2)] * 6)
+    def __len__(self):
+        {length}
+class Wrapper:
+    def __init__(self, inner):
+        self.inner = inner
+    def __iter__(self):
+        return iter(self.inner)
+    def __len__(self):
+        {length}
+loader = DataLoader(Stream(), batch_size=None)
+wrapped = Wrapper([1, 2, 3])
+"""
+    cell = "n = 0\nfor b in loader:\n    n += 1\nfor w in wrapped:  # traceml: loop\n    n += w\n"
+    plain, traced = both(ip, setup, cell, ["n"])
+    assert plain == traced == {"n": 12}
+    got = traceml_jupyter.last()
+    assert got is not None and got.expected_steps is None
+
+
+def test_await_and_async_for_run_as_ipython_runs_them(ip: Any) -> None:
+    setup = """
+import asyncio, time
+async def batches(n):
+    for i in range(n):
+        await asyncio.sleep(0.003)
+        yield i
+"""
+    cell = """\
+    total = 0
+    async for b in batches(10):
+        time.sleep(0.001)
+        total += b
+    later = await asyncio.sleep(0.001, result="awaited")
+    """
+    plain, traced = both(ip, setup, cell, ["total", "later"])
+    assert plain == traced == {"total": 45, "later": "awaited"}
+    got = traceml_jupyter.last()
+    assert got is not None and got.n_steps == 10 and got.loop_line == 3
+    assert got.summary["data_wait_ms"] == pytest.approx(3.0, abs=2.0)
+
+
+def test_an_error_in_an_awaiting_cell_keeps_its_traceback(ip: Any) -> None:
+    run(ip, "import asyncio")
+    r = run(ip, "%%traceml --no-live\nawait asyncio.sleep(0)\nfor v in [1]:\n    1 / 0\n")
+    assert isinstance(r.error_in_exec, ZeroDivisionError)
+    assert "line 4" in r.out.stdout and "1 / 0" in r.out.stdout
+
+
+def shown_error(result: Any) -> str:
+    return result.out.stdout + result.out.stderr
+
+
+@pytest.mark.parametrize(
+    ("body", "kind"),
+    [("x = (\ny = 1\n", "SyntaxError"), ("for x in [1]:\ny = 1\n", "IndentationError"), ("return 5\n", "SyntaxError")],
+)
+def test_syntax_errors_show_the_cells_line_as_a_plain_cell_does(ip: Any, body: str, kind: str) -> None:
+    plain = run(ip, body)
+    traced = run(ip, "%%traceml\n" + body)  # one line down, under the %%traceml line
+    assert type(traced.error_in_exec).__name__ == kind
+    text = shown_error(traced)
+    for word in ("magic.py", "traced_cell.py", "interactiveshell.py", "run_cell_magic"):
+        assert word not in text
+    plain_err = plain.error_before_exec or plain.error_in_exec
+    assert plain_err is not None and f"line {plain_err.lineno + 1}" in text
+    assert kind in text
+
+
+def test_a_failed_save_says_so_and_keeps_the_report_and_the_run(ip: Any, tmp_path: Path) -> None:
+    for target in (tmp_path, tmp_path / "missing" / "run.json"):
+        r = run(ip, f"%%traceml --no-live --save {target}\nfor v in [1, 2, 3]:\n    pass\n")
+        assert r.error_in_exec is None
+        lines = [line for line in shown_error(r).splitlines() if "traceml:" in line]
+        assert len(lines) == 1 and "could not save" in lines[0] and str(target) in lines[0]
+        assert "could not build the report" not in shown_error(r)
+        assert any("text/html" in o.data for o in r.out.outputs)  # the report was shown
+        got = traceml_jupyter.last()
+        assert got is not None and got.n_steps == 3
+
+
+def test_steps_too_short_to_time_are_not_called_input_bound(ip: Any) -> None:
+    r = run(ip, "%%traceml --no-live\ncount = 0\nfor i in iter(range(20000)):\n    count += 1\n")
+    assert r.error_in_exec is None and ip.user_ns["count"] == 20000
+    got = traceml_jupyter.last()
+    assert got is not None and got.verdict == "TOO SHORT"
+    assert "too short" in got.verdict_detail.why
