@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .probes import safe_len
 from .recorder import Recorder
-from .sources import phase_sentence
+from .sources import phase_sentence, phase_verdict
 from .summary import summarize, with_batch_size
 from .textbox import report_text, verdict_box
 from .verdict import Verdict, diagnose
@@ -72,6 +72,8 @@ class Run:
         self.loop_line: int | None = None
         self.loop_where: str | None = None  # "this cell", "function train (cell In[3])", ...
         self.loop_is_range = False  # the located loop iterates range(...): its items are no batches
+        self.loop_cell_source: str | None = None  # the cell of the function holding the loop
+        self.model_compiled = False  # a torch.compile'd module is in the namespace
         self.cell_source: str | None = None
         self.cell_filename: str | None = None
         self.loader_info: dict[str, Any] | None = None  # the training loader's settings
@@ -168,6 +170,7 @@ class Run:
         self.sources, self.phases = facts.sources, facts.phases
         self.step_kind, self.step_definition = facts.step_kind, facts.step_definition
         self.batches_per_step = facts.batches_per_step
+        self.model_compiled = facts.model_compiled
         self.batch_size, self.batch_kind = facts.batch_size, facts.batch_kind
         if facts.loader_info is not None:
             self.loader_info = facts.loader_info
@@ -242,6 +245,7 @@ class Run:
             "data_source_kind": training.get("kind") if training else None,
             "phases": list(self.phases),
             "wall_ms": self.wall_ms,
+            "model_compiled": self.model_compiled,
         }
 
     # -- the result API --------------------------------------------------------------------
@@ -287,6 +291,9 @@ class Run:
             head += f" of {self.loop_where}"
         lines = [report_text(head, v.label, v.why, v.next, self.summary)]
         lines.extend(f"Phase: {phase_sentence(phase)}" for phase in self.phases)
+        slow_phase = phase_verdict(self.phases)
+        if slow_phase:
+            lines.append(f"Also: {slow_phase}")
         if self.error:
             lines.append(f"Stopped by: {self.error}")
         lines.extend(f"Note: {note}" for note in self.notes)

@@ -26,6 +26,7 @@ class SourceFacts:
     loader_ref: Any = None
     loader_name: str | None = None
     notes: list[str] = field(default_factory=list)
+    model_compiled: bool = False
 
 
 def bound_name(obj: Any, namespace: Mapping[str, Any] | None) -> str | None:
@@ -46,6 +47,14 @@ def bound_name(obj: Any, namespace: Mapping[str, Any] | None) -> str | None:
     except Exception:
         return None
     return None
+
+
+def has_compiled_model(namespace: Mapping[str, Any] | None) -> bool:
+    """A `torch.compile`d module is in the user's namespace (its class is OptimizedModule)."""
+    try:
+        return any(type(v).__name__ == "OptimizedModule" for v in list((namespace or {}).values()))
+    except Exception:
+        return False
 
 
 def phase_kind(name: str | None, grad_disabled: bool) -> str:
@@ -97,6 +106,28 @@ def phase_sentence(phase: Mapping[str, Any]) -> str:
     return text + ")"
 
 
+PHASE_SLOW_SHARE = 0.30  # a phase this share of the cell makes the cell slow on its own
+
+
+def phase_verdict(phases: list[dict[str, Any]]) -> str | None:
+    """A line of its own for the phase that makes the cell slow (>= 30 % of it), else None."""
+    slow = [p for p in phases if (p.get("share_of_cell") or 0.0) >= PHASE_SLOW_SHARE]
+    if not slow:
+        return None
+    p = max(slow, key=lambda q: q["share_of_cell"])
+    kind = str(p["kind"]).capitalize()
+    text = f"{kind} takes {pct(p['share_of_cell'])} of the cell"
+    wait = p.get("wait_share")
+    if wait is not None and wait >= 0.5:
+        workers = p.get("num_workers")
+        seen = f" (num_workers={workers})" if workers is not None else ""
+        return (
+            f"{text}, {pct(wait)} of it waiting for {p['label']}{seen}: feed it faster too (more "
+            "workers, persistent_workers=True), or run it less often or on fewer batches."
+        )
+    return f"{text}: run it less often, or on fewer batches, to train faster."
+
+
 def _label(src: Source, name: str | None) -> str:
     if src.kind == "dataloader":
         return f"`{name}`" if name else "a DataLoader"
@@ -110,7 +141,7 @@ def describe_run_sources(run: Any, capture: Any) -> SourceFacts:
     model = capture.model
     shell = ipython_shell()
     namespace = getattr(shell, "user_ns", None) if shell is not None else None
-    facts = SourceFacts(step_kind=LEVEL_NAMES[model.level])
+    facts = SourceFacts(step_kind=LEVEL_NAMES[model.level], model_compiled=has_compiled_model(namespace))
     sources = list(model.sources.values())
     training = training_source(sources)
     n_steps = run.recorder.n_steps - model.steps_at_start

@@ -252,6 +252,7 @@ def prepare_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -> T
         run.loop_line = func_loop.choice.lineno
         run.loop_where = _describe_function_loop(shell, func_loop)
         run.loop_is_range = is_range(find_node(func_loop.module, func_loop.choice))
+        run.loop_cell_source = "\n".join(func_loop.lines)
         where = " of " + run.loop_where
         new_module, statements = _instrument(func_loop.module, func_loop.choice, func_loop.lines, capture, where, opts)
         if not compile_function_loop(func_loop, new_module):
