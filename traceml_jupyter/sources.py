@@ -79,7 +79,9 @@ def step_definition(level: int, optimizer: str | None, batches_per_step: float |
     if level == OPTIMIZER:
         text = f"a step = one `optimizer.step()` of {optimizer or 'the optimizer'}"
         if batches_per_step is not None and batches_per_step >= 1.5:
-            text += f"; {batches_per_step:.3g} batches per step: gradient accumulation"
+            near = round(batches_per_step)
+            count = f"{near}" if abs(batches_per_step - near) < 0.1 else f"{batches_per_step:.1f}"
+            text += f"; {count} batches per step: gradient accumulation"
         return text
     if level == BACKWARD:
         return "a step = one `backward()` (no optimizer step was seen)"
