@@ -1,19 +1,48 @@
-"""A stand-in GPU for CPU tests: one stream that runs queued work in order on the host's clock
-(real, or a fake one the test advances), CUDA-like events on it, tensors that "live" on it,
-and the CudaApi the watches take.
+"""A stand-in GPU for CPU tests: a machine of CUDA devices whose streams run queued work in
+order on the host's clock (real, or a fake one the test advances), CUDA-like events and streams,
+tensors that "live" on a device, a `torch.cuda`-like module, and an NVML-like module.
 
-Work launched with `launch(ms)` starts when the stream is free and the host has issued it; an
-event completes when the stream has done everything queued before it. Like a real launch
-queue, `launch` blocks the host while more than `queue_ms` of work is queued.
+What it models, because the GPU review (../shared/reviews/gpu-review.md) found the watches
+wrong exactly there:
+
+- Several devices, each with a default stream and any number of user streams. Streams are
+  independent (PyTorch creates them non-blocking): the default stream does not wait for the
+  others unless told (`wait_stream`, `wait_event`). The current device and the current stream
+  of each device are per thread, as in CUDA (DataParallel's replica threads set their own).
+- Events are bound to the device of their first record; recording one on another device's
+  stream raises, as CUDA's `TORCH_CHECK(device_index_ == stream.device_index())` does.
+  `elapsed_time` raises unless both events have completed; it returns a float32 when the
+  machine is made with `float32=True` (real `cudaEventElapsedTime` does).
+- Launch latency: a command issued at host time h starts on the GPU no earlier than
+  h + `launch_us`. A bounded launch queue by count of commands (our event records included):
+  the host blocks while `queue_depth` commands are pending on a device.
+- Sticky errors: after `fail()`, every CUDA call raises (an illegal address, say).
+- Host waits: `.item()`, a blocking copy, `.to("cpu")` wait for their stream and warn in sync
+  debug mode "warn"; `torch.cuda.synchronize()` and `Event.synchronize()` wait and never warn;
+  `Stream.synchronize()` warns. A pageable `non_blocking=True` copy makes the host wait (CUDA
+  synchronises the stream before a copy from pageable memory) and does not warn.
+- NVML (`FakeNvml`): utilisation averaged over a window that ends when it is read, device-wide
+  memory, MIG mode (utilisation NOT_SUPPORTED), other processes on the device.
+- `initialized`: False until something uses CUDA; the watches must never be the first.
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import threading
 import time
+import types
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
-from traceml_jupyter.sync_stalls import SYNC_MESSAGE, CudaApi
+import numpy as np
+
+from traceml_jupyter.sync_stalls import SYNC_MESSAGE, CudaApi, cuda_api
+
+# What torch appends to a warning raised in C++ (the watches must match on the start only).
+TRIGGERED = " (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:158.)"
 
 
 class HostClock:
@@ -39,83 +68,412 @@ class HostClock:
             pass
 
 
+class CudaError(RuntimeError):
+    pass
+
+
+class FakeStream:
+    """A CUDA stream of one device: the host ns at which the work queued on it is done."""
+
+    def __init__(self, gpu: FakeGpu, device: int, stream_id: int) -> None:
+        self.gpu = gpu
+        self.device_index = device
+        self.stream_id = stream_id
+        self.free_at = 0
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, FakeStream)
+            and other.device_index == self.device_index
+            and other.stream_id == self.stream_id
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.device_index, self.stream_id))
+
+    def __repr__(self) -> str:
+        return f"<FakeStream cuda:{self.device_index} #{self.stream_id}>"
+
+    @property
+    def device(self) -> str:
+        return f"cuda:{self.device_index}"
+
+    def query(self) -> bool:
+        self.gpu.check()
+        return self.gpu.clock() >= self.free_at
+
+    def wait_stream(self, other: FakeStream) -> None:
+        """Work queued here from now on starts after what `other` has queued so far."""
+        self.gpu.check()
+        self.free_at = max(self.free_at, other.free_at)
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.gpu.check()
+        if event.t is not None:
+            self.free_at = max(self.free_at, event.t)
+
+    def synchronize(self) -> None:
+        """cudaStreamSynchronize: the host waits; sync debug mode warns."""
+        self.gpu.check()
+        self.gpu.clock.sleep(self.free_at - self.gpu.clock())
+        self.gpu.warn_sync()
+
+    def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
+        event = event or self.gpu.event()
+        event.record(self)
+        return event
+
+
+class FakeDevice:
+    def __init__(self, gpu: FakeGpu, index: int) -> None:
+        self.index = index
+        default = object.__new__(gpu.Stream)
+        FakeStream.__init__(default, gpu, index, 0)
+        self.streams: list[FakeStream] = [default]  # the default stream first
+        self.pending: list[int] = []  # heap: GPU end times of commands not yet done
+        self.busy: list[tuple[int, int]] = []  # (start, end) of kernels and copies, for NVML
+        self.allocations = 0  # tensors made on the device (torch.cuda.memory_stats counter)
+
+    @property
+    def default_stream(self) -> FakeStream:
+        return self.streams[0]
+
+
+class _PerThread(threading.local):
+    device = 0
+    streams: dict[int, FakeStream] | None = None  # the current stream of each device
+
+
 class FakeGpu:
+    """A machine with `devices` CUDA devices (1 by default).
+
+    `launch_us` and `event_us`: launch latency of a command and of an event record; 0 keeps
+    the timings exact (most tests). `queue_depth`: commands that may be pending on a device
+    before a launch blocks the host. `queue_ms` (optional): also block while more than this
+    much work is queued on the stream (the old model; None: off).
+    """
+
     def __init__(
-        self, clock: HostClock | None = None, drift: float = 0.0, queue_ms: float = 50.0
+        self,
+        clock: HostClock | None = None,
+        drift: float = 0.0,
+        queue_ms: float | None = None,
+        devices: int = 1,
+        launch_us: float = 0.0,
+        queue_depth: int = 1024,
+        float32: bool = False,
+        initialized: bool = True,
     ) -> None:
         self.clock = clock or HostClock()
         self.drift = drift  # GPU timer runs (1 + drift) times as fast as the host's
-        self.queue_ns = queue_ms * 1e6
-        self.free_at = 0  # host ns when the queued work is done
+        self.queue_ns = None if queue_ms is None else queue_ms * 1e6
+        self.launch_ns = int(launch_us * 1000)
+        self.queue_depth = queue_depth
+        self.float32 = float32
         self.sync_mode = 0
+        self.initialized = initialized
+        self.error: str | None = None
+        self.commands = 0  # every command issued (kernels, copies, event records)
+        self.host_blocked_ns = 0  # host time spent blocked on a full launch queue
+        self._tls = _PerThread()
+        self._next_stream_id = 1
+        gpu = self
 
-    def launch(self, ms: float) -> None:
-        now = self.clock()
-        self.clock.sleep(self.free_at - now - self.queue_ns)  # a full launch queue blocks
-        now = self.clock()
-        self.free_at = max(self.free_at, now) + int(ms * 1e6)
+        class Event(FakeEvent):
+            """torch.cuda.Event of this machine (patches of the class apply to every event)."""
 
-    def wait(self) -> None:
+            def __init__(self, enable_timing: bool = False, **_: Any) -> None:
+                FakeEvent.__init__(self, gpu, enable_timing)
+
+        class Stream(FakeStream):
+            """torch.cuda.Stream of this machine: a new user stream of a device."""
+
+            def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+                d = _index(gpu, device)
+                FakeStream.__init__(self, gpu, d, gpu._next_stream_id)
+                gpu._next_stream_id += 1
+                gpu.devices[d].streams.append(self)
+
+        self.Event = Event
+        self.Stream = Stream
+        self.devices = [FakeDevice(self, i) for i in range(devices)]
+        self.module = FakeCudaModule(self)
+
+    # -- per-thread current device and stream ------------------------------------------------
+    @property
+    def current_device(self) -> int:
+        return self._tls.device
+
+    def set_device(self, index: int) -> None:
+        self.initialized = True
+        self._tls.device = int(index)
+
+    def current_stream(self, device: int | None = None) -> FakeStream:
+        d = self.current_device if device is None else int(device)
+        streams = self._tls.streams
+        if streams is None:
+            streams = self._tls.streams = {}
+        return streams.get(d) or self.devices[d].default_stream
+
+    def set_stream(self, stream: FakeStream) -> None:
+        if self._tls.streams is None:
+            self._tls.streams = {}
+        self._tls.streams[stream.device_index] = stream
+
+    def new_stream(self, device: int | None = None) -> FakeStream:
+        return self.Stream(device)
+
+    # -- work ---------------------------------------------------------------------------------
+    def check(self) -> None:
+        """A sticky CUDA error makes every later call raise."""
+        if self.error is not None:
+            raise CudaError(f"CUDA error: {self.error}")
+
+    def fail(self, what: str = "an illegal memory access was encountered") -> None:
+        self.error = what
+
+    def issue(self, stream: FakeStream, ms: float) -> int:
+        """The host issues a command of `ms` GPU time on `stream`; the GPU time it ends."""
+        self.check()
+        self.initialized = True
+        dev = self.devices[stream.device_index]
+        clock = self.clock
+        pending = dev.pending
+        now = clock()
+        while pending and pending[0] <= now:
+            heapq.heappop(pending)
+        if len(pending) >= self.queue_depth:  # a full launch queue blocks the host
+            before = clock()
+            clock.sleep(pending[0] - now)
+            self.host_blocked_ns += clock() - before
+            now = clock()
+            while pending and pending[0] <= now:
+                heapq.heappop(pending)
+        if self.queue_ns is not None:
+            clock.sleep(stream.free_at - now - self.queue_ns)
+            now = clock()
+        start = max(now + self.launch_ns, stream.free_at)
+        end = start + int(ms * 1e6)
+        stream.free_at = end
+        heapq.heappush(pending, end)
+        if end > start:
+            dev.busy.append((start, end))
+        self.commands += 1
+        return end
+
+    def launch(self, ms: float, stream: FakeStream | None = None) -> None:
+        """A kernel of `ms` on `stream` (the current stream of the current device)."""
+        self.issue(stream or self.current_stream(), ms)
+
+    def wait(self, stream: FakeStream | None = None) -> None:
         """The host waits until the stream has done all its work (a synchronising call)."""
-        self.clock.sleep(self.free_at - self.clock())
+        self.check()
+        stream = stream or self.current_stream()
+        self.clock.sleep(stream.free_at - self.clock())
 
-    def synchronize(self) -> None:
-        self.wait()
+    def synchronize(self, device: int | None = None) -> None:
+        """torch.cuda.synchronize(): every stream of the device; never warns."""
+        self.check()
+        self.initialized = True
+        d = self.current_device if device is None else int(device)
+        done = max(s.free_at for s in self.devices[d].streams)
+        self.clock.sleep(done - self.clock())
+
+    @property
+    def free_at(self) -> int:
+        """When the current stream's queued work is done (host ns)."""
+        return self.current_stream().free_at
 
     def event(self) -> FakeEvent:
-        return FakeEvent(self)
+        return self.Event(enable_timing=True)
 
-    def api(self, tensor_type: Any = None) -> CudaApi:
-        def set_mode(mode: int) -> None:
-            self.sync_mode = mode
-
-        return CudaApi(
-            self.event,
-            self.synchronize,
-            lambda: self.sync_mode,
-            set_mode,
-            tensor_type if tensor_type is not None else FakeTensor,
-            lambda: False,
-        )
+    def api(self, tensor_type: Any = None, device: int | None = None) -> CudaApi:
+        """The watches' view of this machine, built by the same code as torch's."""
+        api = cuda_api(self.module, tensor_type if tensor_type is not None else FakeTensor, device)
+        assert api is not None
+        return api
 
     def warn_sync(self) -> None:
         """What torch does after a synchronising call in sync debug mode "warn"."""
         if self.sync_mode == 1:
-            warnings.warn(SYNC_MESSAGE, UserWarning, stacklevel=3)
+            warnings.warn(SYNC_MESSAGE + TRIGGERED, UserWarning, stacklevel=3)
+        elif self.sync_mode == 2:
+            raise RuntimeError(SYNC_MESSAGE)
+
+    def utilisation(self, device: int, t_end: int, window_ns: int) -> float:
+        """Percent of [t_end - window, t_end] during which the device ran something."""
+        t0 = t_end - window_ns
+        spans = sorted((max(s, t0), min(e, t_end)) for s, e in self.devices[device].busy if e > t0 and s < t_end)
+        busy, reach = 0, t0
+        for s, e in spans:
+            s = max(s, reach)
+            if e > s:
+                busy += e - s
+                reach = e
+        return 100.0 * busy / window_ns if window_ns > 0 else 0.0
 
 
 class FakeEvent:
-    def __init__(self, gpu: FakeGpu) -> None:
-        self.gpu = gpu
-        self.t = 0
+    """torch.cuda.Event(enable_timing=True) on the stand-in machine."""
 
-    def record(self) -> None:
-        self.t = max(self.gpu.clock(), self.gpu.free_at)
+    def __init__(self, gpu: FakeGpu, enable_timing: bool = True) -> None:
+        self.gpu = gpu
+        self.enable_timing = enable_timing
+        self.device: int | None = None  # bound at the first record
+        self.t: int | None = None  # GPU time it completes at (host ns)
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        gpu = self.gpu
+        gpu.check()
+        stream = stream or gpu.current_stream()
+        if self.device is None:
+            self.device = stream.device_index
+        elif self.device != stream.device_index:
+            raise RuntimeError(
+                f"Event device index {self.device} does not match recording stream's device "
+                f"index {stream.device_index}."
+            )
+        self.t = gpu.issue(stream, 0.0)
 
     def query(self) -> bool:
-        return self.gpu.clock() >= self.t
+        self.gpu.check()
+        return self.t is None or self.gpu.clock() >= self.t
 
     def elapsed_time(self, other: FakeEvent) -> float:
-        return (other.t - self.t) / 1e6 * (1.0 + self.gpu.drift)
+        self.gpu.check()
+        if not (self.enable_timing and other.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self.t is None or other.t is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        if self.device != other.device:
+            raise RuntimeError("Both events must be recorded on the same device.")
+        if not (self.query() and other.query()):
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
+        ms = (other.t - self.t) / 1e6 * (1.0 + self.gpu.drift)
+        return float(np.float32(ms)) if self.gpu.float32 else ms
 
     def synchronize(self) -> None:
-        self.gpu.clock.sleep(self.t - self.gpu.clock())
+        """cudaEventSynchronize: the host waits; sync debug mode does not warn."""
+        self.gpu.check()
+        if self.t is not None:
+            self.gpu.clock.sleep(self.t - self.gpu.clock())
+
+    def wait(self, stream: FakeStream | None = None) -> None:
+        (stream or self.gpu.current_stream()).wait_event(self)
+
+
+class FakeCudaModule:
+    """What the watches read of `torch.cuda`, for the stand-in machine. Module functions are
+    instance attributes and Event/Stream are classes, so patches apply to them as to torch's."""
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self._gpu = gpu
+        self.Event = gpu.Event
+        self.Stream = gpu.Stream
+        self.is_initialized = lambda: gpu.initialized
+        self.is_available = lambda: True
+        self.device_count = lambda: len(gpu.devices)
+        self.current_device = lambda: gpu.current_device
+        self.set_device = gpu.set_device
+        self.current_stream = gpu.current_stream
+        self.default_stream = lambda device=None: gpu.devices[
+            gpu.current_device if device is None else int(device)
+        ].default_stream
+        self.set_stream = gpu.set_stream
+        self.synchronize = gpu.synchronize
+        self.get_sync_debug_mode = lambda: gpu.sync_mode
+        self.set_sync_debug_mode = self._set_mode
+        self.memory_allocated = lambda device=None: 1 if gpu.devices[_index(gpu, device)].allocations else 0
+        self.memory_stats = lambda device=None: {
+            "allocation.all.allocated": gpu.devices[_index(gpu, device)].allocations
+        }
+        self.get_device_properties = lambda device=None: types.SimpleNamespace(
+            name="Fake GPU",
+            pci_domain_id=0,
+            pci_bus_id=0x17 + _index(gpu, device),
+            pci_device_id=0,
+            uuid=f"fake-uuid-{_index(gpu, device)}",
+            total_memory=80 * 2**30,
+        )
+
+    def _set_mode(self, mode: int | str) -> None:
+        self._gpu.sync_mode = {"default": 0, "warn": 1, "error": 2}.get(mode, mode)  # type: ignore[call-overload]
+
+    @contextlib.contextmanager
+    def device(self, index: int) -> Iterator[None]:
+        previous = self._gpu.current_device
+        self._gpu.set_device(index)
+        try:
+            yield
+        finally:
+            self._gpu.set_device(previous)
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream | None) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        previous = self._gpu.current_stream(stream.device_index)
+        self._gpu.set_stream(stream)
+        try:
+            yield
+        finally:
+            self._gpu.set_stream(previous)
+
+
+def _index(gpu: FakeGpu, device: Any) -> int:
+    if device is None:
+        return gpu.current_device
+    if isinstance(device, str):
+        return int(device.split(":")[1]) if ":" in device else gpu.current_device
+    return int(getattr(device, "index", device) or 0)
+
+
+def _device_of(target: Any, gpu: FakeGpu | None) -> int | None:
+    """The CUDA device index `target` names, or None for the CPU (or a dtype)."""
+    if isinstance(target, str):
+        if target.startswith("cuda"):
+            return int(target.split(":")[1]) if ":" in target else (gpu.current_device if gpu else 0)
+        return None
+    if isinstance(target, bool) or target is None:
+        return None
+    if isinstance(target, int):
+        return target
+    if isinstance(target, FakeTensor):
+        return target.device_index
+    kind = getattr(target, "type", None)
+    if kind == "cuda":
+        index = getattr(target, "index", None)
+        return (gpu.current_device if gpu else 0) if index is None else int(index)
+    return None
+
+
+def _is_cpu(target: Any) -> bool:
+    return target == "cpu" or getattr(target, "type", None) == "cpu"
 
 
 class FakeTensor:
-    """A tensor of `nbytes` on the host ("cpu") or on the fake GPU ("cuda")."""
+    """A tensor of `nbytes` on the host ("cpu") or on a device of the stand-in machine
+    ("cuda", "cuda:1")."""
 
-    gpu: FakeGpu | None = None  # the GPU the tensors of a test use
+    gpu: FakeGpu | None = None  # the machine the tensors of a test use
     gbps = 10.0  # copy bandwidth from pinned memory; pageable copies run at half of it
 
     def __init__(self, nbytes: int = 4_000_000, device: str = "cpu", pinned: bool = False) -> None:
         self.nbytes = nbytes
-        self.device = device
+        self.device_index: int | None = _device_of(device, self.gpu)
         self.pinned = pinned
+        if self.device_index is not None and self.gpu is not None:
+            self.gpu.initialized = True
+            self.gpu.devices[self.device_index].allocations += 1
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.device_index is None else f"cuda:{self.device_index}"
 
     @property
     def is_cuda(self) -> bool:
-        return self.device == "cuda"
+        return self.device_index is not None
 
     def nelement(self) -> int:
         return self.nbytes // 4
@@ -126,69 +484,198 @@ class FakeTensor:
     def is_pinned(self) -> bool:
         return self.pinned
 
-    def _copy_to_gpu(self, non_blocking: bool) -> FakeTensor:
-        gpu = self.gpu
-        assert gpu is not None
+    def _machine(self) -> FakeGpu:
+        assert self.gpu is not None, "FakeTensor.gpu is not set"
+        return self.gpu
+
+    def _stream(self) -> FakeStream:
+        assert self.device_index is not None
+        return self._machine().current_stream(self.device_index)
+
+    def _copy_to_gpu(self, device: int, non_blocking: bool) -> FakeTensor:
+        gpu = self._machine()
+        stream = gpu.current_stream(device)  # a copy runs on the destination's current stream
         rate = self.gbps if self.pinned else self.gbps / 2
-        gpu.launch(self.nbytes / rate / 1e6)
+        if not self.pinned:
+            gpu.wait(stream)  # CUDA syncs the stream before a copy from pageable memory
+        gpu.launch(self.nbytes / rate / 1e6, stream)
+        if not self.pinned:
+            gpu.wait(stream)  # ... and the host returns when the staged copy is done
         if not non_blocking:
-            gpu.wait()  # a blocking copy waits for the stream, then returns
+            gpu.wait(stream)  # a blocking copy waits for the stream, then returns
             gpu.warn_sync()
-        return FakeTensor(self.nbytes, "cuda")
+        return FakeTensor(self.nbytes, f"cuda:{device}")
+
+    def _copy_to_host(self, non_blocking: bool) -> FakeTensor:
+        gpu = self._machine()
+        stream = self._stream()
+        gpu.launch(self.nbytes / self.gbps / 1e6, stream)
+        if not non_blocking:
+            gpu.wait(stream)
+            gpu.warn_sync()
+        return FakeTensor(self.nbytes, "cpu", pinned=non_blocking)
 
     def to(self, *args: Any, **kwargs: Any) -> FakeTensor:
-        device = kwargs.get("device", args[0] if args else None)
-        nb = bool(kwargs.get("non_blocking", False))
-        if isinstance(device, str) and device.startswith("cuda") and not self.is_cuda:
-            return self._copy_to_gpu(nb)
+        target = kwargs.get("device", args[0] if args else None)
+        nb = bool(kwargs.get("non_blocking", next((a for a in args if isinstance(a, bool)), False)))
+        device = _device_of(target, self.gpu)
+        if device is not None and device != self.device_index:
+            if self.is_cuda:
+                self._machine().launch(self.nbytes / self.gbps / 1e6, self._stream())
+                return FakeTensor(self.nbytes, f"cuda:{device}")
+            return self._copy_to_gpu(device, nb)
+        if self.is_cuda and _is_cpu(target):
+            return self._copy_to_host(nb)
         return self
 
-    def cuda(self, *args: Any, **kwargs: Any) -> FakeTensor:
+    def cuda(self, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> FakeTensor:
         if self.is_cuda:
             return self
-        return self._copy_to_gpu(bool(kwargs.get("non_blocking", False)))
+        index = self._machine().current_device if device is None else _device_of(device, self.gpu) or 0
+        return self._copy_to_gpu(index, bool(kwargs.get("non_blocking", non_blocking)))
 
     def work(self, ms: float) -> FakeTensor:
-        """A kernel of `ms` on the GPU (a model's forward and backward, say)."""
-        assert self.gpu is not None
-        self.gpu.launch(ms)
+        """A kernel of `ms` on the GPU (a model's forward and backward, say), on the current
+        stream of the tensor's device; its output is allocated there, as activations are."""
+        gpu = self._machine()
+        device = gpu.current_device if self.device_index is None else self.device_index
+        gpu.launch(ms, gpu.current_stream(device))
+        gpu.devices[device].allocations += 1
         return self
 
     def item(self) -> float:
         if self.is_cuda:
-            assert self.gpu is not None
-            self.gpu.wait()
-            self.gpu.warn_sync()
+            gpu = self._machine()
+            gpu.wait(self._stream())
+            gpu.warn_sync()
         return 0.5
+
+    def __bool__(self) -> bool:
+        self.item()
+        return True
+
+    def __float__(self) -> float:
+        return self.item()
 
     def tolist(self) -> list[float]:
         return [self.item()]
 
     def cpu(self) -> FakeTensor:
-        if self.is_cuda:
-            assert self.gpu is not None
-            self.gpu.wait()
-            self.gpu.warn_sync()
-        return FakeTensor(self.nbytes)
+        return self._copy_to_host(False) if self.is_cuda else self
 
 
 def implicit_sync(t: FakeTensor) -> FakeTensor:
     """A library call that synchronises inside (like torch.nonzero): only the warning shows it."""
-    assert t.gpu is not None
-    t.gpu.wait()
-    t.gpu.warn_sync()
+    gpu = t._machine()
+    gpu.wait(t._stream())
+    gpu.warn_sync()
     return t
+
+
+class NVMLError(Exception):
+    pass
+
+
+class NVMLError_NotSupported(NVMLError):  # noqa: N801  (pynvml's name)
+    pass
+
+
+class FakeNvml(types.ModuleType):
+    """pynvml on the stand-in machine: utilisation is the busy share of the last `window_s`
+    before each read (NVML averages over 1/6 s to 1 s, by product), memory is device-wide."""
+
+    NVML_DEVICE_MIG_ENABLE = 1
+
+    def __init__(
+        self, gpu: FakeGpu, window_s: float = 1 / 6, mig: bool = False, others: int = 0
+    ) -> None:
+        super().__init__("pynvml")
+        self.gpu = gpu
+        self.window_ns = int(window_s * 1e9)
+        self.mig = mig
+        self.others = others  # processes of other users on the device
+        self.calls: list[Any] = []
+        self.NVMLError = NVMLError
+        self.NVMLError_NotSupported = NVMLError_NotSupported
+
+    def nvmlInit(self) -> None:  # noqa: N802  (pynvml's names)
+        self.calls.append("init")
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        self.calls.append("shutdown")
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus: bytes) -> int:  # noqa: N802
+        self.calls.append(("bus", bus))
+        return int(bus.decode().split(":")[1], 16) - 0x17
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802
+        return int(index)
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: bytes) -> int:  # noqa: N802
+        self.calls.append(("uuid", uuid))
+        return int(uuid.decode().rsplit("-", 1)[1])
+
+    def nvmlDeviceGetName(self, handle: int) -> bytes:  # noqa: N802
+        return b"NVIDIA Fake"
+
+    def nvmlDeviceGetMigMode(self, handle: int) -> tuple[int, int]:  # noqa: N802
+        return (1, 1) if self.mig else (0, 0)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:  # noqa: N802
+        if self.mig:
+            raise NVMLError_NotSupported("Not Supported")
+        util = self.gpu.utilisation(handle, self.gpu.clock(), self.window_ns)
+        return types.SimpleNamespace(gpu=int(round(util)), memory=0)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:  # noqa: N802
+        return types.SimpleNamespace(used=2 * 2**30, total=80 * 2**30)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:  # noqa: N802
+        import os
+
+        mine = [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=2**30)]
+        return mine + [types.SimpleNamespace(pid=10_000 + i, usedGpuMemory=2**30) for i in range(self.others)]
 
 
 def install_fake_cuda(monkeypatch: Any, gpu: FakeGpu) -> None:
     """Make traced cells take the CUDA path with `gpu` in place of torch.cuda: the step clock's
-    events, the copy and sync watches, and the per-line clock."""
+    events, the copy and sync watches, and the per-line clock.
+
+    The watches get `gpu.module` through the same `cuda_api` as torch's; the capture core's
+    own CUDA decisions are replaced where it has them (old core: run.cuda_in_use, ...)."""
+    from traceml_jupyter import cuda_clock, sync_stalls
     from traceml_jupyter import run as run_module
-    from traceml_jupyter import sync_stalls
-    from traceml_jupyter.cuda_clock import CudaClock
 
     FakeTensor.gpu = gpu
-    monkeypatch.setattr(run_module, "cuda_in_use", lambda: True)
-    monkeypatch.setattr(run_module, "gpu_memory_in_use", lambda: True)
-    monkeypatch.setattr(run_module, "CudaClock", lambda recorder: CudaClock(recorder, gpu.event))
-    monkeypatch.setattr(sync_stalls, "torch_cuda_api", lambda: gpu.api())
+    gpu.initialized = True
+
+    def fake_api(device: int | None = None) -> CudaApi | None:
+        return cuda_api(gpu.module, FakeTensor, device)
+
+    monkeypatch.setattr(sync_stalls, "torch_cuda_api", fake_api)
+    monkeypatch.setattr(sync_stalls, "cuda_module", lambda: gpu.module)
+    # The capture core's seams (whichever of them this core has): CUDA initialised, the
+    # allocations each device saw (how the loop's device is decided), events on a device.
+    try:
+        from traceml_jupyter import capture as capture_module
+    except ImportError:
+        capture_module = None
+    if capture_module is not None and hasattr(cuda_clock, "Marks"):
+
+        def marks(device: int) -> Any:
+            return cuda_clock.Marks(gpu.event, lambda ev: ev.record(gpu.current_stream(device)))
+
+        seams = {
+            "cuda_initialized": lambda: gpu.initialized,
+            "allocation_counts": lambda: {d.index: d.allocations for d in gpu.devices},
+            "current_device": lambda: gpu.current_device,
+            "torch_marks": marks,
+        }
+        for name, value in seams.items():
+            monkeypatch.setattr(capture_module, name, value, raising=False)
+            monkeypatch.setattr(cuda_clock, name, value, raising=False)
+    monkeypatch.setattr(run_module, "cuda_in_use", lambda: True, raising=False)
+    monkeypatch.setattr(run_module, "gpu_memory_in_use", lambda: True, raising=False)
+    if hasattr(run_module, "CudaClock"):
+        real = cuda_clock.CudaClock
+        monkeypatch.setattr(run_module, "CudaClock", lambda recorder: real(recorder, gpu.event))

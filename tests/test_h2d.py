@@ -38,7 +38,8 @@ def torch_tensor_untouched() -> Iterator[None]:
 
 
 def verdict_of(h2d_ms: float, n: int = 30, gpu: bool = True) -> tuple[str, str]:
-    v = diagnose(summarize(gpu_columns(n, h2d_ms=h2d_ms, h2d_bytes=8e6), n, 0, gpu))
+    # The GPU is 2 ms behind when steps end: busy, so COMPUTE-BOUND below the H2D threshold.
+    v = diagnose(summarize(gpu_columns(n, h2d_ms=h2d_ms, h2d_bytes=8e6, gpu_backlog_ms=2.0), n, 0, gpu))
     return v.label, v.severity
 
 
@@ -118,7 +119,7 @@ def test_copies_are_timed_per_step_and_per_line() -> None:
     x, p = FakeTensor(10_000_000), FakeTensor(20_000_000, pinned=True)
     original_to = FakeTensor.__dict__["to"]
     try:
-        with copies_timed(watch, FakeTensor, syncs.blocking_copy, syncs.inside, clock):
+        with copies_timed(watch, FakeTensor, syncs.synced, syncs.inside, clock):
             exec(code, {"x": x, "p": p})  # outside the loop: not counted
             for k in range(5):
                 steps[0] = k
@@ -156,7 +157,7 @@ def test_real_tensor_methods_are_restored_and_cpu_work_passes_through() -> None:
     watch = CopyWatch(lambda: steps[0], lambda: made.append(1), "<cell>")
     syncs = SyncWatch(lambda: steps[0], "<cell>")
     t = torch.arange(4.0)
-    with copies_timed(watch, torch.Tensor, syncs.blocking_copy, syncs.inside):
+    with copies_timed(watch, torch.Tensor, syncs.synced, syncs.inside):
         with syncs_timed(syncs, torch.Tensor):
             assert "to" in torch.Tensor.__dict__ and "item" in torch.Tensor.__dict__
             assert t.to(torch.float64).dtype == torch.float64
@@ -218,7 +219,7 @@ def test_large_pageable_batches_are_h2d_bound(ip: Any, gpu: FakeGpu) -> None:
     assert (run.verdict, run.severity) == ("H2D-BOUND", "critical")  # 4 ms of a 6 ms step
     s = run.summary
     # 20 MB at 5 GB/s, plus the host's return from the blocking copy before the end event
-    assert s["h2d_bytes"] == 20_000_000 and s["h2d_gbps"] == pytest.approx(5.0, rel=0.05)
+    assert s["h2d_bytes"] == 20_000_000 and s["h2d_gbps"] == pytest.approx(5.0, rel=0.15)
     assert s["h2d_pinned_share"] == 0.0 and s["h2d_non_blocking_share"] == 0.0
     assert s["h2d_lines"] == [4]
     assert "on line 4" in run.verdict_detail.next

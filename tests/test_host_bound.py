@@ -46,8 +46,11 @@ def gpu_columns(n: int, step: float = 10.0, wait: float = 0.0, **extra: float) -
     return cols
 
 
-def verdict_of(n: int = 30, gpu: bool = True, **kw: float) -> tuple[str, str]:
-    v = diagnose(summarize(gpu_columns(n, **kw), n, 0, gpu))
+def verdict_of(n: int = 30, gpu: bool = True, seen: bool = True, **kw: float) -> tuple[str, str]:
+    """The verdict of `n` identical steps; `seen`: every synchronising call was seen."""
+    s = summarize(gpu_columns(n, **kw), n, 0, gpu)
+    s["syncs_all_seen"] = seen
+    v = diagnose(s)
     return v.label, v.severity
 
 
@@ -70,20 +73,60 @@ def test_a_gpu_with_work_queued_at_step_end_is_not_waiting_on_the_host() -> None
     assert verdict_of(gpu_util_pct=50.0, gpu_backlog_ms=1.0)[0] == "COMPUTE-BOUND"
 
 
+def test_a_millisecond_of_backlog_means_the_gpu_was_behind_however_long_the_step() -> None:
+    # A 200 ms step of 5k kernels throttled by the launch queue: 1 024 queued kernels are a
+    # few ms of backlog, far under 10 % of the step, and the host is blocked in launches.
+    assert verdict_of(step=200.0, gpu_util_pct=50.0, gpu_backlog_ms=0.9)[0] == "HOST-BOUND"
+    assert verdict_of(step=200.0, gpu_util_pct=50.0, gpu_backlog_ms=1.0)[0] == "COMPUTE-BOUND"
+    assert verdict_of(step=200.0, gpu_backlog_ms=4.0, host=190.0, sync_ms=0.0)[0] == "COMPUTE-BOUND"
+
+
 def test_a_host_that_waits_in_syncs_is_not_what_holds_the_gpu_back() -> None:
     assert verdict_of(gpu_util_pct=50.0, gpu_backlog_ms=0.0, sync_ms=0.99)[0] == "HOST-BOUND"
     assert verdict_of(gpu_util_pct=50.0, gpu_backlog_ms=0.0, sync_ms=1.0)[0] == "COMPUTE-BOUND"
 
 
 def test_without_nvml_a_host_that_sets_the_pace_is_a_warning_only() -> None:
-    # No backlog, and the host issues work for at least half of the step (body minus syncs).
+    # No backlog, every sync seen and timed, and the host issues work for at least half of the
+    # step (body minus syncs).
     assert verdict_of(gpu_backlog_ms=0.5, host=5.0, sync_ms=0.0) == ("HOST-BOUND", "warn")
-    assert verdict_of(gpu_backlog_ms=0.5, host=5.5, sync_ms=0.51)[0] == "COMPUTE-BOUND"
-    assert verdict_of(gpu_backlog_ms=0.5, host=4.99, sync_ms=0.0)[0] == "COMPUTE-BOUND"
+    assert verdict_of(gpu_backlog_ms=0.5, host=4.99, sync_ms=0.0)[0] != "HOST-BOUND"
     assert verdict_of(gpu_backlog_ms=0.5, host=9.0, sync_ms=0.0, gpu_util_pct=95.0)[0] == "COMPUTE-BOUND"
-    # Syncs not watched, or neither NVML nor a backlog probe: nothing to say about the host.
-    assert verdict_of(gpu_backlog_ms=0.5, host=9.0)[0] == "COMPUTE-BOUND"
-    assert verdict_of(host=9.0, sync_ms=0.0)[0] == "COMPUTE-BOUND"
+
+
+def test_without_nvml_anything_hidden_means_cant_tell_not_host_bound() -> None:
+    # Some syncs were not counted (the user's own sync debug mode, or too many warnings).
+    assert verdict_of(gpu_backlog_ms=0.5, host=9.0, sync_ms=0.0, seen=False)[0] == "MIXED"
+    # Syncs not watched at all, or no backlog probe.
+    assert verdict_of(gpu_backlog_ms=0.5, host=9.0)[0] == "MIXED"
+    assert verdict_of(host=9.0, sync_ms=0.0)[0] == "MIXED"
+    # An untimed wait for the GPU (torch.nonzero) in every step: the host's time is unknown.
+    assert verdict_of(gpu_backlog_ms=0.5, host=9.0, sync_ms=0.0, sync_untimed=1.0)[0] == "MIXED"
+
+
+def test_untimed_syncs_make_the_hosts_issue_time_unknown() -> None:
+    cols = gpu_columns(30, gpu_backlog_ms=0.0, host=9.0, sync_ms=0.0, sync_untimed=0.0)
+    cols["sync_untimed"][:14] = 2.0  # 14 of 30 steps waited untimed: the other 16 tell
+    s = summarize(cols, 30, 0, True)
+    assert s["untimed_sync_share"] == pytest.approx(14 / 30) and s["host_issue_ms"] == 9.0
+    cols["sync_untimed"][:16] = 1.0  # most steps waited untimed: unknown
+    s = summarize(cols, 30, 0, True)
+    assert s["host_issue_ms"] is None
+
+
+def test_compute_bound_on_the_gpu_clock_needs_evidence_of_gpu_work() -> None:
+    # The body's GPU-timeline span is 100 % of the step; nothing shows the GPU worked in it.
+    s = summarize(gpu_columns(30, host=2.0, gpu_backlog_ms=0.01), 30, 0, True)
+    v = diagnose(s)
+    assert v.label == "MIXED" and "GPU busy is unknown" in v.why
+    assert "GPU-timeline span of the step body" in v.why and "nvidia-ml-py" in v.next
+    # Any of: utilisation >= 90 %, a backlog, the host waiting for the GPU.
+    for extra in ({"gpu_util_pct": 95.0}, {"gpu_backlog_ms": 3.0}, {"sync_ms": 2.0}):
+        v = diagnose(summarize(gpu_columns(30, host=2.0, **extra), 30, 0, True))
+        assert v.label == "COMPUTE-BOUND", extra
+        assert "GPU-timeline span of the step body" in v.why
+    # The CPU clock needs none: its compute is the host's own time.
+    assert diagnose(summarize(gpu_columns(30), 30, 0, False)).label == "COMPUTE-BOUND"
 
 
 def test_host_bound_needs_the_gpu_clock_and_leaves_the_cpu_verdicts_alone() -> None:
@@ -153,32 +196,41 @@ def test_call_text_finds_the_syncing_call_on_the_line() -> None:
 # -- the measurements, on a stand-in GPU with a fake clock ------------------------------------
 
 
-def watched_run(gpu: FakeGpu, clock: HostClock) -> tuple[Run, GpuWatch]:
+class Loop:
+    """What the capture tells the watch: the step being run on its thread (None between)."""
+
+    def __init__(self, run: Run) -> None:
+        self.step: int | None = None
+        run.current_step = lambda: self.step  # type: ignore[method-assign]
+
+
+def watched_run(gpu: FakeGpu, clock: HostClock) -> tuple[Run, GpuWatch, Loop]:
     run = Run()
     run.cell_filename = "<cell>"
     run.cell_source = "%%traceml\nfor x in data:\n    y = x.item()\n    z = f(y)\n"
+    loop = Loop(run)
     watch = GpuWatch(run, gpu.api(), clock)
     run.gpu_watch = watch
-    return run, watch
+    return run, watch, loop
 
 
-def step(run: Run, clock: HostClock, host_ms: float, gpu: FakeGpu, gpu_ms: float) -> None:
+def step(run: Run, loop: Loop, clock: HostClock, host_ms: float, gpu: FakeGpu, gpu_ms: float) -> None:
+    loop.step = run.recorder.n_steps
     t0 = clock()
     gpu.launch(gpu_ms)
     clock.sleep(host_ms * 1e6)
     run.recorder.add(t0, t0, clock())
+    loop.step = None
     run.gpu_watch.step_ended(clock())
 
 
 def test_backlog_is_how_far_the_gpu_is_behind_when_a_step_ends() -> None:
     clock = HostClock(fake=True)
-    gpu = FakeGpu(clock, drift=2e-4, queue_ms=1e9)  # the GPU's timer runs 200 ppm fast
-    run, watch = watched_run(gpu, clock)
-    watch.loop_started()
-    run.in_loop = True
+    gpu = FakeGpu(clock, drift=2e-4)  # the GPU's timer runs 200 ppm fast
+    run, watch, loop = watched_run(gpu, clock)
+    watch.loop_started(0)
     for _ in range(40):  # each step queues 5 ms of GPU work in 1 ms of host time
-        step(run, clock, 1.0, gpu, 5.0)
-    run.in_loop = False
+        step(run, loop, clock, 1.0, gpu, 5.0)
     watch.close()
     cols = run.steps
     probed = np.isfinite(cols["gpu_backlog_ms"])
@@ -191,12 +243,10 @@ def test_backlog_is_how_far_the_gpu_is_behind_when_a_step_ends() -> None:
 def test_a_gpu_that_keeps_up_has_no_backlog() -> None:
     clock = HostClock(fake=True)
     gpu = FakeGpu(clock)
-    run, watch = watched_run(gpu, clock)
-    watch.loop_started()
-    run.in_loop = True
+    run, watch, loop = watched_run(gpu, clock)
+    watch.loop_started(0)
     for _ in range(20):  # 5 ms of Python for 0.1 ms of GPU work
-        step(run, clock, 5.0, gpu, 0.1)
-    run.in_loop = False
+        step(run, loop, clock, 5.0, gpu, 0.1)
     watch.close()
     backlog = run.steps["gpu_backlog_ms"]
     assert np.nanmax(backlog) == 0.0 and np.isfinite(backlog).sum() == 5
@@ -206,21 +256,21 @@ def test_item_waits_are_timed_and_implicit_syncs_counted_on_their_lines() -> Non
     clock = HostClock(fake=True)
     gpu = FakeGpu(clock)
     FakeTensor.gpu = gpu
-    run, watch = watched_run(gpu, clock)
+    run, watch, loop = watched_run(gpu, clock)
     original_item = FakeTensor.__dict__["item"]
     assert run.gpu_watch is watch and FakeTensor.__dict__["item"] is original_item  # not yet
-    watch.loop_started()
+    watch.loop_started(0)
     assert FakeTensor.__dict__["item"] is not original_item
     code = compile("y = x.item()\nz = f(y)\n", "<cell>", "exec")
     x = FakeTensor(device="cuda")
-    run.in_loop = True
     try:
-        for _ in range(10):
+        for k in range(10):
+            loop.step = k
             gpu.launch(3.0)  # the step's work; .item() waits for it
             exec(code, {"x": x, "f": lambda y: gpu.warn_sync()})
             run.recorder.add(clock(), clock(), clock())
+        loop.step = None
     finally:
-        run.in_loop = False
         watch.close()
     assert FakeTensor.__dict__["item"] is original_item
     assert gpu.sync_mode == 0
@@ -233,8 +283,10 @@ def test_item_waits_are_timed_and_implicit_syncs_counted_on_their_lines() -> Non
     assert implicit["kinds"] == ["implicit"] and implicit["wait_ms_per_step"] is None
     cols = run.steps
     assert cols["sync_calls"].tolist() == [2.0] * 10
+    assert cols["sync_untimed"].tolist() == [1.0] * 10
     assert np.allclose(cols["sync_ms"], 3.0)
     assert stalls["counted_implicit"] is True
+    assert run.watch_summary["syncs_all_seen"] is True
 
 
 def test_sync_counting_stops_after_many_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -244,41 +296,44 @@ def test_sync_counting_stops_after_many_warnings(monkeypatch: pytest.MonkeyPatch
     clock = HostClock(fake=True)
     gpu = FakeGpu(clock)
     FakeTensor.gpu = gpu
-    run, watch = watched_run(gpu, clock)
-    watch.loop_started()
+    run, watch, loop = watched_run(gpu, clock)
+    watch.loop_started(0)
     code = compile("z = f(x)\n", "<cell>", "exec")
-    run.in_loop = True
     try:
-        for _ in range(5):
+        for k in range(5):
+            loop.step = k
+            assert watch.syncs is not None
             assert gpu.sync_mode == (1 if watch.syncs.warnings < 3 else 0)
             exec(code, {"x": FakeTensor(device="cuda"), "f": lambda t: gpu.warn_sync()})
             run.recorder.add(clock(), clock(), clock())
     finally:
-        run.in_loop = False
+        loop.step = None
         watch.close()
         FakeTensor.gpu = None
     assert run.sync_stalls is not None and run.sync_stalls["calls"] == 3
     assert any("first 3" in note for note in run.notes) and gpu.sync_mode == 0
+    # Syncs went uncounted after that: the host's issue time can no longer be trusted.
+    assert run.watch_summary["syncs_all_seen"] is False
 
 
 def test_nothing_is_timed_while_torch_compile_traces() -> None:
     clock = HostClock(fake=True)
     gpu = FakeGpu(clock)
     FakeTensor.gpu = gpu
-    run = Run()
-    api = gpu.api()
-    api.compiling = lambda: True
-    watch = GpuWatch(run, api, clock)
-    watch.loop_started()
-    run.in_loop = True
+    run, watch, loop = watched_run(gpu, clock)
+    assert watch.api is not None
+    watch.api.compiling = lambda: True
+    watch.loop_started(0)
+    loop.step = 0
     try:
         x = FakeTensor()
         assert x.to("cuda").is_cuda and x.to("cuda").item() == 0.5
     finally:
-        run.in_loop = False
+        loop.step = None
         watch.close()
         FakeTensor.gpu = None
     assert run.h2d is not None and run.h2d["copies"] == 0  # no copy timed
+    assert watch.syncs is not None
     assert all(site.timed == 0 for site in watch.syncs.sites.values())  # no wait timed
     # The fake still warned of its syncs: with no cell frame, they count where they came from.
     assert {site.filename.rsplit("/", 1)[-1] for site in watch.syncs.sites.values()} == {"fake_gpu.py"}
@@ -288,11 +343,12 @@ def test_the_users_own_sync_debug_mode_is_left_alone() -> None:
     clock = HostClock(fake=True)
     gpu = FakeGpu(clock)
     gpu.sync_mode = 2  # "error": the user wants to find syncs themselves
-    run, watch = watched_run(gpu, clock)
-    watch.loop_started()
+    run, watch, loop = watched_run(gpu, clock)
+    watch.loop_started(0)
     assert gpu.sync_mode == 2 and not watch.counting_sync_warnings
     watch.close()
     assert gpu.sync_mode == 2
+    assert run.watch_summary["syncs_all_seen"] is False  # untimed syncs were not counted
 
 
 def test_a_loop_that_never_runs_on_cuda_patches_nothing() -> None:
@@ -300,16 +356,26 @@ def test_a_loop_that_never_runs_on_cuda_patches_nothing() -> None:
     run = Run()
     before = dict(FakeTensor.__dict__)
     with gpu_watched(run, gpu.api()) as watch:
-        assert watch is not None and run.gpu_watch is watch
+        assert run.gpu_watch is watch
         assert dict(FakeTensor.__dict__) == before
     assert run.gpu_watch is None and run.h2d is None and run.sync_stalls is None
     assert run.extra_columns == {}
 
 
-def test_no_cuda_device_means_no_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_cuda_the_watch_stays_dormant_and_touches_nothing() -> None:
+    import torch
+
     run = Run()
-    with gpu_watched(run) as watch:  # this machine has no CUDA device
-        assert watch is None and run.gpu_watch is None
+    before = dict(torch.Tensor.__dict__)
+    with gpu_watched(run) as watch:  # this machine has no CUDA device: nothing initialised
+        assert run.gpu_watch is watch and watch.api is None
+        assert dict(torch.Tensor.__dict__) == before
+    assert run.h2d is None and run.sync_stalls is None and run.extra_columns == {}
+    # Started anyway (a core that thought CUDA was in use): a note, nothing patched.
+    with gpu_watched(run) as watch:
+        watch.loop_started(0)
+        assert dict(torch.Tensor.__dict__) == before
+    assert any("CUDA is not initialised" in note for note in run.notes)
 
 
 # -- the user's story, through the magic, on the stand-in GPU ---------------------------------
@@ -357,8 +423,8 @@ def test_python_that_starves_the_gpu_is_host_bound(ip: Any, gpu: FakeGpu) -> Non
     assert (run.verdict, run.severity) == ("HOST-BOUND", "warn")  # no NVML: how idle is unknown
     assert "GPU utilisation is unknown" in run.verdict_detail.why
     # The NVML samples of the live view make it quantitative.
-    t = run.steps["time_s"]
-    run.gpu_samples = {"time_s": np.array([t[0], t[-1] + 1]), "gpu_util_pct": np.array([20.0, 20.0]), "gpu_mem_used_mib": np.array([1.0, 1.0])}
+    t = np.linspace(run.steps["time_s"][0], run.steps["time_s"][-1], 5)  # 5 samples in the loop
+    run.gpu_samples = {"time_s": t, "gpu_util_pct": np.full(5, 20.0), "gpu_mem_used_mib": np.ones(5)}
     assert (run.verdict, run.severity) == ("HOST-BOUND", "critical")
     assert run.summary["gpu_busy_share"] == pytest.approx(0.2)
 
@@ -379,6 +445,7 @@ def test_item_every_step_is_named_on_its_line(ip: Any, gpu: FakeGpu) -> None:
     top = run.sync_stalls["sites"][0]
     assert (top["line"], top["call"], top["every_step"]) == (5, "loss.item()", True)
     assert top["share"] > 0.5  # the host waits there for the GPU's 6 ms
+    assert [s["line"] for s in run.sync_stalls["sites"]] == [5, 6]  # the capture's own waits are not
     implicit = next(s for s in run.sync_stalls["sites"] if s["line"] == 6)
     assert implicit["kinds"] == ["implicit"] and implicit["calls_per_step"] == 1.0
     assert run.summary["sync_top"]["call"] == "loss.item()"

@@ -59,10 +59,15 @@ def fake_pynvml(init_error: bool = False, fail_after: int | None = None) -> Any:
 
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """torch reports one initialised CUDA device on PCI bus 0x17 (only for nvml's lookups)."""
+    """torch is built with CUDA and reports one initialised CUDA device on PCI bus 0x17 (only
+    for nvml's lookups; is_available() is never asked: it would initialise CUDA)."""
     import torch
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    def never() -> bool:
+        raise AssertionError("torch.cuda.is_available() initialises CUDA: never called")
+
+    monkeypatch.setattr(torch.cuda, "is_available", never)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x17, pci_device_id=0)
@@ -224,9 +229,36 @@ def test_samples_are_placed_on_steps_by_time() -> None:
         "gpu_util_pct": np.array([0.0, 50.0, 100.0]),
         "gpu_mem_used_mib": np.array([10.0, 10.0, 30.0]),
     }
-    placed = nvml.at_steps(samples, np.array([0.5, 1.5, 5.0]))
+    placed = nvml.at_steps(samples, np.array([0.5, 1.5, 5.0]), min_inside=2)
     assert placed["gpu_util_pct"][:2].tolist() == [25.0, 75.0]
     assert np.isnan(placed["gpu_util_pct"][2])
     assert placed["gpu_mem_used_mib"][1] == 20.0
+    # Two samples inside the loop are too few to judge utilisation by (memory is still shown).
+    few = nvml.at_steps(samples, np.array([0.5, 1.5, 5.0]))
+    assert np.isnan(few["gpu_util_pct"]).all() and few["gpu_mem_used_mib"][1] == 20.0
     empty = nvml.at_steps({"time_s": np.empty(0)}, np.array([1.0]))
     assert np.isnan(empty["gpu_util_pct"]).all()
+
+
+def test_the_sampler_follows_the_loops_device_not_the_current_one(
+    monkeypatch: pytest.MonkeyPatch, fake_cuda: Any
+) -> None:
+    """Training on cuda:1 while the current device is 0: NVML samples device 1's bus; a loop
+    the capture has not seen on a GPU (a CPU loop next to a stale GPU tensor) gets none."""
+    fake = fake_pynvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    bus = {0: 0x17, 1: 0x65}
+    monkeypatch.setattr(
+        fake_cuda.cuda,
+        "get_device_properties",
+        lambda i: types.SimpleNamespace(pci_domain_id=0, pci_bus_id=bus[i], pci_device_id=0),
+    )
+    loop_device: list[int | None] = [None]
+    sampler = GpuSampler(device_of_loop=lambda: loop_device[0])
+    sampler.start_when_ready()
+    assert not sampler.running and sampler.note == "GPU n/a (no CUDA work yet)"
+    loop_device[0] = 1
+    sampler.start_when_ready()
+    assert wait_for(lambda: len(sampler.samples) >= 1)
+    sampler.stop()
+    assert ("bus", b"0000:65:00.0") in fake.calls

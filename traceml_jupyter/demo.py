@@ -403,7 +403,17 @@ def build_loader(
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """CUDA when a GPU is there, found without initialising CUDA (NVML's device count) unless
+    CUDA is initialised already: `torch.cuda.is_available()` would initialise it and break a
+    later fork-started launcher (accelerate.notebook_launcher). Pass device="cuda" to insist."""
+    cuda = torch.cuda
+    try:
+        if cuda.is_initialized():
+            return torch.device("cuda" if cuda.device_count() > 0 else "cpu")
+        count = getattr(cuda, "_device_count_nvml", lambda: -1)()
+    except Exception:
+        count = -1
+    return torch.device("cuda" if count > 0 else "cpu")
 
 
 def setup(

@@ -1,9 +1,17 @@
 """Host-to-device copies in the step loop: `Tensor.to` and `Tensor.cuda` timed with CUDA events
-while a traced cell runs on a GPU, summed per step and per cell line."""
+while a traced cell runs on a GPU, summed per step and per cell line.
+
+Only copies made on the thread that runs the steps are timed (DataParallel's replica threads,
+a pin-memory thread pass straight through). Each copy's events sit on the destination device's
+current stream, from a pool kept per device (an event is bound to the device of its first
+record, and CUDA refuses to record it on another's). Any error of ours turns the watch off for
+the run, with a note; the user's own call always runs and its errors propagate unchanged.
+"""
 
 from __future__ import annotations
 
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,9 +24,12 @@ from .cell_functions import is_cell_file
 from .patches import patched
 from .step_tally import StepTally
 
-# Per-step columns this module adds to a run (see Run.extra_columns).
+# Per-step columns this module adds to a run (see Run.extra_columns). h2d_async_bytes: bytes
+# copied asynchronously, i.e. non_blocking=True *and* from pinned memory (from pageable memory
+# CUDA makes the host wait, whatever non_blocking says).
 COPY_COLUMNS = ("h2d_ms", "h2d_bytes", "h2d_pinned_bytes", "h2d_async_bytes")
 FRAME_DEPTH = 16  # how far up the stack a copy or a sync is looked for in a notebook cell
+CURRENT = -1  # "the current CUDA device" (`.to("cuda")`, `.cuda()`)
 
 
 def cell_line(frame: FrameType | None, cell_filename: str | None) -> tuple[str, int]:
@@ -40,22 +51,61 @@ def cell_line(frame: FrameType | None, cell_filename: str | None) -> tuple[str, 
     return other_cell or first or ("?", 0)
 
 
-def target_is_cuda(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether `Tensor.to(*args, **kwargs)` moves to a CUDA device: a device string, a
-    torch.device, a device index, or another tensor that lives on CUDA."""
+def _device_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     device = kwargs.get("device")
     if device is None and args:
         device = args[0]
-    if device is None or isinstance(device, bool):
+    return device
+
+
+# Classes whose instances never name a device (dtypes, numbers): `.to(torch.float16)` is told
+# apart in one set lookup, the commonest call in a model (finding 16: the hooks' host cost).
+_NOT_A_DEVICE: set[type] = {bool, float, type(None)}
+
+
+def cuda_index(device: Any) -> int | None:
+    """The CUDA device a `.to(...)`/`.cuda(...)` target names: its index, CURRENT for "the
+    current device", None for the CPU, a dtype or anything else."""
+    kind = type(device)
+    if kind in _NOT_A_DEVICE:
+        return None
+    if kind is str:
+        if not device.startswith("cuda"):
+            return None
+        digits = device[5:]
+        return int(digits) if digits.isdigit() else CURRENT
+    if kind is int:
+        return int(device)  # `x.to(0)`: a CUDA device index
+    device_type = getattr(device, "type", None)
+    if isinstance(device_type, str):  # a torch.device
+        if device_type != "cuda":
+            return None
+        index = getattr(device, "index", None)
+        return CURRENT if index is None else int(index)
+    if getattr(device, "is_cuda", False):  # another tensor that lives on CUDA
+        where = getattr(device, "device", None)
+        found = cuda_index(where) if where is not None and where is not device else None
+        return CURRENT if found is None else found
+    if not any(hasattr(kind, name) for name in ("type", "is_cuda", "device")):
+        _NOT_A_DEVICE.add(kind)
+    return None
+
+
+def target_is_cuda(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether `Tensor.to(*args, **kwargs)` moves to a CUDA device: a device string, a
+    torch.device, a device index, or another tensor that lives on CUDA."""
+    return cuda_index(_device_arg(args, kwargs)) is not None
+
+
+def target_is_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether `Tensor.to(*args, **kwargs)` names the CPU (`.to("cpu")`, `torch.device("cpu")`)."""
+    device = _device_arg(args, kwargs)
+    kind = type(device)
+    if kind in _NOT_A_DEVICE:
         return False
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    if isinstance(device, int):
-        return True  # `x.to(0)`: a CUDA device index
-    kind = getattr(device, "type", None)
-    if isinstance(kind, str):
-        return kind == "cuda"
-    return bool(getattr(device, "is_cuda", False))
+    if kind is str:
+        return bool(device == "cpu" or device.startswith("cpu:"))
+    return getattr(device, "type", None) == "cpu"
 
 
 def non_blocking_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -83,6 +133,37 @@ def is_pinned(tensor: Any) -> bool:
         return False
 
 
+class EventPool:
+    """Timing events kept per device: an event is bound to the device of its first record and
+    may only be recorded there again, so each device reuses its own."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._free: dict[int, list[Any]] = {}
+        self.made = 0
+
+    def record(self, device: int, stream: Any = None) -> Any:
+        """An event recorded now on `stream` (a stream of `device`; None: the current one)."""
+        free = self._free.get(device)
+        if free:
+            ev = free.pop()
+        else:
+            ev = self._make()
+            self.made += 1
+        if stream is None:
+            ev.record()
+        else:
+            ev.record(stream)
+        return ev
+
+    def give(self, device: int, *events: Any) -> None:
+        """Events that were read: reusable on `device`."""
+        self._free.setdefault(device, []).extend(events)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
 @dataclass
 class CopySite:
     """The copies made by one line of code."""
@@ -94,48 +175,72 @@ class CopySite:
     ms: float = 0.0  # GPU time of the copies resolved so far
     timed: int = 0  # copies whose GPU time is in `ms`
     pinned: int = 0  # copies from pinned (page-locked) memory
-    non_blocking: int = 0
-    side_stream: int = 0  # copies on a stream other than the default: they can overlap compute
+    non_blocking: int = 0  # copies written with non_blocking=True
+    pageable_non_blocking: int = 0  # ... of which from pageable memory: the host waited anyway
+    side_stream: int = 0  # copies on another stream than the loop's: they can overlap compute
 
 
 class CopyWatch:
     """Times host-to-device copies with a pair of CUDA events each, read back once done.
 
-    `current_step()` gives the index of the step being run, or None outside the step loop
-    (copies there are not counted). `event_factory` makes objects with record(), query(),
-    elapsed_time(other) and synchronize() (torch.cuda.Event(enable_timing=True) on a GPU).
+    `current_step()` gives the index of the step being run, or None outside the steps (copies
+    there are not counted). `events` is an EventPool (or a factory of objects with record(),
+    query(), elapsed_time(other) and synchronize()). `stream_of(d)` is device d's current
+    stream, `current_device()` the current device; `loop_device` the loop's. `loop_stream`
+    (set by the GPU watch) is the stream the loop's steps run on: a copy on another stream can
+    overlap compute and is not step time.
     """
 
     def __init__(
         self,
         current_step: Callable[[], int | None],
-        event_factory: Callable[[], Any],
+        events: EventPool | Callable[[], Any],
         cell_filename: str | None,
-        on_side_stream: Callable[[], bool] | None = None,
+        stream_of: Callable[[int], Any] | None = None,
+        current_device: Callable[[], int] | None = None,
+        loop_device: int = 0,
     ) -> None:
         self.current_step = current_step
-        self._make = event_factory
+        self.pool = events if isinstance(events, EventPool) else EventPool(events)
         self.cell_filename = cell_filename
-        self._on_side_stream = on_side_stream or (lambda: False)
+        self.stream_of = stream_of
+        self.current_device = current_device or (lambda: loop_device)
+        self.loop_device = loop_device
+        self.loop_stream: Any = None
+        self.thread = threading.get_ident()  # the thread that runs the steps
+        self.off: str | None = None  # why the watch turned itself off
         self.tallies = {name: StepTally() for name in COPY_COLUMNS}
         self.sites: dict[tuple[str, int], CopySite] = {}
-        self._free: list[Any] = []
-        self._pending: deque[tuple[int, Any, Any, bool, CopySite]] = deque()
+        self._pending: deque[tuple[int, int, Any, Any, bool, CopySite]] = deque()
 
-    def begin(self) -> Any:
-        """An event recorded just before a copy is issued."""
-        ev = self._free.pop() if self._free else self._make()
-        ev.record()
-        return ev
+    def turn_off(self, exc: BaseException) -> None:
+        if self.off is None:
+            self.off = f"Copies to the GPU were not timed after an error: {type(exc).__name__}: {exc}"
+        self._pending.clear()
+
+    def begin(self, device: int) -> tuple[Any, Any]:
+        """(stream, event): an event recorded just before a copy to `device` is issued, on the
+        stream the copy will run on (the destination's current stream)."""
+        stream = self.stream_of(device) if self.stream_of is not None else None
+        return stream, self.pool.record(device, stream)
 
     def copied(
-        self, step: int, start: Any, src: Any, non_blocking: bool, frame: FrameType | None
+        self,
+        step: int,
+        device: int,
+        stream: Any,
+        start: Any,
+        src: Any,
+        non_blocking: bool,
+        pinned: bool,
+        frame: FrameType | None,
     ) -> None:
         """Record the end of a copy of `src` that began at `start`; resolve the finished ones."""
-        end = self.begin()
+        end = self.pool.record(device, stream)
         nbytes = nbytes_of(src)
-        pinned = is_pinned(src)
-        side = self._on_side_stream()
+        side = device != self.loop_device or (
+            stream is not None and self.loop_stream is not None and stream != self.loop_stream
+        )
         where = cell_line(frame, self.cell_filename)
         site = self.sites.get(where)
         if site is None:
@@ -144,59 +249,81 @@ class CopyWatch:
         site.nbytes += nbytes
         site.pinned += pinned
         site.non_blocking += non_blocking
+        site.pageable_non_blocking += non_blocking and not pinned
         site.side_stream += side
         tallies = self.tallies
         tallies["h2d_bytes"].add(step, nbytes)
         tallies["h2d_pinned_bytes"].add(step, nbytes if pinned else 0)
-        tallies["h2d_async_bytes"].add(step, nbytes if non_blocking else 0)
-        self._pending.append((step, start, end, side, site))
+        tallies["h2d_async_bytes"].add(step, nbytes if non_blocking and pinned else 0)
+        self._pending.append((step, device, start, end, side, site))
         self.poll()
 
+    def _read(self, entry: tuple[int, int, Any, Any, bool, CopySite]) -> None:
+        step, device, start, end, side, site = entry
+        ms = float(start.elapsed_time(end))
+        site.ms += ms
+        site.timed += 1
+        if not side:  # a copy on another stream overlaps compute: not step time
+            self.tallies["h2d_ms"].add(step, ms)
+        self.pool.give(device, start, end)
+
     def poll(self) -> None:
-        pending, free, tally = self._pending, self._free, self.tallies["h2d_ms"]
-        while pending and pending[0][2].query():
-            step, start, end, side, site = pending.popleft()
-            ms = float(start.elapsed_time(end))
-            site.ms += ms
-            site.timed += 1
-            if not side:  # a copy on a side stream overlaps compute: not step time
-                tally.add(step, ms)
-            free.append(start)
-            free.append(end)
+        """Read the copies that are done, oldest first (both events queried)."""
+        pending = self._pending
+        while pending and pending[0][3].query() and pending[0][2].query():
+            self._read(pending.popleft())
+
+    def poll_all(self) -> None:
+        """Read every copy that is done, whatever its stream (at the end, after the GPU was
+        waited for: all of them)."""
+        left: deque[tuple[int, int, Any, Any, bool, CopySite]] = deque()
+        for entry in self._pending:
+            if entry[3].query() and entry[2].query():
+                self._read(entry)
+            else:
+                left.append(entry)
+        self._pending = left
 
     def synchronize(self) -> None:
-        """Wait for the last copy and read every pending one (once, at the end of the cell)."""
-        if self._pending:
-            last = self._pending[-1][2]
-            if hasattr(last, "synchronize"):
-                last.synchronize()
-            self.poll()
+        """Wait for every pending copy and read them all."""
+        for entry in self._pending:
+            if hasattr(entry[3], "synchronize"):
+                entry[3].synchronize()
+        self.poll_all()
+
+    def release(self) -> None:
+        """Drop every event (the run outlives the cell)."""
+        self._pending.clear()
+        self.pool.clear()
 
     def watch_from(self, step: int) -> None:
         for tally in self.tallies.values():
             tally.watch_from(step)
 
     def result(self, n_steps: int) -> dict[str, Any]:
-        """What the report and the checklist read: totals and the copying lines, costliest first."""
-        per = max(1, n_steps)
+        """What the report and the checklist read: totals and the copying lines, costliest first.
+        Per step means per watched step (the watch starts once the loop is seen on the GPU)."""
+        per = max(1, n_steps - (self.tallies["h2d_bytes"].first_step or 0))
         sites = sorted(self.sites.values(), key=lambda s: (-s.ms, -s.nbytes, s.line))
         return {
             "copies": sum(s.copies for s in sites),
             "bytes": sum(s.nbytes for s in sites),
             "ms": sum(s.ms for s in sites),
-            "steps": n_steps,
+            "steps": per,
             "sites": [
                 {
                     "filename": s.filename,
                     "line": s.line,
                     "in_cell": s.filename == self.cell_filename,
                     "copies": s.copies,
+                    "timed": s.timed,
                     "copies_per_step": s.copies / per,
                     "bytes_per_step": s.nbytes / per,
                     "ms_per_step": s.ms / per if s.timed else None,
                     "gb_per_s": s.nbytes * s.timed / s.copies / s.ms / 1e6 if s.ms > 0 else None,
                     "pinned": s.pinned,
                     "non_blocking": s.non_blocking,
+                    "pageable_non_blocking": s.pageable_non_blocking,
                     "side_stream": s.side_stream,
                 }
                 for s in sites
@@ -204,27 +331,38 @@ class CopyWatch:
         }
 
 
+Synced = Callable[[int, str, "int | None", "FrameType | None"], None]
+
+
 @contextmanager
 def copies_timed(
     watch: CopyWatch,
     tensor_type: Any,
-    blocking: Callable[[int, int, FrameType | None], None] | None = None,
+    synced: Synced | None = None,
     inside: list[int] | None = None,
     clock: Callable[[], int] = perf_counter_ns,
     compiling: Callable[[], bool] = lambda: False,
 ) -> Iterator[None]:
     """`tensor_type.to` and `tensor_type.cuda` time host-to-device copies for the duration.
 
-    A blocking copy (`non_blocking=False`) also makes the host wait for the GPU; its host time
-    goes to `blocking(step, ns, frame)`. `inside[0]` counts calls in progress, so the sync
-    watch does not count a blocking copy a second time. While `compiling()` (torch.compile
-    tracing) the originals run untimed. Both attributes are restored on exit.
+    A copy that makes the host wait for the GPU (a blocking one, or a `non_blocking` one from
+    pageable memory, which CUDA runs synchronously) and a blocking `.to("cpu")` of a CUDA
+    tensor go to `synced(step, kind, host ns, frame)`. `inside[0]` counts calls in progress, so
+    the sync watch does not count their sync warning a second time. While `compiling()`
+    (torch.compile tracing) the originals run untimed. Both attributes are restored on exit.
     """
     to, cuda = tensor_type.to, tensor_type.cuda
     busy = inside if inside is not None else [0]
+    get_ident = threading.get_ident
 
-    def timed(method: Callable[..., Any], self: Any, args: Any, kwargs: Any, step: int) -> Any:
-        start = watch.begin()
+    def timed(method: Callable[..., Any], self: Any, args: Any, kwargs: Any, step: int, device: int) -> Any:
+        try:
+            if device == CURRENT:
+                device = int(watch.current_device())
+            stream, start = watch.begin(device)
+        except Exception as exc:  # ours: the copy itself still runs, untimed
+            watch.turn_off(exc)
+            return method(self, *args, **kwargs)
         busy[0] += 1
         t0 = clock()
         try:
@@ -232,26 +370,65 @@ def copies_timed(
         finally:
             busy[0] -= 1
         ns = clock() - t0
-        frame = sys._getframe(2)
-        nb = non_blocking_of(args, kwargs)
-        watch.copied(step, start, self, nb, frame)
-        if blocking is not None and not nb:
-            blocking(step, ns, frame)
+        try:
+            frame = sys._getframe(2)
+            nb = non_blocking_of(args, kwargs)
+            pinned = is_pinned(self)
+            watch.copied(step, device, stream, start, self, nb, pinned, frame)
+            if synced is not None and not (nb and pinned):
+                synced(step, "blocking copy" if not nb else "pageable non_blocking copy", ns, frame)
+        except Exception as exc:
+            watch.turn_off(exc)
         return out
 
+    def waited(self: Any, args: Any, kwargs: Any, step: int) -> Any:
+        """`.to("cpu")` of a CUDA tensor: the host waits for the GPU, then the copy."""
+        assert synced is not None
+        busy[0] += 1
+        t0 = clock()
+        try:
+            return to(self, *args, **kwargs)
+        finally:
+            ns = clock() - t0
+            busy[0] -= 1
+            synced(step, "to(cpu)", ns, sys._getframe(2))
+
+    not_a_device = _NOT_A_DEVICE
+    torch = sys.modules.get("torch")
+    if torch is not None:  # dtypes and memory formats never name a device
+        not_a_device.update({type(torch.float32), type(torch.contiguous_format)})
+
     def timed_to(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.is_cuda or not target_is_cuda(args, kwargs) or compiling():
+        if args and type(args[0]) in not_a_device and not kwargs:  # `.to(dtype)`: the commonest
+            return to(self, *args)
+        if watch.off is not None or get_ident() != watch.thread:
+            return to(self, *args, **kwargs)
+        if self.is_cuda:
+            if synced is None or not target_is_cpu(args, kwargs) or non_blocking_of(args, kwargs):
+                return to(self, *args, **kwargs)
+            step = watch.current_step()
+            if step is None or compiling():
+                return to(self, *args, **kwargs)
+            return waited(self, args, kwargs, step)
+        device = cuda_index(_device_arg(args, kwargs))
+        if device is None:
             return to(self, *args, **kwargs)
         step = watch.current_step()
-        if step is None:
+        if step is None or compiling():
             return to(self, *args, **kwargs)
-        return timed(to, self, args, kwargs, step)
+        return timed(to, self, args, kwargs, step, device)
 
     def timed_cuda(self: Any, *args: Any, **kwargs: Any) -> Any:
-        step = None if self.is_cuda or compiling() else watch.current_step()
-        if step is None:
+        if watch.off is not None or get_ident() != watch.thread or self.is_cuda:
             return cuda(self, *args, **kwargs)
-        return timed(cuda, self, args, kwargs, step)
+        step = watch.current_step()
+        if step is None or compiling():
+            return cuda(self, *args, **kwargs)
+        target = _device_arg(args, kwargs)
+        device = CURRENT if target is None or isinstance(target, bool) else cuda_index(target)
+        if device is None and isinstance(target, str):  # `.cuda("0")` is not a device
+            return cuda(self, *args, **kwargs)
+        return timed(cuda, self, args, kwargs, step, CURRENT if device is None else device)
 
     timed_to.__doc__, timed_cuda.__doc__ = to.__doc__, cuda.__doc__
     with patched(tensor_type, {"to": timed_to, "cuda": timed_cuda}):

@@ -167,33 +167,71 @@ class CudaLineClock(LineClock):
     """The wall clock, plus a CUDA event at every statement boundary of some steps after the
     warm-up (one in GPU_EARLY_EVERY of the first FULL_STEPS, then one in LINE_EVERY *
     GPU_EVERY): the GPU time between two events is the GPU time of the statement between
-    them. Events are read once done, never waited for before the end of the cell."""
+    them. Events are read once every one of a step's marks has completed, never waited for
+    before the end of the cell.
+
+    Events are made only once `on_gpu()` says the loop runs on a CUDA device: by
+    `event_factory`, or by torch's CUDA that `api_for()` gives then (CUDA is initialised by
+    the user's code by that time; nothing here initialises it). A step's marks all sit on the
+    loop's stream as it was when the step's body began. Any error in the GPU bookkeeping turns
+    the GPU timing per line off for the run (`gpu_off` says why; `finish()` raises it for the
+    caller's note); nothing is raised into the user's code.
+    """
 
     def __init__(
         self,
         statements: list[Statement],
-        event_factory: Callable[[], Any],
+        event_factory: Callable[[], Any] | None,
         on_gpu: Callable[[], bool],
         warmup_until: int = MAX_AUTO_WARMUP,
         full: int = FULL_STEPS,
         every: int = LINE_EVERY,
         gpu_every: int = GPU_EVERY,
+        api_for: Callable[[], Any] | None = None,
     ) -> None:
         super().__init__(statements, warmup_until, full, every)
         self._make = event_factory
         self._on_gpu = on_gpu
+        self._api_for = api_for
+        self._stream_of: Callable[[], Any] | None = None
         self.gpu_every = gpu_every
         self.warmup_until = warmup_until
-        self.gpu_sampled = 0
+        self.gpu_sampled = 0  # steps with events
+        self.gpu_read = 0  # ... whose events were read (all of them, after finish())
         self.gpu_sums = [0.0] * len(statements)
+        self.gpu_off: str | None = None
         self._marks: list[tuple[int, Any]] | None = None
+        self._mark_stream: Any = None
         self._pending: deque[list[tuple[int, Any]]] = deque()
         self._free: list[Any] = []
 
-    def _event(self) -> Any:
+    def _ready(self) -> bool:
+        """Events can be made: a factory was given, or torch's CUDA API for the loop's device."""
+        if self._make is not None:
+            return True
+        api = self._api_for() if self._api_for is not None else None
+        if api is None:
+            return False
+        device = api.device
+        self._make = api.event_factory
+        self._stream_of = lambda: api.current_stream(device)
+        return True
+
+    def _event(self, stream: Any) -> Any:
+        assert self._make is not None
         ev = self._free.pop() if self._free else self._make()
-        ev.record()
+        if stream is None:
+            ev.record()
+        else:
+            ev.record(stream)
         return ev
+
+    def _turn_off(self, exc: BaseException) -> None:
+        if self.gpu_off is None:
+            self.gpu_off = f"{type(exc).__name__}: {exc}"
+        self._marks = None
+        self._pending.clear()
+        self._free.clear()
 
     def start(self) -> None:
         if self._marks is not None:
@@ -204,40 +242,72 @@ class CudaLineClock(LineClock):
         k = self.timed - 1
         step = step_of_sample(k, self.full, self.every)
         due = step % GPU_EARLY_EVERY == 0 if step < self.full else k % self.gpu_every == 0
-        if due and step > self.warmup_until and self._on_gpu():
+        if due and step > self.warmup_until and self.gpu_off is None and self._on_gpu():
+            try:
+                if not self._ready():
+                    return
+                stream = self._stream_of() if self._stream_of is not None else None
+                first = self._event(stream)
+            except Exception as exc:  # ours: never raised into the user's loop
+                self._turn_off(exc)
+                return
             self.gpu_sampled += 1
-            self._marks = [(-1, self._event())]
+            self._marks = [(-1, first)]
+            self._mark_stream = stream
             self._prev = perf_counter_ns()  # the event's own cost is no statement's
 
     def lap(self, i: int) -> None:
         now = perf_counter_ns()
         self.ns[i] += now - self._prev
         self.runs[i] += 1
-        if self._marks is not None:
-            self._marks.append((i, self._event()))
+        marks = self._marks
+        if marks is not None:
+            try:
+                marks.append((i, self._event(self._mark_stream)))
+            except Exception as exc:  # runs in the user's `finally`: must not replace their error
+                self._turn_off(exc)
             now = perf_counter_ns()
         self._prev = now
 
     def _poll(self) -> None:
         pending, sums, free = self._pending, self.gpu_sums, self._free
-        while pending and pending[0][-1][1].query():
-            marks = pending.popleft()
-            for (_, before), (i, after) in zip(marks, marks[1:], strict=False):
-                sums[i] += float(before.elapsed_time(after))
-            free.extend(ev for _, ev in marks)
+        try:
+            while pending:
+                marks = pending[0]
+                if not all(ev.query() for _, ev in marks):
+                    return
+                pending.popleft()
+                for (_, before), (i, after) in zip(marks, marks[1:], strict=False):
+                    sums[i] += float(before.elapsed_time(after))
+                self.gpu_read += 1
+                free.extend(ev for _, ev in marks)
+        except Exception as exc:
+            self._turn_off(exc)
 
     def finish(self) -> None:
+        """Wait for the sampled steps' last marks, read them, and drop every event. Raises
+        RuntimeError when the GPU timing per line turned itself off (the caller notes it)."""
         if self._marks is not None:
             self._pending.append(self._marks)
             self._marks = None
-        if self._pending:
-            last = self._pending[-1][-1][1]
-            if hasattr(last, "synchronize"):
-                last.synchronize()
+        if self._pending and self.gpu_off is None:
+            try:  # every mark: a body that switched streams leaves them on several
+                for marks in self._pending:
+                    for _, ev in marks:
+                        if hasattr(ev, "synchronize"):
+                            ev.synchronize()
+            except Exception as exc:
+                self._turn_off(exc)
             self._poll()
+        self._pending.clear()
+        self._free.clear()
+        if self.gpu_off is not None:
+            raise RuntimeError(f"GPU time per line turned off: {self.gpu_off}")
 
     def gpu_ms(self) -> tuple[list[float], int] | None:
-        return (list(self.gpu_sums), self.gpu_sampled) if self.gpu_sampled else None
+        if self.gpu_off is not None or not self.gpu_read:
+            return None
+        return list(self.gpu_sums), self.gpu_read
 
 
 def line_costs(
@@ -298,15 +368,20 @@ def heat(costs: dict[str, Any]) -> dict[int, float]:
 
 
 def new_clock(statements: list[Statement], run: Any, warmup: int | None) -> LineClock:
-    """A CUDA line clock where a CUDA device exists (it records events only once the loop runs
-    on the GPU), else the wall clock alone."""
-    from .sync_stalls import torch_cuda_api
+    """The wall clock, with CUDA events on sampled steps once the loop runs on a CUDA device
+    (`run.cuda_device`, decided by the capture). Nothing of CUDA is touched before: a CPU loop
+    never initialises it."""
+    from . import sync_stalls
 
     until = max(MAX_AUTO_WARMUP, warmup or 0)
-    api = torch_cuda_api()
-    if api is None:
-        return LineClock(statements, until)
-    return CudaLineClock(statements, api.event_factory, lambda: run._cuda is not None, until)
+
+    def on_gpu() -> bool:
+        return getattr(run, "cuda_device", None) is not None or getattr(run, "_cuda", None) is not None
+
+    def api() -> Any:
+        return sync_stalls.torch_cuda_api(getattr(run, "cuda_device", None))
+
+    return CudaLineClock(statements, None, on_gpu, until, api_for=api)
 
 
 @contextmanager

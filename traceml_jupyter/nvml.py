@@ -1,10 +1,22 @@
-"""GPU utilisation and memory while a loop runs: an NVML sampler thread that only fills a bounded buffer."""
+"""GPU utilisation and memory while a loop runs: an NVML sampler thread that only fills a bounded
+buffer, and the samples placed on the steps they describe.
+
+Nothing here initialises CUDA: the loop's device comes from the capture (or, once the user's
+code has initialised CUDA, from torch's current device), never from `torch.cuda.is_available()`.
+NVML's utilisation is the share of a past window (1/6 s to 1 s, by product) in which a kernel
+ran; a sample is stamped at the middle of that window, and steps are placed on the GPU's
+timeline (their host end plus the GPU's backlog) before they are matched with samples. The
+verdict ignores utilisation unless enough samples fall inside the loop. Under MIG, NVML has no
+utilisation for a slice: the note says so, and memory is read from the slice.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,12 +24,15 @@ import numpy as np
 SAMPLE_PERIOD_S = 0.2  # at most 5 samples a second
 CAPACITY = 2048  # samples kept; when full, every other one goes and the period doubles
 THREAD_NAME = "traceml-nvml"
+UTIL_WINDOW_S = 1 / 6  # NVML's averaging window (1/6 s on data-centre GPUs, up to 1 s)
+MIN_SAMPLES_IN_LOOP = 3  # fewer utilisation samples inside the loop's GPU span: not used
 
 NO_NVML = "GPU n/a (no NVML)"
 NO_CUDA = "GPU n/a (no CUDA device)"
 NOT_YET_ON_GPU = "GPU n/a (no CUDA work yet)"
 NOT_ON_GPU = "GPU n/a (the loop did not use CUDA)"
 NVML_FAILED = "GPU n/a (NVML error)"
+MIG_NO_UTIL = "GPU utilisation n/a (MIG slice: NVML does not report it)"
 
 SAMPLE_COLUMNS = ("time_s", "gpu_util_pct", "gpu_mem_used_mib")
 
@@ -31,31 +46,47 @@ def pci_bus_id(props: Any) -> str | None:
         return None
 
 
-def cuda_device_of_loop() -> tuple[str, str | int] | None:
-    """How NVML finds the GPU the loop uses (torch's current device, once CUDA is initialised):
-    ("pci", bus id), else ("index", NVML index honouring CUDA_VISIBLE_DEVICES), else None."""
+def _torch_cuda() -> Any:
     torch = sys.modules.get("torch")
-    if torch is None:
-        return None
+    return getattr(torch, "cuda", None) if torch is not None else None
+
+
+def cuda_initialised() -> bool:
+    """torch is imported and CUDA is initialised (no side effect, unlike is_available())."""
+    cuda = _torch_cuda()
     try:
-        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            return None
-        index = torch.cuda.current_device()
-        bus = pci_bus_id(torch.cuda.get_device_properties(index))
-        if bus is not None:
-            return ("pci", bus)
-        return ("index", int(torch.cuda._get_nvml_device_index(index)))
+        return cuda is not None and bool(cuda.is_initialized())
     except Exception:
-        return None
+        return False
 
 
 def cuda_available() -> bool:
-    """torch is imported and can use a CUDA device (without initialising CUDA)."""
+    """torch is imported and built with CUDA (asks the build, never the driver: no CUDA init)."""
     torch = sys.modules.get("torch")
     try:
-        return bool(torch is not None and torch.cuda.is_available())
+        return bool(torch is not None and torch.backends.cuda.is_built())
     except Exception:
         return False
+
+
+def cuda_device_of_loop(device: int | None = None) -> tuple[str, str | int, str | None] | None:
+    """How NVML finds the loop's GPU: ("pci", bus id, uuid), else ("index", NVML index honouring
+    CUDA_VISIBLE_DEVICES, uuid), else None. `device`: the loop's CUDA device (None: torch's
+    current device). None while CUDA is not initialised."""
+    if not cuda_initialised():
+        return None
+    cuda = _torch_cuda()
+    try:
+        index = int(cuda.current_device()) if device is None else int(device)
+        props = cuda.get_device_properties(index)
+        uuid = getattr(props, "uuid", None)
+        uuid_text = str(uuid) if uuid is not None else None
+        bus = pci_bus_id(props)
+        if bus is not None:
+            return ("pci", bus, uuid_text)
+        return ("index", int(cuda._get_nvml_device_index(index)), uuid_text)
+    except Exception:
+        return None
 
 
 def open_nvml() -> tuple[Any, str | None]:
@@ -110,26 +141,53 @@ class GpuSamples:
             return {name: self._data[i, : self._n].copy() for i, name in enumerate(SAMPLE_COLUMNS)}
 
 
-def at_steps(samples: dict[str, np.ndarray], step_time_s: np.ndarray) -> dict[str, np.ndarray]:
-    """GPU samples placed on steps (linear interpolation by time); NaN outside the sampled span."""
+def gpu_time_of_steps(step_time_s: np.ndarray, gpu_lag_ms: np.ndarray | None) -> np.ndarray:
+    """When the GPU finished each step (s): its host end plus the GPU's backlog then (measured
+    on probed steps, interpolated between them; no probe: the host time)."""
+    t = np.asarray(step_time_s, dtype=np.float64)
+    if gpu_lag_ms is None:
+        return t
+    lag = np.asarray(gpu_lag_ms, dtype=np.float64)
+    have = np.isfinite(lag) & np.isfinite(t)
+    if not have.any():
+        return t
+    return t + np.interp(t, t[have], lag[have]) / 1000.0
+
+
+def at_steps(
+    samples: dict[str, np.ndarray],
+    step_time_s: np.ndarray,
+    gpu_lag_ms: np.ndarray | None = None,
+    min_inside: int = MIN_SAMPLES_IN_LOOP,
+) -> dict[str, np.ndarray]:
+    """GPU samples placed on steps (linear interpolation by time on the GPU's timeline, see
+    gpu_time_of_steps); NaN outside the sampled span, and utilisation NaN everywhere when fewer
+    than `min_inside` samples fall inside the loop's GPU span (too few to say anything)."""
     out: dict[str, np.ndarray] = {}
     t = samples.get("time_s", np.empty(0))
+    steps = np.asarray(step_time_s, dtype=np.float64)
+    on_gpu = gpu_time_of_steps(steps, gpu_lag_ms)
+    finite = on_gpu[np.isfinite(on_gpu)]
+    span = (float(finite.min()), float(finite.max())) if len(finite) else (np.inf, -np.inf)
     for name in SAMPLE_COLUMNS[1:]:
-        values = samples.get(name, np.empty(0))
-        if len(t) == 0:
-            out[name] = np.full(len(step_time_s), np.nan)
+        values = np.asarray(samples.get(name, np.empty(0)), dtype=np.float64)
+        ok = np.isfinite(values) & np.isfinite(t) if len(t) else np.zeros(0, bool)
+        inside = int(np.sum(ok & (t >= span[0]) & (t <= span[1]))) if len(t) else 0
+        if not ok.any() or (name == "gpu_util_pct" and inside < min_inside):
+            out[name] = np.full(len(steps), np.nan)
         else:
-            out[name] = np.interp(step_time_s, t, values, left=np.nan, right=np.nan)
+            out[name] = np.interp(on_gpu, t[ok], values[ok], left=np.nan, right=np.nan)
     return out
 
 
 class GpuSampler:
     """Samples the loop's GPU at most 5 times a second on a thread named "traceml-nvml".
 
-    `start_when_ready()` runs on the main thread (the live view calls it on each refresh): it
-    decides once, cheaply, whether there is a GPU to watch, and starts the thread when the loop
-    has initialised CUDA. Without NVML, without a CUDA device, or on an NVML error nothing runs
-    and `note` says why GPU figures are missing. `stop()` joins the thread.
+    `start_when_ready(device)` runs on the main thread (the live view calls it on each refresh):
+    once CUDA is initialised (by the user's code) and the loop's device is known, it starts the
+    thread. Without NVML, without a CUDA build, or on an NVML error nothing runs and `note`
+    says why GPU figures are missing. `stop()` joins the thread. `sample_once()` is one reading
+    (the thread's loop; tests call it directly with a fake clock).
     """
 
     def __init__(
@@ -137,29 +195,36 @@ class GpuSampler:
         origin_ns: int | None = None,
         period_s: float = SAMPLE_PERIOD_S,
         capacity: int = CAPACITY,
+        clock: Callable[[], int] = time.perf_counter_ns,
+        device_of_loop: Callable[[], int | None] | None = None,
     ) -> None:
-        self.origin_ns = origin_ns if origin_ns is not None else time.perf_counter_ns()
+        self.clock = clock
+        self.origin_ns = origin_ns if origin_ns is not None else clock()
         self.period_s = max(period_s, SAMPLE_PERIOD_S)
         self.samples = GpuSamples(capacity)
         self.note: str | None = None  # why there are no GPU figures (None while they come)
         self.detail: str | None = None  # the error behind the note, for the report
         self.device: str | None = None  # "NVIDIA H200, 0000:17:00.0, 143771 MiB"
         self.mem_total_mib: float | None = None
+        self.util_note: str | None = None  # why utilisation is missing while memory is sampled
+        self.shared_note: str | None = None  # other processes use the GPU
+        self.window_s = UTIL_WINDOW_S
+        self._device_of_loop = device_of_loop
         self._decided = False
-        self._cuda: bool | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._nvml: Any = None
+        self._handle: Any = None
+        self._mem_handle: Any = None
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start_when_ready(self) -> None:
+    def start_when_ready(self, device: int | None = None) -> None:
         if self._decided or self._stop.is_set():
             return
-        if self._cuda is None:
-            self._cuda = cuda_available()
-        if not self._cuda:
+        if not cuda_available():
             self._decided = True
             nvml, why = open_nvml()
             if nvml is None:
@@ -171,15 +236,18 @@ class GpuSampler:
             except Exception:
                 pass
             return
-        device = cuda_device_of_loop()
-        if device is None:
+        if device is None and self._device_of_loop is not None:
+            device = self._device_of_loop()
+            if device is None:  # the capture has not seen the loop on a GPU (yet)
+                self.note = NOT_YET_ON_GPU
+                return
+        where = cuda_device_of_loop(device)
+        if where is None:
             self.note = NOT_YET_ON_GPU
             return
         self._decided = True
         self.note = None
-        self._thread = threading.Thread(
-            target=self._sample, args=(device,), name=THREAD_NAME, daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, args=(where,), name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -193,34 +261,111 @@ class GpuSampler:
         if self.note is None and not len(self.samples):
             self.note = NOT_ON_GPU if self._thread is None else "GPU n/a (no sample taken)"
 
-    def _sample(self, device: tuple[str, str | int]) -> None:
+    # -- on the sampler's thread ------------------------------------------------------------
+    def open(self, where: tuple[str, str | int, str | None]) -> bool:
+        """NVML's handle of the loop's GPU (and of its MIG slice); False with a note on error."""
         nvml, why = open_nvml()
         if nvml is None:
             self.note, self.detail = NO_NVML, why
-            return
+            return False
+        self._nvml = nvml
         try:
-            kind, key = device
+            kind, key, uuid = where
             if kind == "pci":
                 handle = nvml.nvmlDeviceGetHandleByPciBusId(str(key).encode())
             else:
                 handle = nvml.nvmlDeviceGetHandleByIndex(int(key))
-            total = float(nvml.nvmlDeviceGetMemoryInfo(handle).total) / 2**20
+            self._handle = self._mem_handle = handle
+            if self._mig(nvml, handle):
+                self.util_note = MIG_NO_UTIL
+                self._mem_handle = self._mig_handle(nvml, uuid) or handle
+            total = float(nvml.nvmlDeviceGetMemoryInfo(self._mem_handle).total) / 2**20
             self.mem_total_mib = total
             self.device = f"{_text(nvml.nvmlDeviceGetName(handle))}, {key}, {total:.0f} MiB"
+            if self.util_note:
+                self.device += " (MIG slice)"
+            self.shared_note = self._others(nvml, handle)
+        except Exception as exc:
+            self.note, self.detail = NVML_FAILED, f"{type(exc).__name__}: {exc}"
+            self.close()
+            return False
+        return True
+
+    @staticmethod
+    def _mig(nvml: Any, handle: Any) -> bool:
+        try:
+            current = nvml.nvmlDeviceGetMigMode(handle)[0]
+        except Exception:  # not supported (a GPU without MIG), or an old driver
+            return False
+        return bool(current == getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1))
+
+    @staticmethod
+    def _mig_handle(nvml: Any, uuid: str | None) -> Any:
+        """The MIG slice's own handle, from the CUDA device's UUID, if NVML knows it."""
+        if not uuid:
+            return None
+        names = [uuid] if uuid.startswith(("MIG-", "GPU-")) else [f"MIG-{uuid}", f"GPU-{uuid}"]
+        for name in names:
+            try:
+                return nvml.nvmlDeviceGetHandleByUUID(name.encode())
+            except Exception:
+                continue
+        return None
+
+    @staticmethod
+    def _others(nvml: Any, handle: Any) -> str | None:
+        """A note when other processes compute on the GPU (NVML's figures are device-wide)."""
+        try:
+            procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except Exception:
+            return None
+        pids = {int(getattr(p, "pid", -1)) for p in procs}
+        others = pids - {os.getpid()}
+        if len(pids) < 2 or not others:  # in a container NVML may show host pids: only us
+            return None
+        return (
+            f"{len(others)} other process(es) use this GPU: utilisation and memory are the "
+            "whole device's, theirs included."
+        )
+
+    def sample_once(self) -> None:
+        """One reading: utilisation stamped at the middle of NVML's window, device memory."""
+        nvml = self._nvml
+        before = self.clock()
+        util = float("nan")
+        if self.util_note is None:
+            try:
+                util = float(nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+            except Exception as exc:
+                if "NotSupported" not in type(exc).__name__ and "Not Supported" not in str(exc):
+                    raise
+                self.util_note = "GPU utilisation n/a (NVML: not supported on this device)"
+        used = float(nvml.nvmlDeviceGetMemoryInfo(self._mem_handle).used) / 2**20
+        after = self.clock()
+        read_at = (before + after) / 2
+        stamp = (read_at - self.origin_ns) / 1e9 - self.window_s / 2
+        self.samples.add(stamp, util, used)
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:
+                pass
+            self._nvml = None
+
+    def _run(self, where: tuple[str, str | int, str | None]) -> None:
+        if not self.open(where):
+            return
+        try:
             period = self.period_s
             while not self._stop.is_set():
-                util = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-                used = float(nvml.nvmlDeviceGetMemoryInfo(handle).used) / 2**20
                 kept = self.samples.decimations
-                now = (time.perf_counter_ns() - self.origin_ns) / 1e9
-                self.samples.add(now, util, used)
+                self.sample_once()
                 if self.samples.decimations != kept:
                     period *= 2
                 self._stop.wait(period)
         except Exception as exc:
             self.note, self.detail = NVML_FAILED, f"{type(exc).__name__}: {exc}"
         finally:
-            try:
-                nvml.nvmlShutdown()
-            except Exception:
-                pass
+            self.close()

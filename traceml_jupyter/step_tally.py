@@ -55,6 +55,23 @@ class StepTally:
         if len(steps) > self.cap:
             self._decimate()
 
+    def merge_from(self, step: int) -> None:
+        """The steps from `step` on became one step, `step` (the capture's step model merges
+        micro-steps once it sees what a step is): a dense tally sums their values there, a
+        sampled one keeps none of them (a probe of a part of a step says nothing of it)."""
+        steps, values = self._steps, self._values
+        i = bisect_left(steps, step)
+        if self.first_step is not None and self.first_step > step:
+            self.first_step = step
+        if i == len(steps):
+            return
+        merged = sum(values[i:])
+        del steps[i:]
+        del values[i:]
+        if self.dense and step % self.stride == 0:
+            steps.append(step)
+            values.append(merged)
+
     def _decimate(self) -> None:
         self.stride *= 2
         keep = [i for i, s in enumerate(self._steps) if s % self.stride == 0]

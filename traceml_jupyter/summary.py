@@ -113,10 +113,13 @@ GPU_WORK_KEYS = (
     "h2d_bytes",  # median bytes copied per step
     "h2d_gbps",  # effective bandwidth: h2d_bytes / h2d_ms (medians), GB/s
     "h2d_pinned_share",  # share of the bytes copied from pinned memory
-    "h2d_non_blocking_share",  # share of the bytes copied with non_blocking=True
+    "h2d_non_blocking_share",  # share of the bytes copied asynchronously (non_blocking, pinned)
     "sync_ms",  # median host wait in timed synchronising calls per step
     "sync_calls",  # median synchronising calls per step
-    "host_issue_ms",  # median host body time minus its wait in syncs (None: syncs not watched)
+    "untimed_sync_share",  # share of the steps with a synchronising call whose wait is untimed
+    # median host body time minus its wait in syncs, over the steps without an untimed sync
+    # (None: syncs not watched, or most steps had an untimed one: the host's time is unknown)
+    "host_issue_ms",
     "gpu_backlog_ms",  # median GPU work still queued when a step ended (sampled steps)
     "gpu_busy_share",  # median NVML utilisation / 100
     "host_share",  # 1 - busy - data wait share - h2d share: GPU idle inside steps (needs NVML)
@@ -145,7 +148,8 @@ def gpu_work(
     data_wait_share: float | None,
 ) -> dict[str, Any]:
     """GPU_WORK_KEYS from the optional columns h2d_ms, h2d_bytes, h2d_pinned_bytes,
-    h2d_async_bytes, sync_ms, sync_calls, gpu_backlog_ms and gpu_util_pct."""
+    h2d_async_bytes, sync_ms, sync_calls, sync_untimed, gpu_backlog_ms and gpu_util_pct (the
+    NVML samples placed on the steps; NaN when too few fell inside the loop)."""
     out: dict[str, Any] = dict.fromkeys(GPU_WORK_KEYS)
     if clock != "gpu" or not step_ms:
         return out
@@ -174,7 +178,13 @@ def gpu_work(
     if sync is not None:  # the body minus an unknown wait would be unknown
         host = np.asarray(columns["compute_ms"], dtype=np.float64)[analysed]
         issue = host - np.asarray(columns["sync_ms"], dtype=np.float64)[analysed]
-        out["host_issue_ms"] = _median(issue[np.isfinite(issue)])
+        untimed = columns.get("sync_untimed")
+        if untimed is not None:  # a step with an untimed wait for the GPU: its issue time is unknown
+            waited = np.asarray(untimed, dtype=np.float64)[analysed] > 0
+            out["untimed_sync_share"] = float(waited.mean()) if len(waited) else None
+            issue = np.where(waited, np.nan, issue)
+        known = issue[np.isfinite(issue)]
+        out["host_issue_ms"] = _median(known) if len(known) and 2 * len(known) >= len(issue) else None
     out["gpu_backlog_ms"] = _median(_measured(columns, "gpu_backlog_ms", analysed))
     util = _measured(columns, "gpu_util_pct", analysed)
     if util is not None:

@@ -14,15 +14,26 @@ CRITICAL_SHARE = 0.20
 CRITICAL_MIN_STEPS = 20
 COMPUTE_SHARE = 0.90
 MIN_ANALYSED = 2
-# HOST-BOUND (GPU clock). The GPU "has no backlog" when the work still queued as a step ends is
-# under BACKLOG_MAX_SHARE of the step, and the host's wait in timed syncs is under the same
-# share (a host that waits for the GPU is not what holds it back). Then:
-# - with NVML: GPU idle inside the steps (1 - utilisation - data-wait share - H2D share)
-#   >= WARN_SHARE: warn; >= CRITICAL_SHARE: critical (with CRITICAL_MIN_STEPS steps);
-# - without NVML: the host spends >= HOST_ISSUE_SHARE of the step issuing work (body time minus
-#   its wait in syncs): warn only, since how long the GPU idles is not measured.
+# HOST-BOUND (GPU clock) needs evidence that the GPU idled while the host issued work. The GPU
+# "is behind" when the work still queued as a step ends is BACKLOG_BEHIND_MS or more (a GPU
+# that waits on the host has a backlog of microseconds), or BACKLOG_MAX_SHARE of the step; the
+# host "waits for the GPU" when its timed syncs take BACKLOG_MAX_SHARE of the step. Neither may
+# hold. Then:
+# - with NVML (enough samples inside the loop): GPU idle inside the steps (1 - utilisation -
+#   data-wait share - H2D share) >= WARN_SHARE: warn; >= CRITICAL_SHARE: critical (with
+#   CRITICAL_MIN_STEPS steps);
+# - without NVML, only when nothing is hidden: the backlog was measured, every synchronising
+#   call was seen, the host's issue time is known (untimed waits such as torch.nonzero make a
+#   step's unknown) and it is >= HOST_ISSUE_SHARE of the step: warn only. Otherwise the tool
+#   can't tell, and says so rather than HOST-BOUND.
+# COMPUTE-BOUND on the GPU clock needs evidence of GPU work too: the GPU behind, NVML
+# utilisation >= GPU_BUSY_PCT, or the host waiting for the GPU in timed syncs. "GPU compute" is
+# the GPU-timeline span of the step body (from the batch in hand to the step's end): it counts
+# the GPU's idle gaps inside the body as well as its work.
 BACKLOG_MAX_SHARE = 0.10
+BACKLOG_BEHIND_MS = 1.0
 HOST_ISSUE_SHARE = 0.50
+GPU_BUSY_PCT = 90.0
 
 
 @dataclass(frozen=True)
@@ -75,24 +86,52 @@ def h2d_bound(summary: Mapping[str, Any]) -> str | None:
     return severity_for(share, int(summary["n_analysed"]))
 
 
+def gpu_behind(summary: Mapping[str, Any]) -> bool:
+    """The GPU still had work queued when steps ended (median backlog >= BACKLOG_BEHIND_MS or
+    >= BACKLOG_MAX_SHARE of the step): it was not waiting on the host."""
+    backlog, step = summary.get("gpu_backlog_ms"), summary.get("step_ms")
+    if backlog is None:
+        return False
+    return bool(backlog >= BACKLOG_BEHIND_MS or (step and backlog >= BACKLOG_MAX_SHARE * step))
+
+
+def host_waits_for_gpu(summary: Mapping[str, Any]) -> bool:
+    """The host's timed waits for the GPU (syncs) take >= BACKLOG_MAX_SHARE of the step."""
+    sync, step = summary.get("sync_ms"), summary.get("step_ms")
+    return bool(sync is not None and step and sync >= BACKLOG_MAX_SHARE * step)
+
+
 def host_bound(summary: Mapping[str, Any]) -> str | None:
     """The severity when the GPU waits on the host inside the steps, else None (see the
-    HOST-BOUND thresholds above)."""
+    HOST-BOUND thresholds above): only with evidence that the GPU idled while the host issued."""
     step = summary.get("step_ms")
     if summary.get("clock") != "gpu" or not step:
         return None
-    backlog, sync = summary.get("gpu_backlog_ms"), summary.get("sync_ms")
-    if backlog is not None and backlog >= BACKLOG_MAX_SHARE * step:
-        return None
-    if sync is not None and sync >= BACKLOG_MAX_SHARE * step:
+    if gpu_behind(summary) or host_waits_for_gpu(summary):
         return None
     idle = summary.get("host_share")
     if idle is not None:
         return severity_for(idle, int(summary["n_analysed"])) if idle >= WARN_SHARE else None
+    # No utilisation: HOST-BOUND only when nothing is hidden (see above), and warn only.
     issue = summary.get("host_issue_ms")
-    if backlog is None or issue is None or issue < HOST_ISSUE_SHARE * step:
+    if summary.get("gpu_backlog_ms") is None or not summary.get("syncs_all_seen"):
+        return None
+    if issue is None or issue < HOST_ISSUE_SHARE * step:
         return None
     return "warn"
+
+
+def gpu_busy_evidence(summary: Mapping[str, Any]) -> str | None:
+    """What shows the GPU was busy during the steps (GPU clock), as a phrase; None: nothing
+    does (no backlog, no utilisation, no timed wait for the GPU)."""
+    busy = summary.get("gpu_busy_share")
+    if busy is not None and 100.0 * busy >= GPU_BUSY_PCT:
+        return f"NVML utilisation {_pct(busy)}"
+    if gpu_behind(summary):
+        return f"the GPU was still {_ms(summary.get('gpu_backlog_ms'))} behind when steps ended"
+    if host_waits_for_gpu(summary):
+        return f"the host waited {_ms(summary.get('sync_ms'))} a step for the GPU"
+    return None
 
 
 def sync_sentence(top: Mapping[str, Any] | None) -> str | None:
@@ -120,15 +159,30 @@ def _h2d_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tuple
     nb_text = "blocking" if not nb else ("non_blocking" if nb >= 0.999 else f"{_pct(nb)} non_blocking")
     lines = list(summary.get("h2d_lines") or [])
     rate = f" at {gbps:.1f} GB/s" if gbps is not None else ""
+    why = (
+        f"Host-to-device copies take {_pct(share)} of each step: {_ms(h2d)} of a {_ms(step)} "
+        f"median step, {_bytes(summary.get('h2d_bytes'))} per step{rate} ({pinned_text}, "
+        f"{nb_text})."
+    )
+    pageable_nb = list(summary.get("h2d_pageable_non_blocking") or [])
+    if pageable_nb:
+        why += (
+            f" non_blocking=True without pinned memory is synchronous{_lines(pageable_nb)}: CUDA "
+            "waits for the GPU before it copies from pageable memory."
+        )
+    # Pinning makes a copy about twice as fast; on the loop's stream it still runs between
+    # the kernels, so only a copy on a side stream (a prefetcher) overlaps compute.
+    after = share * ((pinned or 0.0) + (1.0 - (pinned or 0.0)) / 2.0)
+    remains = f" (about {_pct(after)} of the step would remain)" if (pinned or 0.0) < 0.999 else ""
     return Verdict(
         "H2D-BOUND",
         severity,
-        f"Host-to-device copies take {_pct(share)} of each step: {_ms(h2d)} of a {_ms(step)} "
-        f"median step, {_bytes(summary.get('h2d_bytes'))} per step{rate} ({pinned_text}, "
-        f"{nb_text}).",
+        why,
         "Copy less and faster: pin the batches (DataLoader(pin_memory=True)) and copy them with "
-        f".to(device, non_blocking=True){_lines(lines)}; send compact dtypes (uint8 images) and "
-        "convert on the GPU.",
+        f".to(device, non_blocking=True){_lines(lines)}: about twice as fast{remains}, and the "
+        "host is free; on the loop's stream the copy still runs between the kernels, so to hide "
+        "it prefetch the next batch on a side CUDA stream (torch.cuda.Stream, wait_stream, "
+        "record_stream). Send compact dtypes (uint8 images) and convert on the GPU.",
         evidence
         + [
             ("H2D copies (median per step)", _ms(h2d)),
@@ -136,7 +190,7 @@ def _h2d_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tuple
             ("Copied per step", _bytes(summary.get("h2d_bytes"))),
             ("Effective bandwidth", f"{gbps:.1f} GB/s" if gbps is not None else "n/a"),
             ("Pinned memory", _pct(pinned)),
-            ("non_blocking copies", _pct(nb)),
+            ("Asynchronous copies (non_blocking, pinned)", _pct(nb)),
             ("Copy lines", ", ".join(map(str, lines)) or "n/a"),
         ],
     )
@@ -161,6 +215,13 @@ def _host_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tupl
     sync = sync_sentence(summary.get("sync_top"))
     if sync:
         why += " " + sync
+    top = summary.get("host_top_line")
+    if top and top.get("ms_per_step") is not None and top.get("line") is not None:
+        text = f" (`{top['text']}`)" if top.get("text") and len(str(top["text"])) <= 60 else ""
+        why += (
+            f" Line {top['line']}{text} takes the host most time: {_ms(top['ms_per_step'])} a "
+            "step; if it fetches data, the GPU is starved by input, not by launches."
+        )
     calls = summary.get("sync_calls")
     return Verdict(
         "HOST-BOUND",
@@ -179,6 +240,17 @@ def _host_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tupl
             ("Host wait in syncs (median)", _ms(summary.get("sync_ms"))),
         ],
     )
+
+
+def cheaper_step_ideas(summary: Mapping[str, Any]) -> list[str]:
+    """Ways to make a compute-bound step cheaper that are true for this run: no mixed precision
+    on the CPU clock, no torch.compile for a model that is already compiled."""
+    ideas = []
+    if summary.get("clock") == "gpu":
+        ideas.append("mixed precision")
+    if not summary.get("model_compiled"):
+        ideas.append("torch.compile")
+    return ideas + ["a larger batch", "a smaller model"]
 
 
 def diagnose(summary: Mapping[str, Any]) -> Verdict:
@@ -245,14 +317,34 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
     severity = host_bound(summary)
     if severity is not None:
         return _host_verdict(summary, severity, evidence)
+    busy_evidence = gpu_busy_evidence(summary) if clock == "gpu" else None
+    if compute_share is not None and compute_share >= COMPUTE_SHARE and clock == "gpu" and not busy_evidence:
+        # The GPU-timeline span of the body is most of the step, but nothing shows the GPU
+        # worked during it (it may have idled while the host issued work or waited untimed).
+        return Verdict(
+            "MIXED",
+            "info",
+            f"GPU compute (the GPU-timeline span of the step body, busy or idle) is "
+            f"{_pct(compute_share)} of the median step ({_ms(compute)} of {_ms(step)}) and data "
+            f"wait is {_pct(wait_share)}, but GPU busy is unknown: no work was queued when steps "
+            "ended, GPU utilisation was not measured, and the host's waits for the GPU were not "
+            "timed, so whether the GPU or the host sets the pace can't be told.",
+            "Install nvidia-ml-py (GPU utilisation) and run again; replace untimed syncs "
+            "(torch.nonzero, boolean masks) or log them every N steps.",
+            evidence,
+        )
     if compute_share is not None and compute_share >= COMPUTE_SHARE:
+        span = (
+            f" (the GPU-timeline span of the step body; {busy_evidence})" if busy_evidence else ""
+        )
         return Verdict(
             "COMPUTE-BOUND",
             "info",
             f"{compute_name} is {_pct(compute_share)} of the median step ({_ms(compute)} of "
-            f"{_ms(step)}); data wait is {_pct(wait_share)}.",
-            "The input keeps up: to go faster, make the step cheaper (mixed precision, "
-            "torch.compile, a larger batch, a smaller model).",
+            f"{_ms(step)}){span}; data wait is {_pct(wait_share)}.",
+            "The input keeps up: to go faster, make the step cheaper ("
+            + ", ".join(cheaper_step_ideas(summary))
+            + ").",
             evidence,
         )
     return Verdict(

@@ -1,9 +1,11 @@
-"""The GPU variant: host cost of recording and querying CUDA events (CudaClock), then the
-overhead and accuracy benchmarks with `--device cuda`. One command on a GPU machine:
+"""The GPU variant: host cost of CUDA events and of the GPU clock per step, of the copy and sync
+hooks (finding 16 of the GPU review), then the overhead and accuracy benchmarks with
+`--device cuda`. One command on a GPU machine:
 
     .venv/bin/python tests/benchmarks/bench_gpu.py [--repeats 5] [--no-traceml-ai]
 
-Without CUDA it prints one line saying so and exits 0.
+The hooks' pass-through cost (a `.to(dtype)`, a `bool()` of a CPU tensor, with the patches in
+place) is measured on any machine; without CUDA the rest is one line saying so.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -22,28 +25,90 @@ STEPS = 20_000
 
 
 def cuda_ready() -> str | None:
-    """None when a CUDA device can be used, else why not."""
+    """None when a CUDA device can be used, else why not (never asks the driver on a build
+    without CUDA)."""
     try:
         import torch
     except ImportError:
         return "torch is not installed"
-    if not torch.cuda.is_available():
+    if not torch.backends.cuda.is_built() or not torch.cuda.is_available():
         return f"no CUDA device (torch {torch.__version__}, torch.version.cuda={torch.version.cuda})"
     return None
 
 
-def per_call_us(fn: Any, n: int) -> float:
+def per_call_us(fn: Callable[[], Any], n: int) -> float:
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def event_costs() -> Table:
-    """Host µs of one event record/query/elapsed_time, and of CudaClock per step."""
+def best_us(fn: Callable[[], Any], n: int, repeats: int = 5) -> float:
+    return min(per_call_us(fn, n) for _ in range(repeats))
+
+
+def hook_costs(device: str = "cpu") -> Table:
+    """Host µs a call adds when torch.Tensor's `.to`, `.cuda` and sync methods are patched by
+    the copy and sync watches, for calls that pass through (a dtype conversion, `bool()` of a
+    CPU tensor), and on a GPU for a timed copy (a batch dict of 20 tensors) and a timed .item()."""
     import torch
 
-    from traceml_jupyter.cuda_clock import CudaClock
+    from traceml_jupyter.h2d import CopyWatch, EventPool, copies_timed
+    from traceml_jupyter.sync_stalls import SyncWatch, syncs_timed
+
+    on_gpu = device == "cuda"
+    steps = [0]
+    make: Callable[[], Any] = (lambda: torch.cuda.Event(enable_timing=True)) if on_gpu else (lambda: None)
+    watch = CopyWatch(lambda: steps[0], EventPool(make), "<bench>", torch.cuda.current_stream if on_gpu else None)
+    syncs = SyncWatch(lambda: steps[0], "<bench>")
+    t = torch.ones(16, device=device)
+    small = torch.ones(16)
+    batch = {f"t{i}": torch.ones(256).pin_memory() if on_gpu else torch.ones(256) for i in range(20)}
+    n = 20_000
+
+    def to_dtype() -> Any:
+        return t.to(torch.float16)
+
+    def truth() -> Any:
+        return bool(small[0])
+
+    def dict_to() -> Any:
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+    def item() -> Any:
+        return t[0].item()
+
+    cases: list[tuple[str, Callable[[], Any], int]] = [
+        ("`.to(dtype)` pass-through", to_dtype, n),
+        ("`bool()` of a CPU tensor", truth, n),
+    ]
+    if on_gpu:
+        cases += [("dict of 20 tensors `.to(dev, non_blocking=True)`, timed", dict_to, 500), ("`.item()`, timed", item, 2000)]
+    rows = []
+    for label, fn, calls in cases:
+        fn()
+        plain = best_us(fn, calls)
+        with copies_timed(watch, torch.Tensor, syncs.synced, syncs.inside), syncs_timed(syncs, torch.Tensor):
+            fn()
+            patched = best_us(fn, calls)
+        if on_gpu:
+            torch.cuda.synchronize()
+            watch.poll_all()
+        rows.append([label, num(plain, 2), num(patched, 2), num(patched - plain, 2)])
+    return Table(
+        f"Copy and sync hooks: host cost a call ({device})",
+        ["call", "plain µs", "with the hooks µs", "added µs"],
+        rows,
+        ["Each figure is the fastest of 5 runs; the hooks are in place while a traced cell runs "
+         "on a GPU (none are installed for a CPU loop)."],
+    )
+
+
+def event_costs() -> Table:
+    """Host µs of one event record/query/elapsed_time, and of the GPU clock per step."""
+    import torch
+
+    from traceml_jupyter import cuda_clock
     from traceml_jupyter.recorder import Recorder
 
     x = torch.zeros(1024, device="cuda")
@@ -56,43 +121,46 @@ def event_costs() -> Table:
     other.record()
     other.synchronize()
     elapsed_us = per_call_us(lambda: ev.elapsed_time(other), STEPS)
+    rows = [
+        ["torch.cuda.Event.record()", num(record_us, 2)],
+        ["torch.cuda.Event.query()", num(query_us, 2)],
+        ["torch.cuda.Event.elapsed_time()", num(elapsed_us, 2)],
+    ]
+    if hasattr(cuda_clock, "CudaSteps"):
+        close_ms: list[float] = []
 
-    sync_ms: list[float] = []
+        def loop(with_clock: bool) -> float:
+            rec = Recorder()
+            steps = cuda_clock.CudaSteps(rec, 0, cuda_clock.torch_marks(0)) if with_clock else None
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for k in range(STEPS):
+                if steps is not None:
+                    steps.before_fetch(k)
+                    steps.after_fetch(k)
+                x.add_(1.0)  # a tiny kernel per step, as a real body queues work
+                if steps is not None:
+                    rec.add(0, 0, 0)
+                    steps.step_closed(k, k + 1)
+            host = time.perf_counter() - t0
+            if steps is not None:
+                t1 = time.perf_counter()
+                steps.close()
+                close_ms.append((time.perf_counter() - t1) * 1e3)
+            torch.cuda.synchronize()
+            return host
 
-    def loop(with_clock: bool) -> float:
-        clock = CudaClock(Recorder()) if with_clock else None
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a = clock.mark() if clock else None
-        for _ in range(STEPS):
-            b = clock.mark() if clock else None
-            x.add_(1.0)  # a tiny kernel per step, as a real body queues work
-            if clock:
-                c = clock.mark()
-                clock.step(a, b, c)
-                a = c
-        host = time.perf_counter() - t0
-        if clock:
-            t1 = time.perf_counter()
-            clock.synchronize()
-            sync_ms.append((time.perf_counter() - t1) * 1e3)
-        torch.cuda.synchronize()
-        return host
-
-    loop(True)  # warm-up: event pool, kernels
-    plain = min(loop(False) for _ in range(3))
-    timed = min(loop(True) for _ in range(3))
-    per_step = (timed - plain) / STEPS * 1e6
+        loop(True)  # warm-up: event pool, kernels
+        plain = min(loop(False) for _ in range(3))
+        timed = min(loop(True) for _ in range(3))
+        rows += [
+            ["GPU clock per step (cuda_clock.CudaSteps: 4 events, read when done)", num((timed - plain) / STEPS * 1e6, 2)],
+            ["GPU clock close() at the end of a run", num(min(close_ms), 3) + " ms"],
+        ]
     return Table(
         f"CUDA events: host cost ({torch.cuda.get_device_name(0)})",
         ["what", "host µs"],
-        [
-            ["torch.cuda.Event.record()", num(record_us, 2)],
-            ["torch.cuda.Event.query()", num(query_us, 2)],
-            ["torch.cuda.Event.elapsed_time()", num(elapsed_us, 2)],
-            ["CudaClock per step (2 mark() + step(), events pooled and polled)", num(per_step, 2)],
-            ["CudaClock.synchronize() at the end of a run", num(min(sync_ms), 3) + " ms"],
-        ],
+        rows,
         [f"{STEPS:,} steps, each queueing one tiny kernel; per step = the fastest of 3 loops with "
          "the clock minus the fastest of 3 without."],
     )
@@ -101,14 +169,17 @@ def event_costs() -> Table:
 def measure(repeats: int = 5, with_traceml_ai: bool = True, allow_install: bool = True) -> list[Table]:
     why = cuda_ready()
     if why:
-        return [Table("GPU (CUDA) benchmarks", [], notes=[
-            f"skipped: {why}. On a CUDA machine: `.venv/bin/python tests/benchmarks/bench_gpu.py` "
-            "(or run_all.py, which includes it)."
-        ])]
+        return [
+            hook_costs("cpu"),
+            Table("GPU (CUDA) benchmarks", [], notes=[
+                f"skipped: {why}. On a CUDA machine: `.venv/bin/python tests/benchmarks/bench_gpu.py` "
+                "(or run_all.py, which includes it); scripts/gpu_check.py --all checks the GPU path."
+            ]),
+        ]
     import bench_accuracy
     import bench_overhead
 
-    tables = [event_costs()]
+    tables = [event_costs(), hook_costs("cuda")]
     tables += bench_overhead.measure(repeats, "cuda", with_traceml_ai, allow_install)
     tables += bench_accuracy.measure("cuda", with_traceml_ai, allow_install)
     return tables
