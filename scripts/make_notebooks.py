@@ -81,9 +81,9 @@ def dataloader_bottleneck() -> NotebookNode:
 **waited for the next batch** (data wait) and how long the step itself took (compute). While
 the cell runs a live chart shows both; when it ends a report says what bounds the loop.
 
-This notebook tells the usual story in five steps on a plain CPU (a minute or two):
-a fast loader, a slow loader, the report, the fix, and a comparison. Then two more
-bottlenecks to recognise. On a GPU the same cells run, with the GPU's own clock.
+This notebook tells the usual story in six steps on a plain CPU (two minutes or so):
+a fast loader, a slow loader, the report, measuring the fix before applying it, the fix, and
+a comparison. Then two more bottlenecks to recognise. On a GPU the same cells run, with the GPU's own clock.
 """,
             ),
             ("code", INSTALL),
@@ -151,12 +151,40 @@ print(run.verdict_detail.next)
             (
                 "md",
                 """
-## 4. Apply the fix
+## 4. Measure the fix before you apply it
+
+How many workers does this loader need? `%traceml tune` answers in seconds, without training:
+it iterates the loader alone (no model, no optimizer) at `num_workers=0, 1, 2, ...`, measures
+the batches a second each setting makes, and sets them against the rate at which the model
+took batches in the run above. The smallest setting that makes batches 1.2x faster than the
+model takes them keeps it fed; the step is then the compute alone, and the speed-up follows.
+It measures each setting for a few seconds and stops at its budget (here 15 s, by default
+30 s); the chart fills in as it goes.
+""",
+            ),
+            ("code", "tuned = %traceml tune --budget 15\ntuned"),
+            (
+                "md",
+                """
+`tuned.best` is what to change on the `DataLoader`, `tuned.code` the line to write, and
+`tuned.predicted_speedup` what to expect. The table also says where a batch's time goes at
+`num_workers=0`: here almost all of it in the dataset's `__getitem__` (the decode).
+""",
+            ),
+            (
+                "code",
+                'print("change:", tuned.best)\n'
+                'print(f"predicted: {tuned.predicted_speedup:.1f}x faster")',
+            ),
+            (
+                "md",
+                """
+## 5. Apply the fix
 
 The same data, with the checklist applied: worker processes decode batches while the model
-trains (`num_workers`, one per core: at least 2, at most 4), they stay alive between epochs
-(`persistent_workers=True`), and on a GPU batches are pinned (`pin_memory=True`) and copied
-with `non_blocking=True`.
+trains (`num_workers`, one per core: at least 2, at most 4; compare with what tune found),
+they stay alive between epochs (`persistent_workers=True`), and on a GPU batches are pinned
+(`pin_memory=True`) and copied with `non_blocking=True`.
 """,
             ),
             (
@@ -169,7 +197,7 @@ with `non_blocking=True`.
             (
                 "md",
                 f"""
-## 5. Compare
+## 6. Compare
 
 `%traceml compare A B` puts two runs side by side. Expect the fixed loop to be
 **at least {FIXED_SPEEDUP:g}x faster** than the slow one, with most of its data wait gone
@@ -179,6 +207,15 @@ STRAGGLER).
 """,
             ),
             ("code", "%traceml compare slow fixed"),
+            ("md", "What tune predicted, against what the fixed run measured:"),
+            (
+                "code",
+                """
+slow, fixed = [r for r in traceml_jupyter.runs() if r.name in ("slow", "fixed")][-2:]
+measured = slow.summary["step_ms"] / fixed.summary["step_ms"]
+print(f"tune predicted {tuned.predicted_speedup:.1f}x, the fixed run measured {measured:.1f}x")
+""",
+            ),
             (
                 "md",
                 """

@@ -17,12 +17,14 @@ __all__ = [
     "runs",
     "trace",
     "compare",
+    "tune",
 ]
 
 # compare.py is light (no torch, bqplot or numpy). Importing it here, not lazily, keeps
 # `traceml_jupyter.compare` the function: importing the submodule later would otherwise
 # rebind the package's `compare` attribute to the module.
 from .compare import compare
+from .tune import tune  # light as well: torch loads when it runs
 
 if TYPE_CHECKING:
     from .run import Run

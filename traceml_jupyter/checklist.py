@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .figures import ms as _ms
+from .tune_plan import rate_text
 from .verdict import sync_sentence
 
 OK, FIX, CHECK = "ok", "fix", "check"
@@ -141,6 +142,7 @@ class Facts:
     host_issue_ms: float | None = None  # median host time issuing a step (GPU clock)
     gpu_idle_share: float | None = None  # GPU idle inside steps (NVML), else None
     busiest_line: LineSeen | None = None  # the body statement with the most host time
+    tuned: Mapping[str, Any] | None = None  # the last `%traceml tune` of this loader (to_dict())
 
 
 # -- reading code (pure AST) -----------------------------------------------------------------
@@ -376,37 +378,87 @@ def dataloader_item(f: Facts) -> Item:
     )
 
 
+TUNE_HINT = " Measure it: `%traceml tune` (about 30 s)."
+
+
+def tuned_workers_item(f: Facts, title: str, bears: bool) -> Item | None:
+    """The num_workers item from what `%traceml tune` measured on this loader: the rates by
+    worker count against the model's, instead of a rule of thumb. None without measured rates."""
+    tuned = f.tuned or {}
+    rows = [
+        r
+        for r in tuned.get("rows") or []
+        if r.get("batches_per_s") is not None
+        and (r.get("settings") or {}).get("prefetch_factor") in (None, DEFAULT_PREFETCH)
+    ]
+    best = tuned.get("best_settings") or {}
+    if not rows or "num_workers" not in best:
+        return None
+    n, want = _workers(f), int(best["num_workers"])
+    model = tuned.get("model_batches_per_s")
+    rates = ", ".join(
+        f"{r['settings']['num_workers']} → {rate_text(r['batches_per_s'])}" for r in rows
+    )
+    reason = f"Measured by `%traceml tune`, batches/s by num_workers: {rates}"
+    reason += f"; the model takes {rate_text(model)} a second. " if model else ". "
+    to_try: str | None = str(want) if want != n else None
+    if tuned.get("keeps_up"):
+        status = OK if want == n else _needs_change(bears)
+        reason += f"{want} worker(s) keep the model fed"
+        step, speedup = tuned.get("predicted_step_ms"), tuned.get("predicted_speedup")
+        if want != n and step is not None:
+            reason += f": predicted step {_ms(step)}"
+            if speedup is not None:
+                reason += f", {speedup:.1f}x faster"
+        reason += "."
+    elif model:
+        status = CHECK if bears else OK
+        reason += (
+            f"No worker count keeps up (the fastest: {want}): make each sample cheaper "
+            "(see the per-sample item)."
+        )
+    else:
+        status = CHECK if want != n else OK
+        reason += f"The fastest is {want} worker(s)."
+    return Item("num_workers", title, status, str(n), to_try, f.loader_site, reason, bears)
+
+
 def num_workers_item(f: Facts) -> Item:
     n, cpus = _workers(f), f.cpu_count
     want = suggested_workers(cpus)
     bears = f.verdict in WORKER_VERDICTS
     of_cpus = f"about half of {cpus} CPUs" if cpus else "at least 2"
     title = "Worker processes (num_workers)"
+    if f.tuned is not None:
+        tuned = tuned_workers_item(f, title, bears)
+        if tuned is not None:
+            return tuned
     if n == 0:
         return Item(
             "num_workers", title, _needs_change(bears), "0", str(want), f.loader_site,
             "With num_workers=0 every batch is loaded in the training process between steps, "
             f"so the loop waits for all of it; {want} workers ({of_cpus}) load the next "
-            "batches while this one trains.",
+            "batches while this one trains." + TUNE_HINT,
             bears,
         )
     if cpus and n > cpus:
         return Item(
             "num_workers", title, CHECK, str(n), str(want), f.loader_site,
-            f"{n} workers on {cpus} CPUs compete with each other and with the training process.",
+            f"{n} workers on {cpus} CPUs compete with each other and with the training process."
+            + TUNE_HINT,
             bears,
         )
     if n < want and f.verdict == "INPUT-BOUND":
         return Item(
             "num_workers", title, FIX, str(n), str(want), f.loader_site,
-            f"{n} worker(s) do not keep up with the loop; try {want} ({of_cpus}).",
+            f"{n} worker(s) do not keep up with the loop; try {want} ({of_cpus})." + TUNE_HINT,
             bears,
         )
     if f.verdict == "INPUT-BOUND":
         return Item(
             "num_workers", title, CHECK, str(n), None, f.loader_site,
             f"{n} workers already use {of_cpus}: make each sample cheaper rather than adding "
-            "workers.",
+            "workers." + TUNE_HINT,
             bears,
         )
     return Item(
@@ -529,18 +581,6 @@ def non_blocking_item(f: Facts) -> Item:
             bears,
         )
     blocking = [t for t in f.transfers if not t.non_blocking]
-    pageable = [c for c in f.copies or () if c.non_blocking_share > 0 and c.pinned_share < 0.999]
-    if not blocking and pageable:  # CUDA makes the host wait for a copy from pageable memory
-        top = pageable[0]
-        return Item(
-            "non_blocking", title, _needs_change(bears),
-            f"non_blocking=True from pageable memory ({100 * top.pinned_share:.0f} % pinned)",
-            "pin_memory=True", top.site or f.loader_site,
-            "non_blocking=True without pinned memory is synchronous: CUDA waits for the GPU "
-            "before it copies from pageable memory, so the host still waits every step. Pin "
-            "the batches (DataLoader(pin_memory=True)) to make the copy asynchronous.",
-            bears,
-        )
     if not blocking:
         return Item(
             "non_blocking", title, OK, "non_blocking=True", None, f.transfers[0].site,
@@ -553,8 +593,7 @@ def non_blocking_item(f: Facts) -> Item:
         "non_blocking", title, _needs_change(bears), first.text + more + measured,
         "non_blocking=True", first.site,
         "A blocking copy makes the host wait for the transfer before it can queue the next "
-        "kernels; from pinned memory a non-blocking copy frees the host (on the loop's stream "
-        "it still runs between kernels; a side-stream prefetch overlaps it with compute).",
+        "kernels; with pinned memory a non-blocking copy overlaps compute.",
         bears,
     )
 
@@ -608,18 +647,15 @@ def h2d_copies_item(f: Facts) -> Item | None:
         to_try.append("non_blocking=True")
         reason += (
             "A blocking copy holds the host until it is done; from pinned memory, "
-            ".to(device, non_blocking=True) frees the host (non_blocking from pageable memory "
-            "is still synchronous). "
+            ".to(device, non_blocking=True) overlaps it with compute. "
         )
     if to_try:
         status = _needs_change(bears)
     else:
         status = CHECK if bears else OK
         reason += (
-            "Pinned and asynchronous already: on the loop's stream the copy still runs between "
-            "the kernels; prefetch the next batch on a side CUDA stream (wait_stream) to overlap "
-            "it with compute, copy fewer bytes (uint8 images, converted on the GPU), or keep the "
-            "data on the GPU. "
+            "Pinned and asynchronous already: copy fewer bytes (uint8 images, converted on the "
+            "GPU), or keep the data on the GPU. "
         )
     others = [c.site.label() for c in f.copies[1:4] if c.site is not None]
     if others:

@@ -37,7 +37,21 @@ class TraceMLMagics(Magics):
         help="ms per step next to each line of the loop body (default: on; sampled, "
         "about 0.3 µs a step)",
     )
-    @argument("command", nargs="*", help="line form only: `compare [A B]`")
+    @argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="%%traceml tune only: the most seconds it may take (default 30)",
+    )
+    @argument(
+        "--workers",
+        type=str,
+        default=None,
+        metavar="0,1,2,4",
+        help="%%traceml tune only: the num_workers to try (default: 0 up to the CPUs)",
+    )
+    @argument("command", nargs="*", help="line form only: `compare [A B]`, `tune [LOADER]`")
     @line_cell_magic
     def traceml(self, line: str, cell: str | None = None) -> Any:
         """Time every step of the training loop in this cell: data wait vs compute.
@@ -62,6 +76,10 @@ class TraceMLMagics(Magics):
         `%traceml compare [A B]` puts two runs side by side (default: the last two):
         the speed-up, data wait and compute, the verdict change.
 
+        `%traceml tune [LOADER] [--budget SECONDS] [--workers 0,1,2,4]` measures the
+        DataLoader alone (default: the last run's training loader) at several settings, for
+        at most 30 s, and says which keeps the model fed, with the predicted speed-up.
+
         Example::
 
             %load_ext traceml_jupyter
@@ -73,6 +91,10 @@ class TraceMLMagics(Magics):
         """
         __tracebackhide__ = True  # noqa: F841
         args = parse_argstring(self.traceml, line)
+        if cell is None and args.command[:1] == ["tune"]:
+            return self._tune(line, args.budget, args.workers)
+        if args.budget is not None or args.workers is not None:
+            raise UsageError("%traceml: --budget and --workers go with %traceml tune")
         if cell is None:
             return self._command(args.command)
         if args.command:
@@ -95,9 +117,11 @@ class TraceMLMagics(Magics):
         """`%traceml compare [A B]`: run A against run B (names from --name; quote a name
         with spaces). No name: the last two runs; one name: that run against the latest."""
         if not words:
-            raise UsageError("%traceml needs a cell (%%traceml) or a command: compare [A B]")
+            raise UsageError(
+                "%traceml needs a cell (%%traceml) or a command: compare [A B], tune [LOADER]"
+            )
         if words[0] != "compare":
-            raise UsageError(f"%traceml: unknown command {words[0]!r} (known: compare)")
+            raise UsageError(f"%traceml: unknown command {words[0]!r} (known: compare, tune)")
         names = [
             w[1:-1] if len(w) >= 2 and w[0] == w[-1] and w[0] in "'\"" else w for w in words[1:]
         ]
@@ -113,3 +137,29 @@ class TraceMLMagics(Magics):
             return compare(*names)
         except ValueError as exc:
             raise UsageError(f"%traceml compare: {exc}") from None
+
+    def _tune(self, line: str, budget: float | None, workers: str | None) -> Any:
+        """`%traceml tune [LOADER] [--budget SECONDS] [--workers 0,1,2,4]`: LOADER is an
+        expression in the notebook's namespace (default: the last run's training loader)."""
+        from .tune import DEFAULT_BUDGET_S, TuneError, tune
+        from .tune_plan import loader_expression, parse_workers
+
+        expression = loader_expression(line)
+        loader = None
+        if expression and self.shell is not None:
+            try:
+                loader = self.shell.ev(expression)
+            except Exception as exc:
+                raise UsageError(
+                    f"%traceml tune: {expression}: {type(exc).__name__}: {exc}"
+                ) from None
+        try:
+            counts = parse_workers(workers) if workers is not None else None
+            return tune(
+                loader,
+                budget=DEFAULT_BUDGET_S if budget is None else budget,
+                workers=counts,
+                label=expression or None,
+            )
+        except (TuneError, ValueError) as exc:
+            raise UsageError(f"%traceml tune: {exc}") from None

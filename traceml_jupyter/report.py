@@ -43,6 +43,7 @@ from .checklist import (
 )
 from .figures import pct as fmt_pct
 from .locate import dataloader_lines
+from .tune import tuned_for
 from .verdict import sync_sentence
 
 if TYPE_CHECKING:
@@ -419,6 +420,7 @@ def facts_for(
         host_issue_ms=summary.get("host_issue_ms"),
         gpu_idle_share=summary.get("host_share"),
         busiest_line=busiest_line(run),
+        tuned=tuned_for(_loader_object(run)),
     )
 
 
@@ -787,8 +789,6 @@ def _tiles(summary: Mapping[str, Any]) -> str:
     out = []
     for label, value, share, colour in tiles:
         sub = f"{fmt_pct(share)} of step" if share is not None else "median"
-        if label == "GPU compute":  # not busy time: the body's span on the GPU's timeline
-            sub += " (GPU span of the body)"
         out.append(
             f'<div class="tml-number" style="flex-grow:1;flex-basis:120px;margin:4px;'
             f'padding:8px 10px;border:1px solid {BORDER};border-radius:6px">'
@@ -854,9 +854,6 @@ def gpu_utilisation(run: Run) -> str:
         if memory:
             text += f", memory up to {max(memory) / 1024:.1f} GiB"
         return text + f" ({len(values)} samples, NVML)"
-    memory = _gpu_column(samples, "gpu_mem_used_mib")
-    if memory:  # NVML gave memory but no utilisation (a MIG slice, an unsupported device)
-        return f"n/a (NVML reports no utilisation here), memory up to {max(memory) / 1024:.1f} GiB"
     note = getattr(run, "gpu_note", None)
     if note:  # the sampler's notes read "GPU n/a (no NVML)": the row says "GPU" already
         note = str(note).removeprefix("GPU ").strip()
