@@ -581,6 +581,18 @@ def non_blocking_item(f: Facts) -> Item:
             bears,
         )
     blocking = [t for t in f.transfers if not t.non_blocking]
+    pageable = [c for c in f.copies or () if c.non_blocking_share > 0 and c.pinned_share < 0.999]
+    if not blocking and pageable:  # CUDA makes the host wait for a copy from pageable memory
+        top = pageable[0]
+        return Item(
+            "non_blocking", title, _needs_change(bears),
+            f"non_blocking=True from pageable memory ({100 * top.pinned_share:.0f} % pinned)",
+            "pin_memory=True", top.site or f.loader_site,
+            "non_blocking=True without pinned memory is synchronous: CUDA waits for the GPU "
+            "before it copies from pageable memory, so the host still waits every step. Pin "
+            "the batches (DataLoader(pin_memory=True)) to make the copy asynchronous.",
+            bears,
+        )
     if not blocking:
         return Item(
             "non_blocking", title, OK, "non_blocking=True", None, f.transfers[0].site,
@@ -593,7 +605,8 @@ def non_blocking_item(f: Facts) -> Item:
         "non_blocking", title, _needs_change(bears), first.text + more + measured,
         "non_blocking=True", first.site,
         "A blocking copy makes the host wait for the transfer before it can queue the next "
-        "kernels; with pinned memory a non-blocking copy overlaps compute.",
+        "kernels; from pinned memory a non-blocking copy frees the host (on the loop's stream "
+        "it still runs between kernels; a side-stream prefetch overlaps it with compute).",
         bears,
     )
 
@@ -647,15 +660,18 @@ def h2d_copies_item(f: Facts) -> Item | None:
         to_try.append("non_blocking=True")
         reason += (
             "A blocking copy holds the host until it is done; from pinned memory, "
-            ".to(device, non_blocking=True) overlaps it with compute. "
+            ".to(device, non_blocking=True) frees the host (non_blocking from pageable memory "
+            "is still synchronous). "
         )
     if to_try:
         status = _needs_change(bears)
     else:
         status = CHECK if bears else OK
         reason += (
-            "Pinned and asynchronous already: copy fewer bytes (uint8 images, converted on the "
-            "GPU), or keep the data on the GPU. "
+            "Pinned and asynchronous already: on the loop's stream the copy still runs between "
+            "the kernels; prefetch the next batch on a side CUDA stream (wait_stream) to overlap "
+            "it with compute, copy fewer bytes (uint8 images, converted on the GPU), or keep the "
+            "data on the GPU. "
         )
     others = [c.site.label() for c in f.copies[1:4] if c.site is not None]
     if others:

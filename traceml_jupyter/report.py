@@ -789,6 +789,8 @@ def _tiles(summary: Mapping[str, Any]) -> str:
     out = []
     for label, value, share, colour in tiles:
         sub = f"{fmt_pct(share)} of step" if share is not None else "median"
+        if label == "GPU compute":  # not busy time: the body's span on the GPU's timeline
+            sub += " (GPU span of the body)"
         out.append(
             f'<div class="tml-number" style="flex-grow:1;flex-basis:120px;margin:4px;'
             f'padding:8px 10px;border:1px solid {BORDER};border-radius:6px">'
@@ -854,6 +856,9 @@ def gpu_utilisation(run: Run) -> str:
         if memory:
             text += f", memory up to {max(memory) / 1024:.1f} GiB"
         return text + f" ({len(values)} samples, NVML)"
+    memory = _gpu_column(samples, "gpu_mem_used_mib")
+    if memory:  # NVML gave memory but no utilisation (a MIG slice, an unsupported device)
+        return f"n/a (NVML reports no utilisation here), memory up to {max(memory) / 1024:.1f} GiB"
     note = getattr(run, "gpu_note", None)
     if note:  # the sampler's notes read "GPU n/a (no NVML)": the row says "GPU" already
         note = str(note).removeprefix("GPU ").strip()
