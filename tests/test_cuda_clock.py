@@ -91,3 +91,27 @@ def test_a_stream_switched_inside_a_step_is_read_only_once_every_event_is_done()
     assert not np.isfinite(rec.columns()["step_gpu_ms"]).any()
     gpu.set_stream(gpu.devices[0].default_stream)
     steps.close()
+
+
+def test_every_step_reads_its_own_events_when_the_first_fetch_opens_the_run() -> None:
+    """The first step's start is its first fetch's "before" event: one event, which must go
+    back to the pool once. Freed twice, it is handed out twice, and later steps read each
+    other's times (every other step then shows its whole body as GPU data wait)."""
+    clock = HostClock(fake=True)
+    gpu = FakeGpu(clock)
+    rec = Recorder()
+    rec.origin_ns = 0
+    steps = cuda_clock.CudaSteps(rec, 0, marks_on(gpu, 0))
+    for k in range(8):  # a fetch of 1 ms on an idle GPU, then 3 ms of body with a short kernel
+        t0 = clock()
+        steps.before_fetch(k)
+        clock.sleep(1e6)
+        steps.after_fetch(k)
+        t1 = clock()
+        gpu.launch(0.5)
+        clock.sleep(3e6)
+        rec.add(t0, t1, clock())
+        steps.step_closed(k, k + 1)
+    steps.close()
+    cols = rec.columns()
+    assert np.allclose(cols["data_wait_gpu_ms"], 1.0) and np.allclose(cols["compute_gpu_ms"], 3.0)
