@@ -374,6 +374,8 @@ def test_what_is_not_a_dataloader_gets_one_clear_line(shell: Any) -> None:
         traceml_jupyter.tune([1, 2, 3])
     r = run(shell, "%traceml tune no_such_name")
     assert "no_such_name: NameError" in str(r.error_in_exec)
+    with pytest.raises(tune_module.TuneError, match="workers must be counts"):
+        traceml_jupyter.tune([1, 2, 3], workers=[-1])
     r = run(shell, "%traceml tune plain --workers two")
     assert "--workers takes counts" in str(r.error_in_exec)
     r = run(shell, "%%traceml --budget 3\nx = 1\n")
@@ -403,6 +405,21 @@ def test_the_live_view_is_a_bar_chart_with_the_models_rate(
     assert "done in" in view.header.value
     html = tuned._repr_html_()
     assert "traceml tune" in html and "num_workers=1" in html
+
+
+def test_without_widgets_the_progress_is_one_updating_html_display(
+    shell: Any, monkeypatch: pytest.MonkeyPatch, no_processes_left: Any
+) -> None:
+    monkeypatch.setenv("TRACEML_LIVE", "html")
+    run(shell, "plainly = DataLoader(Sleepy(100, 2), batch_size=2)")
+    with capture_output() as out:
+        shell.run_cell("tuned = traceml_jupyter.tune(plainly, budget=1.5, workers=[0])")
+    first, *updates = out.outputs
+    ids = {o.transient.get("display_id") for o in out.outputs}
+    assert len(ids) == 1 and None not in ids  # one display, updated in place
+    assert not first.update and updates and all(o.update for o in updates)
+    assert "traceml tune" in first.data["text/html"] and "done in" in updates[-1].data["text/html"]
+    assert out.stdout == ""  # nothing printed line by line: that is the terminal's view
 
 
 def test_the_num_workers_item_points_at_tune_before_and_quotes_it_after() -> None:

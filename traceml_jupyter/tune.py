@@ -970,10 +970,11 @@ class HtmlView:
         self._show(text, f"<pre>{html.escape(text)}</pre>")
 
     def finish(self, result: TuneResult) -> None:
-        self._show(
-            f"traceml tune: done in {result.elapsed_s:.1f} s",
-            f"<b>traceml tune</b> done in {result.elapsed_s:.1f} s",
+        head = f"traceml tune: done in {result.elapsed_s:.1f} s" + (
+            " (stopped)" if result.stopped else ""
         )
+        text = "\n".join(table_lines(result.rows, self.model, result.best_settings))
+        self._show(f"{head}\n{text}", f"<b>{html.escape(head)}</b><pre>{html.escape(text)}</pre>")
 
 
 class WidgetView:
@@ -1229,6 +1230,8 @@ def tune(
         raise TuneError(f"the budget must be a positive number of seconds, got {budget!r}")
     if compute_ms is not None and not compute_ms > 0:
         raise TuneError(f"compute_ms must be a positive number of ms, got {compute_ms!r}")
+    if workers is not None and (not list(workers) or min(workers) < 0):
+        raise TuneError(f"workers must be counts of 0 or more, like [0, 1, 2, 4]; got {workers!r}")
     run = last()
     if loader is None:
         if run is None:
