@@ -663,13 +663,19 @@ def install_fake_cuda(monkeypatch: Any, gpu: FakeGpu) -> None:
     if capture_module is not None and hasattr(cuda_clock, "Marks"):
 
         def marks(device: int) -> Any:
-            return cuda_clock.Marks(gpu.event, lambda ev: ev.record(gpu.current_stream(device)))
+            return cuda_clock.Marks(
+                gpu.event, lambda: gpu.current_stream(device), lambda ev, on: ev.record(on)
+            )
+
+        def busy(devices: Any) -> set[int]:
+            return {d for d in devices if not gpu.current_stream(d).query()}
 
         seams = {
             "cuda_initialized": lambda: gpu.initialized,
             "allocation_counts": lambda: {d.index: d.allocations for d in gpu.devices},
             "current_device": lambda: gpu.current_device,
             "torch_marks": marks,
+            "busy_devices": busy,
         }
         for name, value in seams.items():
             monkeypatch.setattr(capture_module, name, value, raising=False)

@@ -94,7 +94,7 @@ def test_instrumented_code_that_outlives_its_cell_stays_harmless(ip: Any) -> Non
     later = run(ip, "out = (fit([4]), registry['fit']([5]), part(), holder.fn([6]), list(gen))")
     assert later.error_in_exec is None, later.out.stdout
     assert ip.user_ns["out"] == (4, 5, 6, 6, [2, 4, 6])
-    assert hooks.ACTIVE.capture is None
+    assert hooks.active is None
 
 
 def test_the_hook_names_pass_through_outside_their_run() -> None:
@@ -104,7 +104,7 @@ def test_the_hook_names_pass_through_outside_their_run() -> None:
     items = [1, 2]
     assert getattr(builtins, hooks.LOOP)(items, 12345) is items
     assert getattr(builtins, hooks.FETCH)(12345, 3, next, iter(items)) == 1
-    assert getattr(builtins, hooks.SAMPLE)(12345) is False
+    assert getattr(builtins, hooks.LINES).on is False
     getattr(builtins, hooks.LINES).start(12345)
     getattr(builtins, hooks.LINES).lap(12345, 0)
 

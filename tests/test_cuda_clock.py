@@ -17,7 +17,7 @@ if not hasattr(cuda_clock, "CudaSteps"):  # the capture core's API is being rewr
 
 def marks_on(gpu: FakeGpu, device: int) -> object:
     """What torch_marks(device) gives, on the stand-in machine."""
-    return cuda_clock.Marks(gpu.event, lambda ev: ev.record(gpu.current_stream(device)))
+    return cuda_clock.Marks(gpu.event, lambda: gpu.current_stream(device), lambda ev, on: ev.record(on))
 
 
 def run_steps(gpu: FakeGpu, steps: object, rec: Recorder, n: int, fetch_ms: float, body_ms: float) -> None:

@@ -30,7 +30,7 @@ class Stream:
             self.made.append(Event(self))
             return self.made[-1]
 
-        return Marks(new_event, lambda ev: ev.record())
+        return Marks(new_event, lambda: self, lambda ev, on: ev.record())
 
 
 class Event:
@@ -157,7 +157,7 @@ def test_an_error_in_the_gpu_bookkeeping_turns_the_gpu_clock_off_with_a_note(fak
         def record(ev: Any) -> None:
             raise RuntimeError("Event device 0 does not match recording stream's device 1")
 
-        return Marks(lambda: object(), record)
+        return Marks(lambda: object(), lambda: None, lambda ev, on: record(ev))
 
     run = Run("broken")
     try:

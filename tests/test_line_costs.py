@@ -18,7 +18,6 @@ import traceml_jupyter
 from traceml_jupyter import line_costs as lc
 from traceml_jupyter.line_costs import (
     LINES,
-    SAMPLE,
     CudaLineClock,
     LineClock,
     Statement,
@@ -140,10 +139,16 @@ LOOP_FORMS = {
 
 
 class ClockByToken:
-    """What `__traceml_lines__` is in builtins (hooks.py), bound to one clock."""
+    """What `__traceml_lines__` is in builtins (hooks.py), bound to one clock; `.on` asks
+    `sample` (the capture sets it before each step)."""
 
-    def __init__(self, clock: LineClock) -> None:
+    def __init__(self, clock: LineClock, sample: Callable[[], bool] | None = None) -> None:
         self.clock = clock
+        self.sample = sample or clock.sample
+
+    @property
+    def on(self) -> bool:
+        return bool(self.sample())
 
     def start(self, token: int) -> None:
         self.clock.start()
@@ -162,8 +167,7 @@ def run_source(source: str, rewrite: bool, sample: Callable[[], bool]) -> dict[s
         tree, statements = time_lines(tree, choice, lines)
     ns: dict[str, Any] = {"__file__": __file__}
     if rewrite:
-        ns[LINES] = ClockByToken(LineClock(statements))
-        ns[SAMPLE] = lambda token: sample()
+        ns[LINES] = ClockByToken(LineClock(statements), sample)
     exec(compile(tree, "<loop>", "exec"), ns)
     return {k: v for k, v in ns.items() if k in ("out", "done", "seen", "count", "first")}
 
@@ -191,7 +195,7 @@ def test_each_top_level_statement_is_timed_with_its_lines() -> None:
         (5, 7, "w = ["),
     ]
     clock = LineClock(statements)
-    exec(compile(new, "<loop>", "exec"), {LINES: ClockByToken(clock), SAMPLE: lambda token: clock.sample()})
+    exec(compile(new, "<loop>", "exec"), {LINES: ClockByToken(clock)})
     assert clock.timed == 3 and clock.runs == [3, 3, 3]
     # Every node of the rewritten loop sits on one of the loop's own lines.
     loop = new.body[0]
@@ -218,7 +222,7 @@ def test_break_continue_and_exceptions_still_end_the_statements_time() -> None:
     assert choice is not None
     new, statements = time_lines(tree, choice, source.splitlines())
     clock = LineClock(statements)
-    exec(compile(new, "<loop>", "exec"), {LINES: ClockByToken(clock), SAMPLE: lambda token: clock.sample()})
+    exec(compile(new, "<loop>", "exec"), {LINES: ClockByToken(clock)})
     # x = 0, 1, 2, 3, 4: five steps; `continue` on 1 and 3, the KeyError on 4.
     assert clock.timed == 5 and clock.runs == [5, 3, 3]
 
@@ -303,7 +307,7 @@ def traced(ip: Any, cell: str) -> tuple[Any, Any]:
 @pytest.fixture()
 def no_names_left(ip: Any) -> Iterator[None]:
     yield
-    assert LINES not in ip.user_ns and SAMPLE not in ip.user_ns
+    assert LINES not in ip.user_ns
 
 
 def test_a_cpu_run_gets_ms_per_step_for_each_body_line(ip: Any, no_names_left: None) -> None:

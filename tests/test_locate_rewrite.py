@@ -6,6 +6,7 @@ import ast
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from traceml_jupyter.hooks import FETCH
 from traceml_jupyter.locate import (
     called_names,
     dataloader_lines,
@@ -13,7 +14,6 @@ from traceml_jupyter.locate import (
     find_training_loop,
     loop_at_line,
 )
-from traceml_jupyter.hooks import FETCH
 from traceml_jupyter.rewrite import HOOK, instrument_loop
 
 

@@ -266,8 +266,14 @@ def test_a_loop_in_a_function_of_an_earlier_cell_is_named(shell: Any) -> None:
     cell = "%%traceml --no-live\nloader = DataLoader(SlowSamples(16), batch_size=4)\ntrain(loader)\n"
     run, page, _ = run_cell(shell, cell)
     assert run.loop_where is not None and run.loop_where.startswith("function train")
-    assert not page.by_class("tml-loop")
-    assert "tml-dataloader" in page.line(2).classes
+    # The loop's own cell is shown first, its loop line marked and its lines timed ...
+    (loop_line,) = page.by_class("tml-loop")
+    assert "for x, y in data:" in loop_line.text and "tml-loop-cell" in loop_line.ancestors
+    assert "The step loop: function train" in page.one("tml-code-pane").text
+    assert [r["line"] for r in run.line_costs["statements"]] == [3]
+    # ... then the traced cell, where the loader is built.
+    built = [e for e in page.by_class("tml-dataloader") if "tml-loop-cell" not in e.ancestors]
+    assert len(built) == 1 and "DataLoader(SlowSamples(16)" in built[0].text
     text = page.one("tml-code-pane").text
     assert "The step loop is in function train" in text
     assert f"step loop in In [{defined_in}], line 2" in text
@@ -355,9 +361,9 @@ def test_a_checklist_that_cannot_be_read_never_costs_the_report(
 def test_a_gpu_clock_run_reports_gpu_compute_utilisation_and_the_blocking_copy() -> None:
     run = Run("gpu")
     t = run.recorder.origin_ns or 0
-    for _ in range(40):  # 2 ms host wait, 8 ms host body; on the GPU 3 ms starved, 7 ms busy
+    for k in range(40):  # 2 ms host wait, 8 ms host body; on the GPU 3 ms starved, 7 ms busy
         run.recorder.add(t, t + 2_000_000, t + 10_000_000)
-        run.recorder.add_gpu(3.0, 7.0)
+        run.recorder.add_gpu(k, 3.0, 7.0)
         t += 10_000_000
     run._gpu_used = True
     run.cell_source = "%%traceml\nfor x, y in loader:\n    x = x.to('cuda')\n    model(x).sum().backward()\n"

@@ -71,7 +71,7 @@ def test_a_plain_training_loop_one_optimizer_step_per_batch() -> None:
 def test_gradient_accumulation_four_batches_make_one_step() -> None:
     s = Story()
     p = Pass(s.source("train"))
-    for step in range(3):
+    for _step in range(3):
         for _ in range(4):
             s.fetch(p, 3)
             s.work(5)

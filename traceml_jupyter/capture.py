@@ -11,9 +11,9 @@ for the run with a note, and nothing of ours is raised into the user's code.
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
+from threading import get_ident
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from .cuda_clock import (
     Marks,
     allocation_counts,
     busiest_device,
+    busy_devices,
     cuda_initialized,
     current_device,
     torch_marks,
@@ -49,7 +50,7 @@ class Capture:
     def __init__(self, run: Run, token: int | None = None, marks: Callable[[int], Marks] | None = None) -> None:
         self.run = run
         self.token = token if token is not None else new_token()
-        self.thread = threading.get_ident()
+        self.thread = get_ident()
         self.model = model = StepModel(run.recorder, steps_at_start=run.recorder.n_steps)
         model.on_step = self._step_closed
         model.on_merge = self._steps_merged
@@ -82,9 +83,10 @@ class Capture:
         model, clock = self.model, perf_counter_ns
         begin, end, stack = self._fetch_begin, self._fetch_end, model._stack
         fetch_end, iteration_end = model.fetch_end, model.iteration_end
+        flag, timed = hooks.lines, (self.lines.sample if self.lines is not None else None)
         try:
+            begin()  # a CUDA event first: if the launch queue is full, it is not data wait
             t0 = clock()
-            begin()
             try:
                 it = iter(iterable)
                 item = next(it)
@@ -100,6 +102,8 @@ class Capture:
                 self.run.note_loop_iterable(iterable)
             while True:
                 model.in_iteration = True
+                if timed is not None:
+                    flag.on = timed()  # whether this step's body lines are timed
                 try:
                     yield item
                 finally:
@@ -119,6 +123,7 @@ class Capture:
                     fetch_end(t0, clock(), None, pass_, True)
                     continue
                 begin()
+                t0 = clock()
                 try:
                     item = next(it)
                 except StopIteration:
@@ -146,8 +151,8 @@ class Capture:
         try:
             it = aiter(iterable)
             while True:
-                t0 = clock()
                 begin()
+                t0 = clock()
                 try:
                     item = await anext(it)
                 except StopAsyncIteration:
@@ -161,6 +166,8 @@ class Capture:
                     self._first_batch(source, item)
                     self.run.note_loop_iterable(iterable)
                 model.in_iteration = True
+                if self.lines is not None:
+                    hooks.lines.on = self.lines.sample()
                 try:
                     yield item
                 finally:
@@ -194,8 +201,8 @@ class Capture:
         __tracebackhide__ = True  # noqa: F841
         source = self.model.source(("call", site), "call", self.call_labels.get(site, "a fetch call"))
         clock = perf_counter_ns
-        t0 = clock()
         self._fetch_begin()
+        t0 = clock()
         try:
             item = func(*args, **kwargs)
         except BaseException:
@@ -216,8 +223,8 @@ class Capture:
             self.run.note_dataloader(source, loader)
         pass_ = Pass(source, grad_disabled=not _grad_enabled())
         clock = perf_counter_ns
-        t0 = clock()
         self._fetch_begin()
+        t0 = clock()
         try:
             it = original(loader)
         finally:
@@ -236,8 +243,8 @@ class Capture:
         t0 = clock()
         if model.level <= FETCH and not model._stack:
             model.fetch_started(source, t0)
-            t0 = clock()
         self._fetch_begin()
+        t0 = clock()
         try:
             item = original(it)
         except StopIteration:
@@ -285,6 +292,8 @@ class Capture:
 
     # -- steps ------------------------------------------------------------------------------------
     def _step_closed(self, t: int, next_serial: int) -> None:
+        """A step closed (the model calls this only when it matters: on the GPU path, or when
+        the run's views are due)."""
         if self.cuda is not None or self._deciding:
             self._gpu_step_closed(self.run.recorder.n_steps - 1, t, next_serial)
         run = self.run
@@ -296,6 +305,14 @@ class Capture:
                     self.cuda.open(run.recorder.n_steps)
                 except Exception as exc:
                     self._gpu_failed(exc)
+        self.listen()
+
+    def listen(self) -> None:
+        """Tell the model when a closed step needs this capture: every step on the GPU path,
+        else only once the run's views are due."""
+        model = self.model
+        model.notify_every_step = self.cuda is not None or self._deciding
+        model.notify_from = self.run._next_tick
 
     def _gpu_step_closed(self, index: int, t: int, next_serial: int) -> None:
         if self.cuda is not None:
@@ -319,6 +336,9 @@ class Capture:
     def _steps_merged(self, n: int) -> None:
         if self.cuda is not None:
             self.cuda.merged(n)
+            watch = self.run.gpu_watch
+            if watch is not None:
+                watch.merged(n)
 
     def _phase_excluded(self, span: Span) -> None:
         if self.cuda is not None:
@@ -344,15 +364,24 @@ class Capture:
             return
         if confirmed:
             self._gpu_confirmed(device)
+        self.listen()
 
     def _decide_device(self, index: int) -> None:
-        """After each of the first steps: the device the loop allocated on is the loop's."""
-        device = busiest_device(self._alloc_before, allocation_counts())
+        """After each of the first steps: the device the loop allocated on is the loop's; else
+        one that still has the loop's work queued (in-place kernels, a CUDA graph replayed)."""
+        counts = allocation_counts()
+        device = busiest_device(self._alloc_before, counts)
+        if device is None and counts:
+            current = current_device()
+            candidates = [d for d, n in counts.items() if n > 0 or d == current]
+            busy = busy_devices(candidates)
+            device = current if current in busy else min(busy, default=None)
         if device is None:
             if index - self._first_step >= DECIDE_STEPS - 1:
                 self._deciding = False
                 self.cuda = None  # a CPU loop: no GPU clock, whatever sits on the GPU
                 self.run.recorder.has_gpu = False
+                self.listen()
             return
         self._deciding = False
         if self.cuda is not None and self.cuda.device == device:
@@ -377,6 +406,7 @@ class Capture:
         self.cuda = None
         self._deciding = False
         self.gpu_note = f"GPU timings turned off: {type(exc).__name__}: {exc}"
+        self.listen()
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -413,17 +443,17 @@ def _dataloader_patches(capture: Capture, stack: ExitStack) -> None:
         return
     original_iter = DataLoader.__dict__["__iter__"]
     original_next = _BaseDataLoaderIter.__dict__["__next__"]
-    active = hooks.ACTIVE
+    thread = capture.thread
 
     def __iter__(self: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
-        if active.capture is not capture:
+        if hooks.active is not capture or get_ident() != thread:
             return original_iter(self)
         return capture.dataloader_iter(self, original_iter)
 
     def __next__(self: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
-        if active.capture is not capture:
+        if hooks.active is not capture or get_ident() != thread:
             return original_next(self)
         return capture.dataloader_next(self, original_next)
 
@@ -435,7 +465,7 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
     torch = sys.modules.get("torch")
     if torch is None:
         return
-    active = hooks.ACTIVE
+    thread = capture.thread
     autograd = torch.autograd
     original_backward = autograd.__dict__.get("backward")
     if original_backward is not None:
@@ -443,7 +473,7 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
         def backward(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True  # noqa: F841
             out = original_backward(*args, **kwargs)
-            if active.capture is capture:
+            if hooks.active is capture and get_ident() == thread:
                 capture.training_event(BACKWARD)
             return out
 
@@ -458,7 +488,7 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
     if register is not None:
 
         def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if active.capture is capture:
+            if hooks.active is capture and get_ident() == thread:
                 capture.training_event(OPTIMIZER, optimizer)
 
         handle = register(stepped)
@@ -472,7 +502,7 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
     capture = capture or Capture(run)
     began = perf_counter_ns()
     hooks.install()
-    previous = hooks.ACTIVE.capture
+    previous = hooks.active
     run._capture = capture
     run.capture_thread = capture.thread
     with ExitStack() as stack:
@@ -481,11 +511,14 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
         if cuda_initialized():
             capture._start_gpu()
         capture.active = True
-        hooks.ACTIVE.capture = capture
+        capture.listen()
+        hooks.active = capture
+        lines_before = hooks.lines.use(capture.token, capture.thread, capture.lines)
         try:
             yield capture
         finally:
-            hooks.ACTIVE.capture = previous
+            hooks.active = previous
+            hooks.lines.use(*lines_before)
             capture.close()
             run._capture = None
             if capture.gpu_note:

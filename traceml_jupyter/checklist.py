@@ -28,6 +28,8 @@ COSTLY_CALL = re.compile(
     r"flip|rotate|jitter|normal",
     re.IGNORECASE,
 )
+# Augmentations that differ each time they run: caching them would change the training.
+RANDOM_CALL = re.compile(r"random|rand_|jitter|autoaugment|randaugment|trivialaugment|mixup|cutmix|erasing", re.IGNORECASE)
 DTYPES = re.compile(r"^(torch\.)?(u?int\d*|float\d*|bfloat16|half|double|long|bool|complex\d*)$")
 UNSAFE_START_METHODS = frozenset({"spawn", "forkserver"})
 
@@ -815,10 +817,23 @@ def per_sample_item(f: Facts) -> Item:
             bears,
         )
     names = ", ".join(c for c, _ in code.calls[:4]) + (" ..." if len(code.calls) > 4 else "")
+    fixed = [(c, site) for c, site in code.calls if not RANDOM_CALL.search(c)]
+    if not fixed:  # random augmentations differ every epoch: nothing to cache
+        return Item(
+            "per_sample_cost", title, CHECK, names, "run it in workers, or on the GPU",
+            code.calls[0][1],
+            f"{code.dataset}.__getitem__ applies random augmentations, which give a new result "
+            "every epoch and cannot be cached: spread them over DataLoader workers, or apply "
+            "them to the whole batch on the GPU.",
+            bears,
+        )
+    random_names = [c for c, _ in code.calls if RANDOM_CALL.search(c)]
+    keep = f"; the random ones ({', '.join(random_names[:3])}) must stay per epoch" if random_names else ""
     return Item(
-        "per_sample_cost", title, CHECK, names, "cache or precompute", code.calls[0][1],
+        "per_sample_cost", title, CHECK, names, "cache or precompute", fixed[0][1],
         f"{code.dataset}.__getitem__ repeats this for every sample and every epoch; work "
-        "that gives the same result each time can be done once and cached.",
+        f"that gives the same result each time ({', '.join(c for c, _ in fixed[:3])}) can be "
+        f"done once and cached{keep}.",
         bears,
     )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,27 +60,47 @@ def current_device() -> int | None:
         return None
 
 
+def busy_devices(devices: Iterable[int]) -> set[int]:
+    """Of `devices`, those whose current stream still has queued work (a host-side query: no
+    wait): a loop that launches kernels without allocating (in-place ops, CUDA graph replay)."""
+    torch = sys.modules.get("torch")
+    busy: set[int] = set()
+    if torch is None or not cuda_initialized():
+        return busy
+    for d in devices:
+        try:
+            if not torch.cuda.current_stream(d).query():
+                busy.add(d)
+        except Exception:
+            continue
+    return busy
+
+
 @dataclass
 class Marks:
     """How events are made and recorded (torch's on a GPU, a test double on the CPU)."""
 
     new_event: Callable[[], Any]
-    record: Callable[[Any], None]  # record an event on the loop's current stream
+    stream: Callable[[], Any]  # the stream current on the loop's device now
+    record: Callable[[Any, Any], None]  # record an event on a stream
 
 
 def torch_marks(device: int) -> Marks:
-    """Timing events recorded on the current stream of `device` (the loop's device, which may
-    not be the current device)."""
+    """Timing events of `device` (the loop's device, which may not be the current device),
+    recorded on the stream a step started on."""
     torch = sys.modules["torch"]
     cuda = torch.cuda
 
     def new_event() -> Any:
         return cuda.Event(enable_timing=True)
 
-    def record(event: Any) -> None:
-        event.record(cuda.current_stream(device))
+    def stream() -> Any:
+        return cuda.current_stream(device)
 
-    return Marks(new_event, record)
+    def record(event: Any, on: Any) -> None:
+        event.record(on)
+
+    return Marks(new_event, stream, record)
 
 
 @dataclass
@@ -112,22 +132,28 @@ class CudaSteps:
         self.pending: deque[StepEvents] = deque()
         self._before: Any = None
         self._free: list[Any] = []
+        self._stream = marks.stream()  # the stream the open step started on
         recorder.enable_gpu()
 
     def _mark(self) -> Any:
+        """An event on the open step's stream: a body that switches streams (`with
+        torch.cuda.stream(s):`) is still timed on the stream its step started on."""
         ev = self._free.pop() if self._free else self.marks.new_event()
-        self.marks.record(ev)
+        self.marks.record(ev, self._stream)
         return ev
 
     # -- per step ---------------------------------------------------------------------------
     def open(self, index: int) -> None:
         """A step starts now (the first one, or the one after the live view's refresh)."""
+        self._stream = self.marks.stream()
         if self.current is None or self.current.index != index:
             self.current = StepEvents(index, self._mark())
         else:
             self.current.start = self._mark()
 
     def before_fetch(self, index: int) -> None:
+        if self.current is None:  # the run's first step opens with its first fetch
+            self._stream = self.marks.stream()
         self._before = ev = self._mark()
         if self.current is None:
             self.current = StepEvents(index, ev)
@@ -159,6 +185,7 @@ class CudaSteps:
             cur.fetches = [f for f in cur.fetches if f[0] < next_serial]
             cur.end = end
             self.pending.append(cur)
+        self._stream = self.marks.stream()
         self.current = StepEvents(index + 1, end, fetches=later)
         self.poll()
 
@@ -190,11 +217,9 @@ class CudaSteps:
                 total = float(step.start.elapsed_time(step.end)) - kept_out
                 add(step.index, wait, total - wait)
             # The step's end is the next step's start: it stays in use until that one is read.
-            self._free.append(step.start)
-            for _, a, b in step.fetches:
-                self._free += (a, b)
-            for a, b in step.phases:
-                self._free += (a, b)
+            # The first step's start is its first fetch's own event: free each event once.
+            done = {id(ev): ev for ev in [step.start, *events[2:]]}
+            self._free += done.values()
 
     def close(self) -> None:
         """Wait for the GPU once and read every closed step."""

@@ -4,23 +4,24 @@ wall clock; on CUDA also events on some of those steps, for the GPU time per lin
 
 The body `s0; s1` of the chosen loop becomes
 
-    if SAMPLE():            # True on the first FULL_STEPS steps, then on one step in LINE_EVERY
-        NAME.start()
+    if __traceml_lines__.on:            # the first FULL_STEPS steps, then one in LINE_EVERY
+        __traceml_lines__.start(TOKEN)
         try:
             s0
         finally:
-            NAME.lap(0)
+            __traceml_lines__.lap(TOKEN, 0)
         try:
             s1
         finally:
-            NAME.lap(1)
+            __traceml_lines__.lap(TOKEN, 1)
     else:
         s0
         s1
 
 so `break`, `continue`, `return` and exceptions still end the statement's time, both copies
 keep the statements' own line numbers (tracebacks are unchanged), and a step that is not
-sampled pays one C-level call. `global` and `nonlocal` declarations move before the `if`.
+sampled pays one attribute read. `global` and `nonlocal` declarations move before the `if`. The
+name lives in builtins (hooks.py): outside its run `.on` is False and the plain copy runs.
 """
 
 from __future__ import annotations
@@ -37,11 +38,10 @@ from typing import Any
 
 import numpy as np
 
+from .hooks import LINES
 from .locate import LoopChoice, find_node
 from .summary import MAX_AUTO_WARMUP, auto_warmup
 
-LINES = "__traceml_lines__"  # the clock, in the namespace while the cell runs
-SAMPLE = "__traceml_line_sample__"  # the clock's schedule: a C-level next() per step
 FULL_STEPS = 64  # the first steps are all timed (short runs get every step)
 LINE_EVERY = 8  # then one step in 8
 GPU_EVERY = 2  # CUDA: events on one timed step in 2 after the first FULL_STEPS (1 step in 16)
@@ -65,6 +65,7 @@ def _located(node: ast.AST, at: ast.stmt) -> ast.AST:
 
 
 def _call(name: str, method: str | None, args: list[ast.expr]) -> ast.Call:
+    """`name(*args)` or `name.method(*args)`."""
     func: ast.expr = ast.Name(id=name, ctx=ast.Load())
     if method is not None:
         func = ast.Attribute(value=func, attr=method, ctx=ast.Load())
@@ -75,29 +76,30 @@ def time_lines(
     tree: ast.Module,
     choice: LoopChoice,
     lines: list[str] | None = None,
-    name: str = LINES,
-    sample: str = SAMPLE,
+    token: int = 0,
 ) -> tuple[ast.Module, list[Statement]]:
     """A copy of `tree` whose chosen loop times each top-level body statement on the steps
-    `sample()` picks (see the module docstring), and the statements timed, in order."""
+    the line sample picks (see the module docstring), and the statements timed, in order."""
+    name, tok = LINES, ast.Constant(token)
     new = copy.deepcopy(tree)
     loop = find_node(new, choice)
     first = loop.body[0]
     declarations = [s for s in loop.body if isinstance(s, (ast.Global, ast.Nonlocal))]
     plain = [s for s in loop.body if not isinstance(s, (ast.Global, ast.Nonlocal))]
     statements: list[Statement] = []
-    timed: list[ast.stmt] = [ast.Expr(value=_call(name, "start", []))]
+    timed: list[ast.stmt] = [ast.Expr(value=_call(name, "start", [tok]))]
     _located(timed[0], first)
     for index, stmt in enumerate(plain):
         end = getattr(stmt, "end_lineno", None) or stmt.lineno
         text = lines[stmt.lineno - 1].strip() if lines and 0 < stmt.lineno <= len(lines) else ""
         statements.append(Statement(index, stmt.lineno, end, text))
-        lap = _located(ast.Expr(value=_call(name, "lap", [ast.Constant(value=index)])), stmt)
+        lap = _located(ast.Expr(value=_call(name, "lap", [ast.Constant(token), ast.Constant(value=index)])), stmt)
         wrapped = ast.Try(body=[copy.deepcopy(stmt)], handlers=[], orelse=[], finalbody=[lap])  # type: ignore[list-item]
         timed.append(ast.copy_location(wrapped, stmt))
     if not plain:
         return new, []
-    branch = ast.If(test=_call(sample, None, []), body=timed, orelse=plain)
+    flag = ast.Attribute(value=ast.Name(id=name, ctx=ast.Load()), attr="on", ctx=ast.Load())
+    branch = ast.If(test=flag, body=timed, orelse=plain)
     _located(branch.test, first)
     loop.body = [*declarations, ast.copy_location(branch, first)]
     return ast.fix_missing_locations(new), statements

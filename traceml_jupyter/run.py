@@ -149,6 +149,8 @@ class Run:
     def observe(self, observer: Observer) -> None:
         self._observers.append(observer)
         self._next_tick = 0
+        if self._capture is not None:
+            self._capture.listen()
 
     def _tick(self, now: int) -> None:
         self._next_tick = now + REFRESH_NS
@@ -205,7 +207,7 @@ class Run:
         if samples is not None and len(samples.get("time_s", ())):
             from .nvml import at_steps
 
-            cols.update(at_steps(samples, cols["time_s"]))
+            cols.update(at_steps(samples, cols["time_s"], cols.get("gpu_backlog_ms")))
         return cols
 
     @property

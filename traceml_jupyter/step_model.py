@@ -114,6 +114,8 @@ class StepModel:
     # is not its own; its index is the recorder's last); the last n closed steps were merged into
     # the open one; a phase was kept out of the open step.
     on_step: Callable[[int, int], None] | None = None
+    notify_every_step: bool = True  # else on_step only for a step ending at or after notify_from
+    notify_from: int = 0
     on_merge: Callable[[int], None] | None = None
     on_exclude: Callable[[Span], None] | None = None
     _first_optimizer: Callable[[], Any] | None = None
@@ -302,7 +304,19 @@ class StepModel:
         level = self.level
         if level == ITERATION or self.deferred is not None:
             self.deferred = None
-            return self.boundary(t)
+            start = self.start
+            if self.open_passes or start is None:
+                return self.boundary(t)
+            # boundary(t), written out: this runs once a step on the per-step path
+            self.recorder.add(start, start + self.wait, t - self.excluded)
+            self.start = t
+            self.wait = self.excluded = 0
+            self.step_wait_base = self.wait_total
+            if self.spans:
+                self.spans.clear()
+            if self.on_step is not None and (self.notify_every_step or t >= self.notify_from):
+                self.on_step(t, self.fetch_serial)
+            return True
         if level < ITERATION:
             self._upgrade(ITERATION)
             return self.boundary(t)
@@ -336,7 +350,7 @@ class StepModel:
         self.step_wait_base = self.wait_total
         if self.spans:
             self.spans.clear()
-        if self.on_step is not None:
+        if self.on_step is not None and (self.notify_every_step or t >= self.notify_from):
             self.on_step(t, self.fetch_serial)
         return True
 

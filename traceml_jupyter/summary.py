@@ -195,9 +195,13 @@ def gpu_work(
     return out
 
 
-def with_batch_size(summary: dict[str, Any], batch_size: int | None) -> dict[str, Any]:
-    """Add the batch size read from the batches, and the samples a second it gives."""
+def with_batch_size(
+    summary: dict[str, Any], batch_size: int | None, batches_per_step: float | None = None
+) -> dict[str, Any]:
+    """Add the batch size read from the batches, and the samples a second it gives (a step of
+    gradient accumulation takes several batches)."""
     mean = summary["stats"]["step_ms"]["mean"]
+    per_step = batch_size * (batches_per_step or 1.0) if batch_size else None
     summary["batch_size"] = batch_size
-    summary["samples_per_s"] = batch_size * 1000.0 / mean if batch_size and mean else None
+    summary["samples_per_s"] = per_step * 1000.0 / mean if per_step and mean else None
     return summary

@@ -14,6 +14,9 @@ CRITICAL_SHARE = 0.20
 CRITICAL_MIN_STEPS = 20
 COMPUTE_SHARE = 0.90
 MIN_ANALYSED = 2
+# Below this median step (20 µs) the hooks' own cost (about 1 µs a step, split between fetch and
+# body) is a visible share of the step, and would read as data wait: no verdict but TOO SHORT.
+MIN_STEP_MS = 0.02
 # HOST-BOUND (GPU clock) needs evidence that the GPU idled while the host issued work. The GPU
 # "is behind" when the work still queued as a step ends is BACKLOG_BEHIND_MS or more (a GPU
 # that waits on the host has a backlog of microseconds), or BACKLOG_MAX_SHARE of the step; the
@@ -286,6 +289,15 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
             f"Only {n} step(s) after {summary['warmup_steps']} warm-up step(s); a verdict needs "
             f"{MIN_ANALYSED}.",
             "Run more steps (or lower --warmup) to get a verdict.",
+            evidence,
+        )
+    if step is not None and step < MIN_STEP_MS:
+        return Verdict(
+            "TOO SHORT",
+            "info",
+            f"A step takes {step * 1000:.2g} µs (median): too short to time honestly, since the "
+            "timing itself costs about a microsecond a step, a visible share of that.",
+            "Trace a loop whose steps do real work (a batch through a model).",
             evidence,
         )
     if wait_share is not None and wait_share >= WARN_SHARE:
