@@ -245,3 +245,18 @@ def test_steps_too_short_to_time_are_not_called_input_bound(ip: Any) -> None:
     got = traceml_jupyter.last()
     assert got is not None and got.verdict == "TOO SHORT"
     assert "too short" in got.verdict_detail.why
+
+
+def test_a_failure_of_ours_while_the_cell_ends_never_replaces_the_users_error(
+    ip: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from traceml_jupyter.run import Run
+
+    def broken(self: Any, capture: Any, wall_ns: int) -> None:
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(Run, "captured", broken)
+    r = run(ip, "%%traceml --no-live\nfor v in [1, 2, 3]:\n    if v == 2:\n        raise ValueError('the user')\n")
+    assert isinstance(r.error_in_exec, ValueError) and str(r.error_in_exec) == "the user"
+    got = traceml_jupyter.last()
+    assert got is not None and any("a bug of ours" in note for note in got.notes)

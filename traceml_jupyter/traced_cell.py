@@ -301,8 +301,11 @@ def recording(cell: TracedCell) -> Iterator[None]:
         raise
     finally:
         if cell.choice is not None and cell.choice.function is not None:
-            plain = compile(cell.tree, cell.filename, "exec", cell.flags, dont_inherit=True)
-            restore_definitions(cell.shell.user_ns, cell.code, plain)
+            try:  # the cell's functions get their plain code back (never mask the user's error)
+                plain = compile(cell.tree, cell.filename, "exec", cell.flags, dont_inherit=True)
+                restore_definitions(cell.shell.user_ns, cell.code, plain)
+            except Exception as exc:
+                run.notes.append(f"The cell's functions keep their traced code: {type(exc).__name__}: {exc}")
         _finish(run, error, cell.opts, views[0] if views else None)
 
 
