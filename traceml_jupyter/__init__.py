@@ -15,6 +15,7 @@ __all__ = [
     "unload_ipython_extension",
     "last",
     "runs",
+    "clear",
     "trace",
     "compare",
     "tune",
@@ -31,9 +32,11 @@ if TYPE_CHECKING:
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    from .display import import_views_when_idle
     from .magic import TraceMLMagics
 
     ipython.register_magics(TraceMLMagics)
+    import_views_when_idle(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
@@ -53,6 +56,16 @@ def runs() -> list[Run]:
     from .run import runs as _runs
 
     return _runs()
+
+
+def clear() -> int:
+    """Forget every run of this kernel; their live charts become static pictures of their
+    final state (their widgets are closed). Returns how many runs were forgotten."""
+    from .display import release_charts
+    from .run import clear as _clear
+
+    release_charts()
+    return _clear()
 
 
 def trace(name: str | None = None, warmup: int | None = None, show: bool = True) -> Any:

@@ -4,6 +4,11 @@ A thin view over the Run: `start(run)` registers `view.refresh` as an observer (
 calls it on the main thread at most 4 times a second, and once more when the run finishes).
 Each refresh reads a bounded tail of the recorder and sends one batched update per widget it
 changes. Without a widget front-end it becomes an updating HTML display, or nothing.
+
+Widgets are built only for runs that last past the first update (about a second), and only
+the KEEP_LIVE_CHARTS newest finished runs keep them: an older chart is replaced in place by a
+static picture of its final state and its widgets are closed, so a long session does not pile
+them up.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ WAIT_COLOUR = "#f28e2b"  # warm: the loop waits for data
 COMPUTE_COLOUR = "#4e79a7"  # cool: the loop body runs
 SEVERITY_COLOUR = {"critical": "#c0392b", "warn": "#b9770e", "info": "#2e7d32"}
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+# Finished runs whose chart stays made of live widgets (22 each); an older chart is replaced
+# in place by a static picture of its final state and its widgets are closed.
+KEEP_LIVE_CHARTS = 3
 
 # -- pure pieces ------------------------------------------------------------------------------
 
@@ -371,6 +379,45 @@ def svg_chart(wait: np.ndarray, compute: np.ndarray, width: int = 640, height: i
 # -- front-ends ---------------------------------------------------------------------------------
 
 
+def static_chart_html(header: str, window: np.ndarray, overview: np.ndarray) -> str:
+    """A finished chart as inline HTML: its last header, then the window and the whole run
+    (rows: data wait, compute) as small SVGs. Reads the same on GitHub and nbviewer."""
+    parts = [header]
+    if window.ndim == 2 and window.shape[1] >= 2:
+        parts.append(svg_chart(window[0], window[1]))
+    if overview.ndim == 2 and overview.shape[1] >= 2:
+        parts.append(
+            '<div style="font-size:11px;color:#555;margin-top:4px">whole run (mean per bin)</div>'
+            + svg_chart(overview[0], overview[1], height=40)
+        )
+    parts.append(
+        '<div style="font-size:11px;color:#777">Static picture of the finished live chart '
+        "(its widgets were released: newer runs have the live ones).</div>"
+    )
+    return '<div class="traceml-live-static">' + "".join(parts) + "</div>"
+
+
+def widgets_under(root: Any) -> list[Any]:
+    """Every widget reachable from `root` through its synced traits: children, marks, axes,
+    scales, figures, layouts, styles (each one holds a comm until closed)."""
+    from ipywidgets import Widget
+
+    found: dict[int, Any] = {}
+    stack = [root]
+    while stack:
+        widget = stack.pop()
+        if id(widget) in found:
+            continue
+        found[id(widget)] = widget
+        for name in widget.keys:
+            value = getattr(widget, name, None)
+            if isinstance(value, dict):  # a mark's scales
+                value = list(value.values())
+            values = value if isinstance(value, (list, tuple)) else [value]
+            stack.extend(v for v in values if isinstance(v, Widget))
+    return list(found.values())
+
+
 class WidgetDisplay:
     """Displays a widget with a plain-text fallback (never "VBox(children=...)"), the same way
     under ipywidgets 7 and 8 (both speak version 2 of the widget view format)."""
@@ -448,9 +495,30 @@ class WidgetChart:
             animation_duration=0,
         )
         self.box = widgets.VBox([self.header, self.figure, self.overview])
+        self.handle: Any = None  # the display of the box, updated when the chart is released
 
     def show(self, text: str) -> Any:
         return WidgetDisplay(self.box, text)
+
+    def picture(self, text: str) -> HtmlStatus:
+        """The chart as it is now, without widgets."""
+        return HtmlStatus(
+            text,
+            static_chart_html(
+                str(self.header.value),
+                np.asarray(self.bars.y, dtype=np.float64),
+                np.asarray(self.overview_bars.y, dtype=np.float64),
+            ),
+        )
+
+    def release(self, text: str) -> None:
+        """Replace the displayed chart by its static picture, then close every widget of it."""
+        try:
+            if self.handle is not None:
+                self.handle.update(self.picture(text))
+        finally:
+            for widget in widgets_under(self.box):
+                widget.close()
 
     def draw_header(self, value: str) -> None:
         if self.header.value != value:
@@ -512,10 +580,19 @@ class HtmlChart:
 class LiveView:
     """Refreshed by the run (observer); `close()` ends it, leaving the last picture displayed."""
 
-    def __init__(self, run: Run, chart: WidgetChart | HtmlChart | None, shell: Any = None) -> None:
+    def __init__(
+        self,
+        run: Run,
+        chart: WidgetChart | HtmlChart | None,
+        shell: Any = None,
+        widgets: bool = False,
+    ) -> None:
         self.run = run
         self.chart = chart
         self.shell = shell
+        # A widget front-end: the HTML chart becomes the bqplot chart at the first update
+        # (about a second in). Shorter runs never build widgets: their final picture is HTML.
+        self.widgets_wanted = widgets
         self.sampler = GpuSampler(run.recorder.origin_ns)
         self.overview = Overview()
         self.refreshes = 0  # refreshes done (the final one included)
@@ -534,11 +611,27 @@ class LiveView:
         from IPython.display import display as ipython_display
 
         display: Any = ipython_display  # untyped in IPython
-        text = f"traceml {self.run.name}: live chart (shown by notebook front-ends with widgets)"
-        if isinstance(self.chart, HtmlChart):
-            self.chart.handle = display(self.chart.show(text), display_id=True)
-        else:
-            display(self.chart.show(text))
+        self.chart.handle = display(self.chart.show(self._text()), display_id=True)
+
+    def _text(self) -> str:
+        return f"traceml {self.run.name}: live chart (shown by notebook front-ends with widgets)"
+
+    def _become_widgets(self) -> None:
+        """Swap the HTML chart for the bqplot chart, in the same output (a display update)."""
+        self.widgets_wanted = False
+        html = self.chart
+        if not isinstance(html, HtmlChart) or html.handle is None:
+            return
+        try:
+            chart = WidgetChart(self.run.name)
+        except ImportError:  # no bqplot: the HTML chart goes on
+            return
+        except Exception as exc:
+            self.run.notes.append(f"The live chart stayed HTML: {type(exc).__name__}: {exc}")
+            return
+        chart.handle = html.handle
+        self.chart = chart  # from now on released (and its widgets closed) like any chart
+        chart.handle.update(chart.show(self._text()))
 
     # -- numbers the header needs ----------------------------------------------------------
     def _total(self) -> tuple[int | None, tuple[int, int, int] | None]:
@@ -592,6 +685,8 @@ class LiveView:
             self.sampler.start_when_ready()
             if self.chart is not None and not self._within_budget(began):
                 return  # a refresh skipped costs nothing: the next tick tries again
+            if self.widgets_wanted:
+                self._become_widgets()
         if self.chart is not None:
             self._draw(final)
         self.refreshes += 1
@@ -661,28 +756,60 @@ class LiveView:
         finally:
             self.closed = True
             self._hand_over_gpu_samples()
+        if isinstance(self.chart, WidgetChart):
+            _live_charts.append(self)
+            release_charts(KEEP_LIVE_CHARTS)
+
+    def release(self) -> None:
+        """Swap a finished widget chart for its static picture and close its widgets."""
+        chart, self.chart = self.chart, None
+        if isinstance(chart, WidgetChart):
+            chart.release(f"traceml {self.run.name}: {self.run.n_steps} steps (static picture)")
+
+
+_live_charts: list[LiveView] = []  # finished views whose chart is still widgets, oldest first
+
+
+def release_charts(keep: int = 0) -> int:
+    """Release the charts of all but the `keep` newest finished runs (each becomes a static
+    picture of its final state). Returns how many were released."""
+    released = 0
+    while len(_live_charts) > keep:
+        view = _live_charts.pop(0)
+        try:
+            view.release()
+        except Exception:  # a front-end gone away must not cost the cell
+            pass
+        released += 1
+    return released
+
+
+def live_widget_count() -> int:
+    """Widgets alive in this kernel (ipywidgets 8: `widget._instances`; 7: `Widget.widgets`)."""
+    from ipywidgets.widgets import widget
+
+    instances = getattr(widget, "_instances", None)
+    if instances is None:
+        instances = widget.Widget.widgets
+    return len(instances)
 
 
 def start(run: Run, show: bool = True) -> LiveView | None:
     """Show the live view of `run` under the cell and register it with the run.
 
-    A widget front-end gets the bqplot chart; a kernel without ipywidgets/bqplot an updating
-    HTML display; a terminal, or `show=False` (--no-live), nothing on screen (the GPU is
-    still sampled for the report). Never raises: a view that cannot start is a note on the run.
+    A widget front-end gets the bqplot chart once the run lasts long enough for an update
+    (about a second; before that, and for shorter runs, the HTML chart); a kernel without
+    ipywidgets/bqplot an updating HTML display; a terminal, or `show=False` (--no-live),
+    nothing on screen (the GPU is still sampled for the report). Never raises: a view that
+    cannot start is a note on the run.
     """
     shell = environment.ipython_shell()
     try:
         mode = environment.live_mode(shell) if show else "none"
-        chart: WidgetChart | HtmlChart | None = None
         if mode == "widget":
             environment.enable_custom_widget_manager_once()
-            try:
-                chart = WidgetChart(run.name)
-            except ImportError:
-                mode = "html"
-        if mode == "html":
-            chart = HtmlChart(run.name)
-        view = LiveView(run, chart, shell)
+        chart = HtmlChart(run.name) if mode != "none" else None
+        view = LiveView(run, chart, shell, widgets=mode == "widget")
         view.display()
     except Exception as exc:
         run.notes.append(f"The live view could not start: {type(exc).__name__}: {exc}")

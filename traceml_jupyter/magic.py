@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
+
+
+def split_line(line: str) -> list[str]:
+    """The magic's line split as a shell splits it: quotes group and are removed
+    (`--name "my run"` is one name), backslashes stay as typed (a Windows path in --save)."""
+    lexer = shlex.shlex(line, posix=True)
+    lexer.whitespace_split = True
+    lexer.commenters = ""
+    lexer.escape = ""
+    try:
+        return list(lexer)
+    except ValueError as exc:  # an unclosed quote
+        raise UsageError(f"%traceml: {exc}: {line.strip()}") from None
 
 
 @magics_class
@@ -90,7 +104,7 @@ class TraceMLMagics(Magics):
                     opt.zero_grad(); crit(model(x), y).backward(); opt.step()
         """
         __tracebackhide__ = True  # noqa: F841
-        args = parse_argstring(self.traceml, line)
+        args = self.traceml.parser.parse_args(split_line(line))
         if cell is None and args.command[:1] == ["tune"]:
             return self._tune(line, args.budget, args.workers)
         if args.budget is not None or args.workers is not None:
@@ -122,9 +136,7 @@ class TraceMLMagics(Magics):
             )
         if words[0] != "compare":
             raise UsageError(f"%traceml: unknown command {words[0]!r} (known: compare, tune)")
-        names = [
-            w[1:-1] if len(w) >= 2 and w[0] == w[-1] and w[0] in "'\"" else w for w in words[1:]
-        ]
+        names = words[1:]  # unquoted by split_line
         if len(names) > 2:
             raise UsageError(
                 f"%traceml compare takes two run names at most, got {len(names)}: "

@@ -10,7 +10,8 @@ import multiprocessing
 import os
 import re
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from html import escape
 from typing import TYPE_CHECKING, Any
@@ -70,7 +71,8 @@ SANS = "-apple-system, BlinkMacSystemFont, 'Segoe UI', Roboto, Helvetica, Arial,
 MONO = "ui-monospace, SFMono-Regular, Menlo, Consolas, 'Liberation Mono', monospace"
 CELL_IN = re.compile(r"\((?:Cell )?In ?\[(\d+)\]\)")
 FUNCTION = re.compile(r"^function ([\w.<>]+)")
-MAX_HISTORY = 200  # earlier cells searched for the DataLoader, newest first
+MAX_HISTORY = 1000  # earlier cells searched for the DataLoader, newest first
+SEARCH_BUDGET_S = 0.02  # a report parses earlier cells it has not read before for this long
 
 
 # -- facts from the run and the kernel (reads only) ------------------------------------------
@@ -111,18 +113,183 @@ def _earlier(cells: Sequence[str], current: int | None) -> range:
     return range(end - 1, 0, -1)
 
 
-def _history_trees(
-    shell: Any, cells: Sequence[str], numbers: Sequence[int]
-) -> Iterator[tuple[int, ast.Module]]:
-    transform = _transform(shell)
-    for i in numbers:
-        tree = parse_cell(cells[i], transform)
-        if tree is not None:
-            yield i, tree
-
-
 def _cell_label(i: int) -> str:
     return f"In [{i}]"
+
+
+@dataclass(frozen=True)
+class CellFacts:
+    """What the report looks up in an earlier cell, read off its tree once per kernel (the
+    tree itself is not kept: a 300-line cell's tree weighs about 2 MiB)."""
+
+    loader_sites: tuple[tuple[int, frozenset[str]], ...]  # DataLoader(...) lines, names bound
+    loader_lines: tuple[int, ...]
+    first_assigned: Mapping[str, int]  # name -> first line that assigns it
+    samples: Mapping[str, SampleCode]  # dataset classes defined in the cell, by name
+    loop_functions: frozenset[str]  # functions defined in the cell that hold a `for`
+
+
+def read_cell(text: str, transform: Any = None) -> ast.Module | None:
+    """An earlier cell's tree: plain Python is parsed as typed (most cells, and the line
+    numbers stay the user's); IPython's transform (magics, `!cmd`) only when that fails."""
+    return parse_cell(text) or parse_cell(text, transform)
+
+
+def _is_dataloader(call: ast.Call) -> bool:
+    """`DataLoader(...)` or `data.DataLoader(...)`."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return name == "DataLoader"
+
+
+def _within(inner: ast.expr, outer: ast.stmt | ast.expr) -> bool:
+    """`inner` is part of `outer` (nodes' source spans nest as the nodes do)."""
+    start = (outer.lineno, outer.col_offset)
+    end = (outer.end_lineno or outer.lineno, outer.end_col_offset or 0)
+    return start <= (inner.lineno, inner.col_offset) and (
+        inner.end_lineno or inner.lineno,
+        inner.end_col_offset or 0,
+    ) <= end
+
+
+def cell_facts(tree: ast.AST, label: str) -> CellFacts:
+    """The facts of one cell's tree (`label`: "In [3]") in one walk over it: the DataLoader
+    lines and sites as `dataloader_lines` and `dataloader_sites` read them, each name's first
+    assignment as `assigned_line` reads it, the dataset classes as `sample_code_in` does."""
+    nodes = list(ast.walk(tree))
+    calls = [node for node in nodes if isinstance(node, ast.Call) and _is_dataloader(node)]
+    sites: dict[int, set[str]] = {call.lineno: set() for call in calls}
+    first: dict[str, int] = {}
+    samples: dict[str, SampleCode] = {}
+    loops: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.ClassDef) and node.name not in samples:
+            found = sample_code_in(node, node.name, label)
+            if found is not None:
+                samples[node.name] = found
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in loops:
+            if any(isinstance(inner, (ast.For, ast.AsyncFor)) for inner in ast.walk(node)):
+                loops.add(node.name)
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
+            targets = [node.target]
+        else:
+            continue
+        names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        if not isinstance(node, ast.AugAssign):  # `x += 1` does not bring x in
+            line = targets[0].lineno
+            for name in names:
+                first[name] = min(first.get(name, line), line)
+        for call in calls:
+            if _within(call, node):
+                sites[call.lineno] |= names
+    return CellFacts(
+        tuple((line, frozenset(names)) for line, names in sorted(sites.items())),
+        tuple(sorted(sites)),
+        first,
+        samples,
+        frozenset(loops),
+    )
+
+
+# Read once per kernel: each earlier cell's facts, by number and text (the text too: numbers
+# start again after a history reset); and, for the few functions whose loop a run used, that
+# loop and its function (the report shows the loop's line and reads its transfers).
+LoopInFunction = tuple[ast.For | ast.AsyncFor, ast.AST]
+_CELL_FACTS: dict[tuple[int, str], CellFacts | None] = {}
+_MENTIONS: dict[tuple[int, str, str], bool] = {}  # (number, text, word): the word is in it
+_FUNCTION_LOOPS: dict[tuple[int, str, str, int], LoopInFunction | None] = {}
+FUNCTION_LOOPS_KEPT = 16
+
+
+class EarlierCells:
+    """The cells before the traced one, newest first, as one report reads them.
+
+    A cell is parsed only when its text can hold what is looked for (a cheap substring test),
+    at most once per kernel (the facts are cached), and a report spends at most `budget_s`
+    parsing cells not read before: the report's cost does not grow with the session. Cells
+    left unread are read by a later report.
+    """
+
+    def __init__(
+        self,
+        shell: Any,
+        cells: Sequence[str],
+        current: int | None,
+        budget_s: float | None = None,
+    ) -> None:
+        self.cells = cells
+        self.numbers = _earlier(cells, current)
+        self.transform = _transform(shell)
+        self.budget_s = SEARCH_BUDGET_S if budget_s is None else budget_s
+        self.spent_s = 0.0
+
+    def mentions(self, i: int, word: str) -> bool:
+        """Whether cell i's text holds `word` (cached: a session's cells are scanned once)."""
+        key = (i, self.cells[i], word)
+        found = _MENTIONS.get(key)
+        if found is None:
+            found = _MENTIONS[key] = word in key[1]
+        return found
+
+    def facts(self, i: int, *needles: str) -> CellFacts | None:
+        """Cell i's facts; None when its text holds none of `needles`, it is not Python, or
+        reading it would pass the report's budget."""
+        if needles and not any(self.mentions(i, needle) for needle in needles):
+            return None
+        text = self.cells[i]
+        key = (i, text)
+        if key in _CELL_FACTS:
+            return _CELL_FACTS[key]
+        if self.spent_s >= self.budget_s:
+            return None
+        began = time.perf_counter()
+        tree = read_cell(text, self.transform)
+        _CELL_FACTS[key] = cell_facts(tree, _cell_label(i)) if tree is not None else None
+        self.spent_s += time.perf_counter() - began
+        return _CELL_FACTS[key]
+
+    def function_loop(
+        self, i: int, name: str, line: int, named: bool = False
+    ) -> LoopInFunction | None:
+        """The `for` on `line` of function `name` in cell i, and that function; cached. The
+        cell the run names (`named`) is read whatever the budget: the report shows that loop."""
+        text = self.cells[i]
+        key = (i, text, name, line)
+        if key in _FUNCTION_LOOPS:
+            return _FUNCTION_LOOPS[key]
+        known = _CELL_FACTS.get((i, text))
+        if not self.mentions(i, f"def {name}") or (
+            known is not None and name not in known.loop_functions
+        ):
+            return None
+        if not named and self.spent_s >= self.budget_s:
+            return None
+        began = time.perf_counter()
+        tree = read_cell(text, self.transform)
+        found = None
+        if tree is not None:
+            if (i, text) not in _CELL_FACTS:
+                _CELL_FACTS[(i, text)] = cell_facts(tree, _cell_label(i))
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                    loop = loop_at(node, line)
+                    if loop is not None:
+                        found = loop, node
+                        break
+        self.spent_s += time.perf_counter() - began
+        while len(_FUNCTION_LOOPS) >= FUNCTION_LOOPS_KEPT:
+            _FUNCTION_LOOPS.pop(next(iter(_FUNCTION_LOOPS)))
+        _FUNCTION_LOOPS[key] = found
+        return found
+
+
+def forget_cells() -> None:
+    """Drop what was read of earlier cells (tests; a kernel whose history was reset)."""
+    _CELL_FACTS.clear()
+    _MENTIONS.clear()
+    _FUNCTION_LOOPS.clear()
 
 
 def _loader_object(run: Run) -> Any:
@@ -142,7 +309,7 @@ def loader_settings(run: Run) -> dict[str, Any] | None:
     loader = _loader_object(run)
     if loader is None:
         return None
-    from .dataloader_watch import describe_loader
+    from .dataloaders import describe_loader
 
     try:
         return describe_loader(loader)
@@ -157,9 +324,10 @@ def _names_bound_to(obj: Any, namespace: Mapping[str, Any]) -> set[str]:
 
 
 def _loop_in_other_cell(
-    run: Run, shell: Any, cells: Sequence[str], current: int | None
-) -> tuple[ast.For | ast.AsyncFor, str, ast.Module] | None:
-    """The step loop when it lives in a function defined in an earlier cell."""
+    run: Run, earlier: EarlierCells
+) -> tuple[ast.For | ast.AsyncFor, str, ast.AST] | None:
+    """The step loop when it lives in a function defined in an earlier cell: the loop, the
+    cell's label and the function."""
     where, line = run.loop_where or "", run.loop_line
     func = FUNCTION.match(where)
     if func is None or line is None:
@@ -167,47 +335,52 @@ def _loop_in_other_cell(
     name = func.group(1).split(".")[-1]
     named = CELL_IN.search(where)
     numbers = [int(named.group(1))] if named else []
-    numbers += [i for i in _earlier(cells, current) if i not in numbers]
-    transform = _transform(shell)
+    numbers += [i for i in earlier.numbers if i not in numbers]
     for i in numbers:
-        if not 0 < i < len(cells):
+        if not 0 < i < len(earlier.cells):
             continue
-        tree = parse_cell(cells[i], transform)
-        if tree is None:
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-                loop = loop_at(node, line)
-                if loop is not None:
-                    return loop, _cell_label(i), tree
+        found = earlier.function_loop(i, name, line, named=named is not None and i == numbers[0])
+        if found is not None:
+            return found[0], _cell_label(i), found[1]
     return None
 
 
 def _loader_site(
-    shell: Any,
-    cells: Sequence[str],
-    current: int | None,
-    tree: ast.Module | None,
-    names: set[str],
+    earlier: EarlierCells, tree: ast.Module | None, names: set[str]
 ) -> CodeSite | None:
     """Where the loop's DataLoader is built: the construction assigned to the name the loop
     iterates (this cell first, then earlier cells, newest first); else the first construction
     found that way; else the line that assigns the loader (built by a function or library)."""
-    trees: list[tuple[str | None, ast.Module]] = [(None, tree)] if tree is not None else []
-    numbers = _earlier(cells, current)[:MAX_HISTORY]
-    trees += [(_cell_label(i), t) for i, t in _history_trees(shell, cells, numbers)]
-    for cell, t in trees:
-        line = pick_loader_line(dataloader_sites(t), names)
+    numbers = earlier.numbers[:MAX_HISTORY]
+    if tree is not None:
+        line = pick_loader_line(dataloader_sites(tree), names)
         if line is not None:
-            return CodeSite(line, cell)
-    for cell, t in trees:
-        lines = dataloader_lines(t)
-        if lines:
-            return CodeSite(lines[0], cell)
-    for cell, t in trees:
-        line = assigned_line(t, names) if names else None
+            return CodeSite(line, None)
+    first_built: CodeSite | None = None
+    for i in numbers:
+        facts = earlier.facts(i, "DataLoader")
+        if facts is None:
+            continue
+        line = pick_loader_line(facts.loader_sites, names)
         if line is not None:
-            return CodeSite(line, cell)
+            return CodeSite(line, _cell_label(i))
+        if first_built is None and facts.loader_lines:
+            first_built = CodeSite(facts.loader_lines[0], _cell_label(i))
+    if tree is not None and dataloader_lines(tree):
+        return CodeSite(dataloader_lines(tree)[0], None)
+    if first_built is not None:
+        return first_built
+    if not names:
+        return None
+    line = assigned_line(tree, names) if tree is not None else None
+    if line is not None:
+        return CodeSite(line, None)
+    for i in numbers:
+        facts = earlier.facts(i, *names)
+        assigned = facts.first_assigned if facts is not None else {}
+        seen = [assigned[n] for n in names if n in assigned]
+        if seen:
+            return CodeSite(min(seen), _cell_label(i))
     return None
 
 
@@ -234,6 +407,11 @@ def _dataset_of(loader: Any) -> Any:
     return dataset
 
 
+# `__getitem__` read from its source file or cell, by (file, line, class, source text).
+_SOURCE_SAMPLES: dict[tuple[str, int, str, str], SampleCode | None] = {}
+SOURCE_SAMPLES_KEPT = 16
+
+
 def _sample_code_from_object(run: Run, shell: Any, dataset: Any) -> SampleCode | None:
     cls = type(dataset)
     func = getattr(cls, "__getitem__", None)
@@ -243,23 +421,28 @@ def _sample_code_from_object(run: Run, shell: Any, dataset: Any) -> SampleCode |
     lines = linecache.getlines(code.co_filename)
     if not lines:
         return None
-    tree = parse_cell("".join(lines))
+    key = (code.co_filename, code.co_firstlineno, cls.__name__, "".join(lines))
+    if key in _SOURCE_SAMPLES:
+        return _SOURCE_SAMPLES[key]
+    tree = parse_cell(key[3])
     node = method_def(tree, code.co_firstlineno) if tree is not None else None
-    if tree is None or node is None:
-        return None
-    label = _source_label(run, shell, code.co_filename)
-    owner = class_def(tree, cls.__name__)
-    return SampleCode(
-        cls.__name__,
-        tuple(costly_calls(node, label)),
-        CodeSite(node.lineno, label),
-        CodeSite(owner.lineno, label) if owner is not None else None,
-    )
+    found = None
+    if tree is not None and node is not None:
+        label = _source_label(run, shell, code.co_filename)
+        owner = class_def(tree, cls.__name__)
+        found = SampleCode(
+            cls.__name__,
+            tuple(costly_calls(node, label)),
+            CodeSite(node.lineno, label),
+            CodeSite(owner.lineno, label) if owner is not None else None,
+        )
+    while len(_SOURCE_SAMPLES) >= SOURCE_SAMPLES_KEPT:
+        _SOURCE_SAMPLES.pop(next(iter(_SOURCE_SAMPLES)))
+    _SOURCE_SAMPLES[key] = found
+    return found
 
 
-def _sample_code(
-    run: Run, shell: Any, cells: Sequence[str], current: int | None, tree: ast.Module | None
-) -> SampleCode | None:
+def _sample_code(run: Run, shell: Any, ctx: CodeContext) -> SampleCode | None:
     dataset = _dataset_of(_loader_object(run))
     if dataset is not None:
         try:
@@ -271,14 +454,15 @@ def _sample_code(
     name = (loader_settings(run) or {}).get("dataset_type")
     if not name:
         return None
-    if tree is not None:
-        found = sample_code_in(tree, str(name))
+    if ctx.tree is not None:
+        found = sample_code_in(ctx.tree, str(name))
         if found is not None:
             return found
-    for i, cell_tree in _history_trees(shell, cells, _earlier(cells, current)):
-        found = sample_code_in(cell_tree, str(name), _cell_label(i))
-        if found is not None:
-            return found
+    earlier = ctx.earlier or EarlierCells(shell, ctx.cells, ctx.current)
+    for i in earlier.numbers:
+        facts = earlier.facts(i, str(name))
+        if facts is not None and str(name) in facts.samples:
+            return facts.samples[str(name)]
     return SampleCode(str(name), (), None, None)
 
 
@@ -312,25 +496,27 @@ class CodeContext:
     tree: ast.Module | None = None
     loop: ast.For | ast.AsyncFor | None = None
     loop_cell: str | None = None  # None: the loop is in this cell
-    loop_tree: ast.Module | None = None
+    loop_tree: ast.AST | None = None  # this cell's tree, or the function around the loop
     loader_site: CodeSite | None = None
+    earlier: EarlierCells | None = None
 
     @classmethod
     def of(cls, run: Run, shell: Any) -> CodeContext:
         ctx = cls(history_cells(shell))
         ctx.current = current_cell_index(ctx.cells, run.cell_source)
+        ctx.earlier = EarlierCells(shell, ctx.cells, ctx.current)
         ctx.tree = parse_cell(run.cell_source, _transform(shell)) if run.cell_source else None
         in_cell = "(" not in (run.loop_where or "")
         if run.loop_line is not None and ctx.tree is not None and in_cell:
             ctx.loop, ctx.loop_tree = loop_at(ctx.tree, run.loop_line), ctx.tree
         if ctx.loop is None:
-            other = _loop_in_other_cell(run, shell, ctx.cells, ctx.current)
+            other = _loop_in_other_cell(run, ctx.earlier)
             if other is not None:
                 ctx.loop, ctx.loop_cell, ctx.loop_tree = other
         names = iter_names(ctx.loop) if ctx.loop is not None else set()
         names |= _names_bound_to(_loader_object(run), getattr(shell, "user_ns", {}) or {})
         names -= {"enumerate", "zip", "tqdm", "iter", "range", "len"}
-        ctx.loader_site = _loader_site(shell, ctx.cells, ctx.current, ctx.tree, names)
+        ctx.loader_site = _loader_site(ctx.earlier, ctx.tree, names)
         return ctx
 
     def cell_line(self, site: CodeSite) -> str | None:
@@ -406,7 +592,7 @@ def facts_for(
         several_passes=several,
         loader_site=ctx.loader_site,
         transfers=tuple(transfers_in(ctx.loop, ctx.loop_cell)) if ctx.loop is not None else None,
-        sample_code=_sample_code(run, shell, ctx.cells, ctx.current, ctx.tree),
+        sample_code=_sample_code(run, shell, ctx),
         start_method=method or _process_start_method(),
         straggler_steps=int(summary.get("straggler_steps") or 0),
         wait_median_ms=summary.get("data_wait_ms"),

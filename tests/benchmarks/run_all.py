@@ -2,10 +2,10 @@
 
     .venv/bin/python tests/benchmarks/run_all.py --out docs/benchmarks.md
 
-Overhead, accuracy, memory and live-view cost on the CPU; the GPU variant too where CUDA is
-available (otherwise one line says it was skipped). traceml-ai, the peer, is installed on
-first use into its own venv (/tmp/venv-traceml, never pulling torch); `--no-traceml-ai`
-leaves it out. A few minutes on a 2-core machine.
+Overhead, accuracy, memory, live-view cost and long sessions (real kernels) on the CPU; the
+GPU variant too where CUDA is available (otherwise one line says it was skipped). traceml-ai,
+the peer, is installed on first use into its own venv (/tmp/venv-traceml, never pulling
+torch); `--no-traceml-ai` leaves it out. About ten minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     import bench_live_view
     import bench_memory
     import bench_overhead
+    import bench_session
 
     began = time.perf_counter()
     machine = machine_table()
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         ("Accuracy (CPU)", section("accuracy", lambda: bench_accuracy.measure("cpu", peer, install))),
         ("Memory and scale", section("memory", bench_memory.measure)),
         ("Live view cost", section("live view", bench_live_view.measure)),
+        ("Long sessions (real kernels)", section("session", bench_session.measure)),
         ("GPU", section("gpu", lambda: bench_gpu.measure(args.repeats, peer, install))),
     ]
     minutes = (time.perf_counter() - began) / 60
