@@ -266,9 +266,9 @@ def loops_in_functions() -> NotebookNode:
 
 Training loops often live in a function defined in another cell, or in a trainer class.
 `%%traceml` follows the call from the traced cell into code defined in this notebook and
-times the loop there. When the loop is out of sight (library code), it times the
-`DataLoader` itself. All three runs below use the slow loader, so all three say
-**INPUT-BOUND**.
+times the loop there. When the loop is out of sight (library code), steps are what the
+training does: each `optimizer.step()`, with the time blocked in every `DataLoader` fetch as
+data wait. All three runs below use the slow loader, so all three say **INPUT-BOUND**.
 """,
             ),
             ("code", INSTALL),
@@ -329,18 +329,19 @@ trainer = Trainer(model, opt, loss_fn, device)
 ## A library trainer whose loop the magic cannot see
 
 `demo.library_fit` is library code: it pulls batches with `next()` in a `while` loop, in a
-module the notebook did not define. `%%traceml` cannot rewrite that loop, so it times every
-`DataLoader` iterator driven during the cell instead: a step is the time between two batches.
+module the notebook did not define. `%%traceml` cannot rewrite that loop and does not need to:
+a step is one `optimizer.step()` (the same hook sees the optimizers inside Hugging Face's
+`Trainer`, Lightning or fastai), and every `DataLoader` fetch is data wait.
 """,
             ),
             (
                 "code",
                 "%%traceml --name library\ndemo.library_fit(loader, model, opt, loss_fn, device, epochs=2)",
             ),
-            ("md", "Where each loop was found:"),
+            ("md", "Where each loop was found, or what a step was:"),
             (
                 "code",
-                'for r in traceml_jupyter.runs():\n    print(f"{r.name:8} {r.verdict:12} {r.loop_where}")',
+                'for r in traceml_jupyter.runs():\n    print(f"{r.name:8} {r.verdict:12} {r.loop_where or r.step_definition}")',
             ),
         ]
     )

@@ -414,8 +414,9 @@ def test_gpu_figures_reach_the_header_and_the_run(monkeypatch: pytest.MonkeyPatc
     fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=3 * 2**30, total=80 * 2**30)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setattr(nvml, "cuda_available", lambda: True)
-    monkeypatch.setattr(nvml, "cuda_device_of_loop", lambda: ("pci", "0000:17:00.0"))
+    monkeypatch.setattr(nvml, "cuda_device_of_loop", lambda device=None: ("pci", "0000:17:00.0", None))
     run = Run("gpu")
+    run.cuda_device = 0  # what the capture decides once the loop allocated on the GPU
     run.recorder.origin_ns = (run.recorder.origin_ns or 0) - 60 * 10**9  # a minute-long run
     try:
         chart = FakeChart()

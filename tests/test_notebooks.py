@@ -121,7 +121,7 @@ def test_loops_are_found_in_functions_classes_and_libraries() -> None:
     where = run_demo.plain_outputs(nb)[-1].splitlines()
     assert where[0].startswith("function") and "function train (" in where[0]
     assert where[1].startswith("trainer") and "function Trainer.fit (" in where[1]
-    assert where[2].startswith("library") and "DataLoader iterator" in where[2]
+    assert where[2].startswith("library") and "a step = one `optimizer.step()` of SGD" in where[2]
 
 
 def test_binder_builds_a_cpu_only_environment_with_the_package() -> None:

@@ -78,6 +78,11 @@ for epoch in range(1, 3):
 '''
 
 
+# Two runs of the same cell on a shared machine: medians over 16-24 steps differ by a few
+# points of share; a tool that timed the wrong thing is off by tens.
+TOLERANCE = 0.10
+
+
 def run(ip: Any, cell: str) -> Any:
     with capture_output() as out:
         result = ip.run_cell(textwrap.dedent(cell))
@@ -116,8 +121,8 @@ def shell(ip: Any) -> Any:
 def test_the_mnist_example_layout_times_the_batches_inside_train(shell: Any) -> None:
     run(shell, MNIST_FUNCTIONS)
     setup = '''
-    train_loader = DataLoader(Digits(192, 0.15), batch_size=32)
-    test_loader = DataLoader(Digits(128, 0.15), batch_size=64)
+    train_loader = DataLoader(Digits(192, 0.5), batch_size=16)
+    test_loader = DataLoader(Digits(64, 0.5), batch_size=32)
     model = Net(8.0)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
@@ -129,12 +134,12 @@ def test_the_mnist_example_layout_times_the_batches_inside_train(shell: Any) -> 
     test_time = truth.total(key(shell, "test_loader"))
     run(shell, setup)
     got, _ = traced(shell, MNIST_CELL)
-    assert got.n_steps == 12 and got.step_kind == "optimizer"  # 2 epochs x 6 batches, not 2 epochs
+    assert got.n_steps == 24 and got.step_kind == "optimizer"  # 2 epochs x 12 batches, not 2 epochs
     assert "function train" in (got.loop_where or "") and got.loop_line == 3
     assert "optimizer.step()` of Adadelta" in got.step_definition
-    assert got.summary["data_wait_share"] == pytest.approx(expected, abs=0.08)
+    assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
     assert got.verdict == verdict_for(expected) == "INPUT-BOUND"
-    assert got.loader_name == "train_loader" and got.batch_size == 32
+    assert got.loader_name == "train_loader" and got.batch_size == 16
     (phase,) = got.phases
     assert phase["kind"] == "test" and phase["passes"] == 2 and phase["batches"] == 4
     assert phase["wait_ms"] / 1e3 == pytest.approx(test_time, rel=0.3)
@@ -143,13 +148,13 @@ def test_the_mnist_example_layout_times_the_batches_inside_train(shell: Any) -> 
 
 def test_a_range_loop_with_next_in_the_body_is_input_bound(shell: Any) -> None:
     setup = '''
-    train_loader = DataLoader(Digits(400, 1.0), batch_size=32)
+    train_loader = DataLoader(Digits(400, 1.0), batch_size=16)
     model = Net(4.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     it = iter(train_loader)
     '''
     cell = '''\
-    for step in range(10):
+    for step in range(16):
         x, y = next(it)
         optimizer.zero_grad()
         loss = F.nll_loss(model(x), y)
@@ -160,12 +165,12 @@ def test_a_range_loop_with_next_in_the_body_is_input_bound(shell: Any) -> None:
     expected = plain(shell, cell).wait_share(key(shell, "train_loader"))
     run(shell, setup)
     got, _ = traced(shell, cell)
-    assert got.n_steps == 10 and got.loop_line == 2
-    assert got.summary["data_wait_share"] == pytest.approx(expected, abs=0.08)
+    assert got.n_steps == 16 and got.loop_line == 2
+    assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
     assert got.verdict == verdict_for(expected) == "INPUT-BOUND"
     rows = {r["line"]: r for r in got.line_costs["statements"]}
     assert max(rows, key=lambda line: rows[line]["ms_per_step"]) == 3  # the next() line
-    assert got.loader_info is not None and got.loader_info["batch_size"] == 32
+    assert got.loader_info is not None and got.loader_info["batch_size"] == 16
 
 
 def test_a_get_batch_loop_is_timed_where_the_batch_is_made(shell: Any) -> None:
@@ -180,7 +185,7 @@ def test_a_get_batch_loop_is_timed_where_the_batch_is_made(shell: Any) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     '''
     cell = '''\
-    for it_ in range(14):
+    for it_ in range(16):
         xb, yb = get_batch("train")
         logits = model(xb)
         loss = F.cross_entropy(logits, yb)
@@ -196,8 +201,8 @@ def test_a_get_batch_loop_is_timed_where_the_batch_is_made(shell: Any) -> None:
     expected = truth.wait_share("get_batch")
     run(shell, setup)
     got, _ = traced(shell, cell)
-    assert got.n_steps == 14
-    assert got.summary["data_wait_share"] == pytest.approx(expected, abs=0.08)
+    assert got.n_steps == 16
+    assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
     assert got.verdict == verdict_for(expected) == "INPUT-BOUND"
     assert "get_batch" in (got.summary["data_source"] or "") and got.loader_info is None
     assert got.batch_size == 8
@@ -205,8 +210,8 @@ def test_a_get_batch_loop_is_timed_where_the_batch_is_made(shell: Any) -> None:
 
 def test_validation_inside_the_loop_is_its_own_phase(shell: Any) -> None:
     setup = '''
-    train_loader = DataLoader(Digits(160, 0.02), batch_size=16)
-    val_loader = DataLoader(Digits(96, 0.8), batch_size=32)
+    train_loader = DataLoader(Digits(160, 0.5), batch_size=8)
+    val_loader = DataLoader(Digits(96, 1.0), batch_size=32)
     model = Net(6.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     '''
@@ -228,11 +233,11 @@ def test_validation_inside_the_loop_is_its_own_phase(shell: Any) -> None:
     expected = truth.wait_share(key(shell, "train_loader"), phases=(val,))
     run(shell, setup)
     got, result = traced(shell, cell)
-    assert got.n_steps == 10 and got.loop_line == 2
-    assert got.summary["data_wait_share"] == pytest.approx(expected, abs=0.08)
-    assert got.summary["step_ms"] < 20  # the steps are training only: validation takes ~100 ms
+    assert got.n_steps == 20 and got.loop_line == 2
+    assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
+    assert got.summary["step_ms"] < 40  # the steps are training only: validation takes ~100 ms
     (phase,) = got.phases
-    assert phase["kind"] == "validation" and phase["passes"] == 2 and phase["batches"] == 6
+    assert phase["kind"] == "validation" and phase["passes"] == 4 and phase["batches"] == 12
     assert phase["share_of_cell"] > 0.5 and phase["wait_share"] > 0.7
     assert got.loader_name == "train_loader"
     assert "validation:" in got.text()
@@ -275,8 +280,8 @@ def test_a_shared_train_and_val_loop_counts_only_training_batches(shell: Any) ->
 
 def test_zip_of_a_slow_and_a_fast_loader_reads_the_slow_one(shell: Any) -> None:
     setup = '''
-    slow_loader = DataLoader(Digits(128, 0.6), batch_size=16)
-    fast_loader = DataLoader(Digits(64, 0.0), batch_size=8)
+    slow_loader = DataLoader(Digits(128, 1.0), batch_size=8)
+    fast_loader = DataLoader(Digits(64, 0.0), batch_size=4)
     model = Net(4.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     '''
@@ -291,9 +296,9 @@ def test_zip_of_a_slow_and_a_fast_loader_reads_the_slow_one(shell: Any) -> None:
     expected = truth.wait_share(key(shell, "slow_loader")) + truth.wait_share(key(shell, "fast_loader"))
     run(shell, setup)
     got, _ = traced(shell, cell)
-    assert got.n_steps == 8
-    assert got.loader_name == "slow_loader" and got.loader_info["batch_size"] == 16
-    assert got.summary["data_wait_share"] == pytest.approx(expected, abs=0.08)
+    assert got.n_steps == 16
+    assert got.loader_name == "slow_loader" and got.loader_info["batch_size"] == 8
+    assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
     from traceml_jupyter.report import checklist_for
 
     workers = {item["key"]: item for item in checklist_for(got)}["num_workers"]
@@ -302,8 +307,8 @@ def test_zip_of_a_slow_and_a_fast_loader_reads_the_slow_one(shell: Any) -> None:
 
 def test_a_gan_with_two_optimizers_steps_once_per_batch(shell: Any) -> None:
     setup = '''
-    gan_loader = DataLoader(Digits(96, 0.2), batch_size=16)
-    D, G = Net(2.0), nn.Sequential(nn.Linear(16, 784), nn.Tanh())
+    gan_loader = DataLoader(Digits(128, 0.5), batch_size=8)
+    D, G = Net(3.0), nn.Sequential(nn.Linear(16, 784), nn.Tanh())
     opt_d = torch.optim.Adam(D.parameters(), lr=2e-4)
     opt_g = torch.optim.Adam(G.parameters(), lr=2e-4)
     '''
@@ -325,8 +330,8 @@ def test_a_gan_with_two_optimizers_steps_once_per_batch(shell: Any) -> None:
     expected = truth.wait_share(key(shell, "gan_loader"))
     run(shell, setup)
     got, _ = traced(shell, cell)
-    assert got.n_steps == 6 and "of Adam" in got.step_definition
-    assert got.summary["data_wait_share"] == pytest.approx(expected, abs=0.08)
+    assert got.n_steps == 16 and "of Adam" in got.step_definition
+    assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
 
 
 def test_an_inference_loop_without_optimizer_steps_per_batch(shell: Any) -> None:
@@ -365,7 +370,7 @@ def test_the_hugging_face_trainer_steps_are_optimizer_steps(shell: Any) -> None:
     def hf_args(accumulate):
         return TrainingArguments(
             output_dir="/tmp/traceml-hf", per_device_train_batch_size=8,
-            gradient_accumulation_steps=accumulate, max_steps=10, report_to=[], use_cpu=True,
+            gradient_accumulation_steps=accumulate, max_steps=16, report_to=[], use_cpu=True,
             save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         )
     tokens = Tokens(10_000, 1.0)
@@ -377,9 +382,9 @@ def test_the_hugging_face_trainer_steps_are_optimizer_steps(shell: Any) -> None:
         (data_key,) = {k for k, _, _ in truth.fetches}
         expected = truth.wait_share(data_key)
         got, result = traced(shell, cell)
-        assert got.n_steps == 10 and got.step_kind == "optimizer" and got.loop_line is None
+        assert got.n_steps == 16 and got.step_kind == "optimizer" and got.loop_line is None
         assert got.batches_per_step == pytest.approx(accumulate, rel=0.15)
-        assert got.summary["data_wait_share"] == pytest.approx(expected, abs=0.08), accumulate
+        assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE), accumulate
         assert got.summary["samples_per_s"] is not None and got.batch_size == 8
         if accumulate == 4:
             assert "gradient accumulation" in got.step_definition
@@ -401,20 +406,20 @@ def test_lightning_fit_steps_are_optimizer_steps(shell: Any) -> None:
             self.net(x)
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
-    lit_train = DataLoader(Digits(160, 0.4), batch_size=16)
+    lit_train = DataLoader(Digits(160, 1.0), batch_size=8)
     lit_val = DataLoader(Digits(64, 0.4), batch_size=16)
     def fit():
         trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, num_sanity_val_steps=2, limit_train_batches=8)
+                            enable_model_summary=False, num_sanity_val_steps=2, limit_train_batches=16)
         trainer.fit(Lit(), lit_train, lit_val)
     '''
     run(shell, setup)
     truth = plain(shell, "fit()\n")
     expected = truth.wait_share(key(shell, "lit_train"))
     got, _ = traced(shell, "fit()\n")
-    assert got.n_steps == 8 and got.step_kind == "optimizer"
-    assert got.summary["data_wait_share"] == pytest.approx(expected, abs=0.08)
+    assert got.n_steps == 16 and got.step_kind == "optimizer"
+    assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
     assert got.loader_name == "lit_train"
     kinds = {p["kind"]: p for p in got.phases}
     assert kinds["validation"]["batches"] >= 4  # the sanity check and the epoch's validation

@@ -362,6 +362,8 @@ def _live_view_starter(run: Run, opts: CellOptions, views: list[Any]) -> Any:
 
     def start(_run: Run) -> None:
         run._observers.remove(start)
+        if run.n_steps == 0:  # the run ended without a step: nothing to chart
+            return
         from .display import start_live_view
 
         view = start_live_view(run, show=opts.live)
