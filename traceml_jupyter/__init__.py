@@ -32,16 +32,25 @@ if TYPE_CHECKING:
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    from .async_cells import route_async_cells
     from .display import import_views_when_idle
     from .magic import TraceMLMagics
 
     ipython.register_magics(TraceMLMagics)
     import_views_when_idle(ipython)
+    cleanup = getattr(ipython, "input_transformers_cleanup", None)
+    if isinstance(cleanup, list) and route_async_cells not in cleanup:
+        cleanup.append(route_async_cells)  # cells that await run on IPython's event loop
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     ipython.magics_manager.magics["cell"].pop("traceml", None)
     ipython.magics_manager.magics["line"].pop("traceml", None)
+    from .async_cells import route_async_cells
+
+    cleanup = getattr(ipython, "input_transformers_cleanup", None)
+    if isinstance(cleanup, list) and route_async_cells in cleanup:
+        cleanup.remove(route_async_cells)
 
 
 def last() -> Run | None:

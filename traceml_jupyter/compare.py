@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 # Within 5 % of each other, two runs are "about as fast": step times jitter by that much.
 SAME_SPEED = 1.05
-NO_VERDICT = ("NO DATA", "WARMUP")
+NO_VERDICT = ("NO DATA", "WARMUP", "TOO SHORT")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,32 @@ def split_line(line: str) -> list[str]:
         raise UsageError(f"%traceml: {exc}: {line.strip()}") from None
 
 
+def cell_options(args: Any, line: str) -> Any:
+    """The options of a `%%traceml` cell from its parsed line (UsageError on a bad one)."""
+    from .traced_cell import CellOptions
+
+    if args.budget is not None or args.workers is not None:
+        raise UsageError("%traceml: --budget and --workers go with %traceml tune")
+    if args.command:
+        raise UsageError(f"%%traceml: unexpected argument(s): {' '.join(args.command)}")
+    if args.warmup is not None and args.warmup < 0:
+        raise UsageError("%%traceml: --warmup must be 0 or more")
+    return CellOptions(
+        name=args.name,
+        warmup=args.warmup,
+        live=not args.no_live,
+        save=args.save,
+        loop=args.loop,
+        lines=args.lines == "on",
+        lines_chosen="--lines" in line,
+    )
+
+
+def parse_cell_line(line: str) -> Any:
+    """`cell_options` of a `%%traceml` line as typed."""
+    return cell_options(TraceMLMagics.traceml.parser.parse_args(split_line(line)), line)
+
+
 @magics_class
 class TraceMLMagics(Magics):
     @magic_arguments()
@@ -37,10 +63,12 @@ class TraceMLMagics(Magics):
     @argument("--save", type=str, default=None, metavar="PATH", help="write the run as JSON")
     @argument(
         "--loop",
-        type=int,
+        type=str,
         default=None,
         metavar="LINE",
-        help="the step loop is the `for` on this line of the cell (the %%%%traceml line is 1)",
+        help="the loop whose iterations are steps: the `for` on this line of the cell (the "
+        "%%%%traceml line is 1), or FUNCTION:LINE for a loop in a function from another cell "
+        "(the line as that cell shows it)",
     )
     @argument(
         "--lines",
@@ -107,25 +135,11 @@ class TraceMLMagics(Magics):
         args = self.traceml.parser.parse_args(split_line(line))
         if cell is None and args.command[:1] == ["tune"]:
             return self._tune(line, args.budget, args.workers)
-        if args.budget is not None or args.workers is not None:
-            raise UsageError("%traceml: --budget and --workers go with %traceml tune")
-        if cell is None:
+        if cell is None and not (args.budget is not None or args.workers is not None):
             return self._command(args.command)
-        if args.command:
-            raise UsageError(f"%%traceml: unexpected argument(s): {' '.join(args.command)}")
-        if args.warmup is not None and args.warmup < 0:
-            raise UsageError("%%traceml: --warmup must be 0 or more")
-        from .traced_cell import CellOptions, run_traced_cell
+        from .traced_cell import run_traced_cell
 
-        opts = CellOptions(
-            name=args.name,
-            warmup=args.warmup,
-            live=not args.no_live,
-            save=args.save,
-            loop=args.loop,
-            lines=args.lines == "on",
-        )
-        return run_traced_cell(self.shell, line, cell, opts)
+        return run_traced_cell(self.shell, line, cell or "", cell_options(args, line))
 
     def _command(self, words: list[str]) -> Any:
         """`%traceml compare [A B]`: run A against run B (names from --name; quote a name
