@@ -59,11 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     import bench_memory
     import bench_overhead
     import bench_session
+    import bench_step_model
 
     began = time.perf_counter()
     machine = machine_table()
     parts: list[tuple[str, list[Table]]] = [
         ("Overhead per step and per cell (CPU)", section("overhead", lambda: bench_overhead.measure(args.repeats, "cpu", peer, install))),
+        ("The step model against the capture before it", section("step model", lambda: bench_step_model.tables(args.repeats))),
         ("Accuracy (CPU)", section("accuracy", lambda: bench_accuracy.measure("cpu", peer, install))),
         ("Memory and scale", section("memory", bench_memory.measure)),
         ("Live view cost", section("live view", bench_live_view.measure)),
