@@ -17,7 +17,7 @@ from threading import get_ident
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
-from . import hooks
+from . import hooks, ranks
 from .cuda_clock import (
     CudaSteps,
     Marks,
@@ -508,6 +508,7 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
     with ExitStack() as stack:
         _dataloader_patches(capture, stack)
         _training_patches(capture, stack)
+        stack.enter_context(ranks.watching(run, capture))  # one rank of several: backward per step
         if cuda_initialized():
             capture._start_gpu()
         capture.active = True
@@ -524,3 +525,4 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
             if capture.gpu_note:
                 run.notes.append(capture.gpu_note)
             run.captured(capture, perf_counter_ns() - began)
+            ranks.capture_ended(run, capture)  # forked ranks: their last steps, their summaries

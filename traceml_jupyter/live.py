@@ -171,6 +171,8 @@ def verdict_share(label: str, summary: Mapping[str, Any]) -> str:
             f"data wait {_pct(summary.get('data_wait_share'), 0)}, "
             f"compute {_pct(summary.get('compute_share'), 0)} of step"
         )
+    if label == "RANK STRAGGLER":
+        return rank_share(summary.get("straggler"))
     if label == "WARMUP":
         return "warming up"
     return "no step yet"
@@ -183,6 +185,110 @@ def window_throughput(tail: Mapping[str, np.ndarray]) -> float | None:
         return None
     span = float(tail["time_s"][-1] + tail["step_ms"][-1] / 1e3 - tail["time_s"][0])
     return n / span if span > 0 else None
+
+
+# -- several processes (ranks.py feeds them) ------------------------------------------------------
+RANK_COLOURS = ("#4e79a7", "#59a14f", "#9c755f", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#bab0ac")
+STRAGGLER_COLOUR = "#c0392b"
+WAIT_OPACITY = 0.45
+
+
+def rank_share(straggler: Mapping[str, Any] | None) -> str:
+    """"rank 1 holds the others back (input, 93 % of a step)"."""
+    if not straggler:
+        return "ranks balanced"
+    return (
+        f"rank {straggler['rank']} holds the others back ({straggler['cause']}, "
+        f"{_pct(straggler.get('score'), 0)} of a step)"
+    )
+
+
+def live_ranks(run: Run) -> dict[str, Any] | None:
+    """Several forked ranks: each one's last WINDOW steps and the rank that holds the others
+    back (ranks.Collector.live); None for one process."""
+    live = getattr(run.rank_feed, "live", None)
+    return live(WINDOW) if live is not None else None
+
+
+def with_ranks_live(numbers: dict[str, Any], ranks: Mapping[str, Any]) -> None:
+    """The header while ranks run: how many, and the rank that holds the others back (the
+    window of the rank the run shows cannot tell: it waits in backward like any other)."""
+    numbers["ranks"] = f"{len(ranks['series'])} ranks"
+    if numbers["finished"]:
+        return
+    slowest = ranks.get("slowest")
+    if slowest is not None:
+        numbers["verdict"], numbers["severity"] = "RANK STRAGGLER", "warn"
+        numbers["share"] = rank_share({"rank": slowest, "cause": ranks.get("cause"), "score": ranks.get("score")})
+
+
+def rank_lines(feed: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray, list[str], list[float], list[str]]:
+    """x, y (one row per line, NaN-padded), colours, opacities and labels: for each rank its
+    step time, then its data wait (paler, same colour); the straggler in red."""
+    series = list(feed["series"])
+    width = max((len(s["step"]) for s in series), default=0)
+    xs, ys, colours, opacities, labels = [], [], [], [], []
+    for i, s in enumerate(series):
+        colour = STRAGGLER_COLOUR if s["rank"] == feed.get("slowest") else RANK_COLOURS[i % len(RANK_COLOURS)]
+        for column, opacity, what in (("step_ms", 1.0, "step"), ("data_wait_ms", WAIT_OPACITY, "data wait")):
+            x = np.full(width, np.nan)
+            y = np.full(width, np.nan)
+            n = len(s["step"])
+            x[:n] = np.asarray(s["step"], dtype=np.float64)
+            y[:n] = np.asarray(s[column], dtype=np.float64)
+            xs.append(x)
+            ys.append(y)
+            colours.append(colour)
+            opacities.append(opacity)
+            labels.append(f"rank {s['rank']} {what}")
+    if not xs:
+        return np.zeros((0, 0)), np.zeros((0, 0)), [], [], []
+    return np.vstack(xs), np.vstack(ys), colours, opacities, labels
+
+
+def rank_svg(feed: Mapping[str, Any], width: int = 640, height: int = 170) -> str:
+    """The per-rank chart as a small inline SVG (front-ends without widgets, and the static
+    picture of a finished chart): step time per rank, data wait paler, the straggler in red."""
+    x, y, colours, opacities, labels = rank_lines(feed)
+    if not x.size or not np.isfinite(y).any():
+        return ""
+    left, bottom, top = 44.0, 18.0, 8.0
+    x0, x1 = float(np.nanmin(x)), float(np.nanmax(x))
+    peak = float(np.nanmax(y)) or 1.0
+    span = (x1 - x0) or 1.0
+
+    def px(a: np.ndarray) -> np.ndarray:
+        return left + (a - x0) / span * (width - left - 8.0)
+
+    def py(a: np.ndarray) -> np.ndarray:
+        return height - bottom - a / peak * (height - bottom - top)
+
+    parts = []
+    for row in range(len(labels)):
+        ok = np.isfinite(x[row]) & np.isfinite(y[row])
+        if ok.sum() < 2:
+            continue
+        points = " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(px(x[row][ok]), py(y[row][ok]), strict=True))
+        parts.append(
+            f'<polyline fill="none" stroke="{colours[row]}" stroke-opacity="{opacities[row]}" '
+            f'stroke-width="1.5" points="{points}"><title>{html.escape(labels[row])}</title></polyline>'
+        )
+    legend = "".join(
+        f'<text x="{left + 6 + 150 * (i // 2)}" y="{top + 10 + 12 * (i % 2)}" font-size="10" '
+        f'fill="{colours[i]}" fill-opacity="{max(opacities[i], 0.7)}">{html.escape(labels[i])}</text>'
+        for i in range(len(labels))
+    )
+    axes = (
+        f'<line x1="{left}" y1="{height - bottom}" x2="{width - 8}" y2="{height - bottom}" stroke="#999"/>'
+        f'<text x="2" y="{top + 8}" font-size="10" fill="#555">{peak:.3g} ms</text>'
+        f'<text x="2" y="{height - bottom}" font-size="10" fill="#555">0</text>'
+        f'<text x="{left}" y="{height - 4}" font-size="10" fill="#555">step {x0:.0f}</text>'
+        f'<text x="{width - 60}" y="{height - 4}" font-size="10" fill="#555">step {x1:.0f}</text>'
+    )
+    return (
+        f'<svg class="traceml-rank-chart" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        'xmlns="http://www.w3.org/2000/svg" style="display:block">' + axes + "".join(parts) + legend + "</svg>"
+    )
 
 
 def clock_columns(
@@ -277,6 +383,8 @@ def header_parts(numbers: Mapping[str, Any], gpu: str) -> list[str]:
         parts.append(_count(numbers["samples_per_s"], "samples/s"))
     if not numbers["finished"] and numbers["eta_s"] is not None:
         parts.append(f"ETA {format_duration(numbers['eta_s'])}")
+    if numbers.get("ranks"):
+        parts.append(str(numbers["ranks"]))
     parts.append(f"{numbers['verdict']}: {numbers['share']}")
     parts.append(gpu)
     return parts
@@ -292,7 +400,8 @@ def header_html(numbers: Mapping[str, Any], gpu: str) -> str:
     verdict = html.escape(str(numbers["verdict"]))
     parts[-2] = parts[-2].replace(verdict, f'<b style="color:{colour}">{verdict}</b>', 1)
     sep = ' <span style="color:#999">&middot;</span> '
-    parts.append(LEGEND_HTML)
+    if not numbers.get("ranks"):  # the ranks' chart has a legend of its own
+        parts.append(LEGEND_HTML)
     return (
         '<div class="traceml-live-header" style="font-family:var(--jp-ui-font-family,sans-serif);'
         'font-size:13px;line-height:1.5">'
@@ -496,12 +605,17 @@ class WidgetChart:
         )
         self.box = widgets.VBox([self.header, self.figure, self.overview])
         self.handle: Any = None  # the display of the box, updated when the chart is released
+        self.rank_lines: Any = None  # several processes: one line per rank in place of the bars
+        self.rank_feed: Mapping[str, Any] | None = None
 
     def show(self, text: str) -> Any:
         return WidgetDisplay(self.box, text)
 
     def picture(self, text: str) -> HtmlStatus:
         """The chart as it is now, without widgets."""
+        if self.rank_feed is not None:
+            body = str(self.header.value) + rank_svg(self.rank_feed)
+            return HtmlStatus(text, '<div class="traceml-live-static">' + body + "</div>")
         return HtmlStatus(
             text,
             static_chart_html(
@@ -533,6 +647,25 @@ class WidgetChart:
         with self.overview_bars.hold_sync():
             self.overview_bars.x = centre
             self.overview_bars.y = np.vstack([wait, compute])
+
+    def draw_ranks(self, feed: Mapping[str, Any]) -> None:
+        """Several processes: each rank's step time (its data wait paler) in place of the bars,
+        the rank that holds the others back in red; one update message."""
+        from bqplot import Lines
+
+        self.rank_feed = feed
+        x, y, colours, opacities, labels = rank_lines(feed)
+        if self.rank_lines is None:
+            self.rank_lines = Lines(
+                x=x, y=y, scales=self.bars.scales, colors=colours, opacities=opacities,
+                labels=labels, display_legend=True, stroke_width=1.5,
+            )
+            self.figure.marks = [self.rank_lines]
+            return
+        with self.rank_lines.hold_sync():
+            self.rank_lines.x, self.rank_lines.y = x, y
+            self.rank_lines.colors, self.rank_lines.opacities = colours, opacities
+            self.rank_lines.labels = labels
 
 
 class HtmlStatus:
@@ -568,6 +701,9 @@ class HtmlChart:
     def draw_overview(self, centre: np.ndarray, wait: np.ndarray, compute: np.ndarray) -> None:
         pass
 
+    def draw_ranks(self, feed: Mapping[str, Any]) -> None:
+        self._svg = rank_svg(feed)
+
     def publish(self, text: str) -> None:
         self.status = HtmlStatus(text, self._header + self._svg)
         if self.handle is not None:
@@ -593,7 +729,7 @@ class LiveView:
         # A widget front-end: the HTML chart becomes the bqplot chart at the first update
         # (about a second in). Shorter runs never build widgets: their final picture is HTML.
         self.widgets_wanted = widgets
-        self.sampler = GpuSampler(run.recorder.origin_ns)
+        self.sampler = GpuSampler(run.recorder.origin_ns, device_of_loop=lambda: run.cuda_device)
         self.overview = Overview()
         self.refreshes = 0  # refreshes done (the final one included)
         self.refresh_ns = 0  # time spent refreshing, for the overhead benchmark
@@ -601,6 +737,7 @@ class LiveView:
         self.closed = False
         self._handed_over = False
         self._seen = 0
+        self._overview_of: Any = run.recorder  # the recorder the overview has read
         self._loops: list[ast.For] | None = None
         self._loops_parsed = False
         self._passes: int | None = None
@@ -667,7 +804,8 @@ class LiveView:
             mem = (
                 f"{used / 1024:.1f} / {total / 1024:.0f} GiB" if total else f"{used / 1024:.1f} GiB"
             )
-            return f"GPU {util:.0f} % | mem {mem}"
+            busy = f"{util:.0f} %" if np.isfinite(util) else "n/a"  # a MIG slice: no utilisation
+            return f"GPU {busy} | mem {mem}"
         return sampler.note or "GPU: starting NVML"
 
     # -- the observer ----------------------------------------------------------------------
@@ -704,6 +842,9 @@ class LiveView:
         chart, run = self.chart, self.run
         assert chart is not None
         recorder = run.recorder
+        if recorder is not self._overview_of:  # several ranks: the run now shows another rank
+            self.overview, self._seen, self._overview_of = Overview(), 0, recorder
+        ranks = live_ranks(run)
         new = recorder.n_steps - self._seen
         fresh = recorder.tail(max(WINDOW, min(new, OVERVIEW_READ_CAP)))  # one read a refresh
         if new > 0:
@@ -720,11 +861,19 @@ class LiveView:
         turn = ROTATION[self.refreshes % len(ROTATION)]
         total, pass_info = self._total()
         numbers = live_numbers(run, tail, total, pass_info)
+        if ranks is not None:
+            with_ranks_live(numbers, ranks)
         gpu = self._gpu_text()
         if final or turn == "header":
             chart.draw_header(header_html(numbers, gpu))
-        if (final or turn == "bars") and len(tail["step"]) >= 2:
-            chart.draw_window(tail["step"] + 1, tail["data_wait_ms"], tail["compute_ms"])
+        if (final or turn == "bars") and ranks is not None:
+            chart.draw_ranks(ranks)
+        elif (final or turn == "bars") and len(tail["step"]) >= 2:
+            # On a GPU, the steps whose events have resolved, on the GPU clock: what the host
+            # waited while queued work hid it is no data wait (the report says the same).
+            cols, on_gpu = clock_columns(tail, bool(run._gpu_used))
+            suffix = "_gpu_ms" if on_gpu else "_ms"
+            chart.draw_window(cols["step"] + 1, cols["data_wait" + suffix], cols["compute" + suffix])
         if final or turn == "overview":
             centre, wait, compute = self.overview.means()
             if len(centre) >= 2:

@@ -44,6 +44,7 @@ from .checklist import (
 )
 from .figures import pct as fmt_pct
 from .locate import dataloader_lines
+from .rank_verdict import checklist_verdict
 from .tune import tuned_for
 from .verdict import sync_sentence
 
@@ -585,7 +586,7 @@ def facts_for(
     method = (loader or {}).get("multiprocessing_context") or start_method
     wait = (summary.get("stats") or {}).get("data_wait_ms") or {}
     return Facts(
-        verdict=run.verdict,
+        verdict=checklist_verdict(run.verdict, run.straggler),  # a rank straggler: its cause
         loader=loader,
         cpu_count=cpu_count(),
         on_gpu=bool(getattr(run, "_gpu_used", False)) or summary.get("clock") == "gpu",
@@ -1300,6 +1301,7 @@ def render_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
     right = (
         _banner(run)
         + _tiles(run.summary)
+        + _ranks(run)
         + _section_title("What a step is made of (median shares)")
         + _step_bar(run.summary)
         + _section_title("Evidence")
@@ -1320,3 +1322,40 @@ def render_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
         f'<div class="tml-result-pane" style="{pane};flex-basis:440px">{right}</div>'
         f"</div></div>"
     )
+
+
+def _ranks(run: Run) -> str:
+    """Several processes: one row per rank (steps, medians per step, status), the rank that
+    holds the others back highlighted, then what the numbers alone do not say."""
+    if not run.ranks:
+        return ""
+    late = (run.straggler or {}).get("rank")
+    num = CELL + ";text-align:right;white-space:nowrap"
+    left = CELL + ";text-align:left"
+    heads = ("rank", "steps", "data wait", "compute", "backward", "step time", "status")
+    head = "".join(
+        f'<th style="{left if i in (0, 6) else num};color:{MUTED};font-weight:600">{h}</th>' for i, h in enumerate(heads)
+    )
+    rows = [f'<tr style="{ROW}">{head}</tr>']
+    colour, background = SEVERITY["critical"]
+    for r in run.ranks:
+        is_late = r.get("rank") == late
+        style = f"background-color:{background}" if is_late else ROW
+        name = f"rank {r.get('rank')}" + (" &larr; holds the others back" if is_late else "")
+        cells = "".join(
+            f'<td style="{num}">{fmt_ms(r.get(key))}</td>'
+            for key in ("data_wait_ms", "compute_ms", "backward_ms", "step_ms")
+        )
+        rows.append(
+            f'<tr class="tml-rank{" tml-straggler" if is_late else ""}" style="{style}">'
+            f'<td style="{left};{"color:" + colour + ";font-weight:600" if is_late else ""}">{name}</td>'
+            f'<td style="{num}">{r.get("n_steps") or 0}</td>{cells}'
+            f'<td style="{left}">{_e(r.get("status") or "finished")}</td></tr>'
+        )
+    table = f'<table class="tml-ranks" style="{TABLE}">{"".join(rows)}</table>'
+    notes = run.summary.get("rank_notes") or []
+    listed = "".join(f'<li style="margin:2px 0">{_e(n)}</li>' for n in notes)
+    more = f'<ul class="tml-rank-notes" style="margin:6px 0 0 0;padding-left:18px">{listed}</ul>' if notes else ""
+    return _section_title("Ranks (median per step)") + table + more
+
+

@@ -15,7 +15,7 @@ from .probes import safe_len
 from .recorder import Recorder
 from .sources import phase_sentence, phase_verdict
 from .summary import summarize, with_batch_size
-from .textbox import report_text, verdict_box
+from .textbox import rank_table, report_text, verdict_box
 from .verdict import Verdict, diagnose
 
 if TYPE_CHECKING:
@@ -111,6 +111,10 @@ class Run:
         self._gpu_samples: dict[str, Any] | None = None
         self.gpu_note: str | None = None  # why GPU figures are missing (nvml.py), else None
         self.gpu_device: str | None = None  # e.g. "NVIDIA H200, 0000:17:00.0, 143771 MiB"
+        # Several processes (ranks.py): every rank's summary once known, and what feeds them
+        # while they run (the kernel's reader of forked ranks, or a torchrun rank's own).
+        self.ranks: list[dict[str, Any]] | None = None
+        self.rank_feed: Any = None
         _RUNS.append(self)
 
     # -- while it runs ----------------------------------------------------------------------
@@ -231,6 +235,10 @@ class Run:
             summary.update(self._source_summary())
             with_batch_size(summary, self.batch_size, self.batches_per_step)
             verdict = diagnose(summary)
+            if self.ranks:
+                from .rank_verdict import with_ranks
+
+                summary, verdict = with_ranks(summary, self.ranks)
             if not self.finished:
                 return summary, verdict
             self._summary, self._verdict = summary, verdict
@@ -276,6 +284,15 @@ class Run:
         return self.recorder.n_steps
 
     @property
+    def straggler(self) -> dict[str, Any] | None:
+        """Several ranks: {"rank", "cause": input|h2d|compute|unknown, "score"} of the rank that
+        holds the others back (RANK STRAGGLER), else None."""
+        if not self.ranks:
+            return None
+        found = self.summary.get("straggler")
+        return dict(found) if found else None
+
+    @property
     def steps(self) -> dict[str, Any]:
         """Per-step columns (numpy arrays): step, time_s, data_wait_ms, compute_ms, step_ms,
         and the GPU columns (NaN where not measured)."""
@@ -292,6 +309,8 @@ class Run:
         if self.loop_where and self.loop_where != "this cell":
             head += f" of {self.loop_where}"
         lines = [report_text(head, v.label, v.why, v.next, self.summary)]
+        if self.ranks:
+            lines.append(rank_table(self.ranks, self.straggler, self.summary.get("rank_notes") or []))
         lines.extend(f"Phase: {phase_sentence(phase)}" for phase in self.phases)
         slow_phase = phase_verdict(self.phases)
         if slow_phase:
@@ -330,6 +349,8 @@ class Run:
             "h2d": _jsonable(self.h2d),
             "sync_stalls": _jsonable(self.sync_stalls),
             "line_costs": _jsonable(self.line_costs),
+            "ranks": _jsonable(self.ranks),
+            "straggler": _jsonable(self.straggler),
         }
 
     def _checklist(self) -> list[dict[str, Any]] | None:
@@ -370,9 +391,12 @@ def trace(name: str | None = None, warmup: int | None = None, show: bool = True)
     Inside the block every DataLoader fetch, `backward()` and optimizer step is seen (steps are
     what the training does, as in `%%traceml`); `run.loop(it)` marks the loop whose iterations
     are steps when the training has neither. At the end the report is shown (printed outside
-    IPython), also after an error.
+    IPython), also after an error. On one rank of several (`torchrun`, a process group set up),
+    the ranks' summaries are gathered at the end: `run.ranks` on every rank, `run.straggler`,
+    and rank 0 alone prints the report, with the per-rank table.
     """
     from .capture import capturing
+    from .ranks import gather, shows_report
 
     run = Run(name, warmup)
     error: BaseException | None = None
@@ -383,8 +407,9 @@ def trace(name: str | None = None, warmup: int | None = None, show: bool = True)
         error = exc
         raise
     finally:
+        gather(run, error)  # torchrun: every rank's summary on every rank (no-op otherwise)
         run.finish(error)
-        if show:
+        if show and shows_report(run):
             from .display import show_report
 
             show_report(run)

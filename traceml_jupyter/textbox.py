@@ -1,8 +1,9 @@
-"""The seed-format text box: a verdict and three medians inside a 76-column border."""
+"""The seed-format text box: a verdict and three medians inside a 76-column border (and, for
+several processes, the per-rank table under it)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 WIDTH = 76
@@ -30,3 +31,20 @@ def verdict_box(label: str, summary: Mapping[str, Any]) -> str:
 def report_text(name: str, label: str, why: str, next_step: str, summary: Mapping[str, Any]) -> str:
     """The box, then Why and Next, as a terminal shows it."""
     return f"{name}\n{verdict_box(label, summary)}\nWhy: {why}\nNext: {next_step}"
+
+
+def rank_table(ranks: Sequence[Mapping[str, Any]], straggler: Mapping[str, Any] | None, notes: Sequence[str] = ()) -> str:
+    """Several processes: one line per rank (medians per step), the straggler marked with `*`,
+    then what the ranks' numbers alone do not say (failures, uneven data)."""
+    late = straggler.get("rank") if straggler else None
+    head = f"  {'rank':>4}  {'steps':>6}  {'data wait':>10}  {'compute':>10}  {'backward':>10}  {'step time':>10}  status"
+    lines = ["Ranks (median per step; * holds the others back):", head]
+    for r in ranks:
+        mark = "*" if r.get("rank") == late else " "
+        lines.append(
+            f"{mark} {r.get('rank')!s:>4}  {r.get('n_steps') or 0:>6}  {_ms(r.get('data_wait_ms')):>10}  "
+            f"{_ms(r.get('compute_ms')):>10}  {_ms(r.get('backward_ms')):>10}  "
+            f"{_ms(r.get('step_ms')):>10}  {r.get('status') or 'finished'}"
+        )
+    lines.extend(f"Ranks: {note}" for note in notes)
+    return "\n".join(lines)
