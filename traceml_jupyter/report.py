@@ -1357,5 +1357,3 @@ def _ranks(run: Run) -> str:
     listed = "".join(f'<li style="margin:2px 0">{_e(n)}</li>' for n in notes)
     more = f'<ul class="tml-rank-notes" style="margin:6px 0 0 0;padding-left:18px">{listed}</ul>' if notes else ""
     return _section_title("Ranks (median per step)") + table + more
-
-
