@@ -81,58 +81,45 @@ class Capture:
     def _loop(self, iterable: Iterable[Any], pass_: Pass, source: Source) -> Iterator[Any]:
         __tracebackhide__ = True  # noqa: F841  (IPython hides this frame in tracebacks)
         model, clock = self.model, perf_counter_ns
-        begin, end, stack = self._fetch_begin, self._fetch_end, model._stack
+        stack = model._stack
         fetch_end, iteration_end = model.fetch_end, model.iteration_end
         flag, timed = hooks.lines, (self.lines.sample if self.lines is not None else None)
+        it: Iterator[Any] | None = None
         try:
-            begin()  # a CUDA event first: if the launch queue is full, it is not data wait
-            t0 = clock()
-            try:
-                it = iter(iterable)
-                item = next(it)
-            except StopIteration:
-                end(t0, clock(), pass_, False)
-                return
-            except BaseException:
-                end(t0, clock(), pass_, False)
-                raise
-            end(t0, clock(), pass_, True)
-            if source.batch_kind is None:
-                self._first_batch(source, item)
-                self.run.note_loop_iterable(iterable)
             while True:
+                # The fetch. On the CPU the model's own calls, no wrapper: this is the per-step
+                # path. On a GPU its events first: a full launch queue blocking the record is
+                # not data wait.
+                if self.cuda is None:
+                    stack.append(0)
+                    done = fetch_end
+                else:
+                    self._fetch_begin()
+                    done = self._fetch_end
+                t0 = clock()
+                try:
+                    if it is None:  # the first fetch includes iter(): a loader's worker start-up
+                        it = iter(iterable)
+                    item = next(it)
+                except StopIteration:
+                    done(t0, clock(), None, pass_, False)
+                    return
+                except BaseException:
+                    done(t0, clock(), None, pass_, False)
+                    raise
+                done(t0, clock(), None, pass_, True)
+                if source.batch_kind is None:
+                    self._first_batch(source, item)
+                    self.run.note_loop_iterable(iterable)
+                # The body: the step's lines timed or not, then the iteration's end.
                 model.in_iteration = True
                 if timed is not None:
-                    flag.on = timed()  # whether this step's body lines are timed
+                    flag.on = timed()
                 try:
                     yield item
                 finally:
                     if self.active:
                         iteration_end(clock())
-                t0 = clock()
-                if self.cuda is None:  # the per-step path on the CPU: no call it can spare
-                    stack.append(0)
-                    try:
-                        item = next(it)
-                    except StopIteration:
-                        fetch_end(t0, clock(), None, pass_, False)
-                        return
-                    except BaseException:
-                        fetch_end(t0, clock(), None, pass_, False)
-                        raise
-                    fetch_end(t0, clock(), None, pass_, True)
-                    continue
-                begin()
-                t0 = clock()
-                try:
-                    item = next(it)
-                except StopIteration:
-                    end(t0, clock(), pass_, False)
-                    return
-                except BaseException:
-                    end(t0, clock(), pass_, False)
-                    raise
-                end(t0, clock(), pass_, True)
         finally:
             if self.active:
                 model.pass_ended(pass_)
@@ -147,21 +134,22 @@ class Capture:
     async def _aloop(self, iterable: AsyncIterable[Any], pass_: Pass, source: Source) -> AsyncIterator[Any]:
         __tracebackhide__ = True  # noqa: F841
         model, clock = self.model, perf_counter_ns
-        begin, end = self._fetch_begin, self._fetch_end
+        it: AsyncIterator[Any] | None = None
         try:
-            it = aiter(iterable)
             while True:
-                begin()
+                self._fetch_begin()
                 t0 = clock()
                 try:
+                    if it is None:
+                        it = aiter(iterable)
                     item = await anext(it)
                 except StopAsyncIteration:
-                    end(t0, clock(), pass_, False)
+                    self._fetch_end(t0, clock(), None, pass_, False)
                     return
                 except BaseException:
-                    end(t0, clock(), pass_, False)
+                    self._fetch_end(t0, clock(), None, pass_, False)
                     raise
-                end(t0, clock(), pass_, True)
+                self._fetch_end(t0, clock(), None, pass_, True)
                 if source.batch_kind is None:
                     self._first_batch(source, item)
                     self.run.note_loop_iterable(iterable)
@@ -187,7 +175,7 @@ class Capture:
                 self._gpu_failed(exc)
         model.fetch_begin()
 
-    def _fetch_end(self, t0: int, t1: int, pass_: Pass | None, batch: bool, source: Source | None = None) -> None:
+    def _fetch_end(self, t0: int, t1: int, source: Source | None, pass_: Pass | None, batch: bool) -> None:
         model = self.model
         model.fetch_end(t0, t1, source, pass_, batch)
         if self.cuda is not None and not model._stack:
@@ -206,9 +194,9 @@ class Capture:
         try:
             item = func(*args, **kwargs)
         except BaseException:
-            self._fetch_end(t0, clock(), None, False, source)
+            self._fetch_end(t0, clock(), source, None, False)
             raise
-        self._fetch_end(t0, clock(), None, True, source)
+        self._fetch_end(t0, clock(), source, None, True)
         if source.batches == 1:
             self._first_batch(source, item)
         return item
@@ -228,7 +216,7 @@ class Capture:
         try:
             it = original(loader)
         finally:
-            self._fetch_end(t0, clock(), pass_, False)
+            self._fetch_end(t0, clock(), None, pass_, False)
         self._iter_passes[id(it)] = pass_
         return it
 
@@ -248,14 +236,14 @@ class Capture:
         try:
             item = original(it)
         except StopIteration:
-            self._fetch_end(t0, clock(), pass_, False)
+            self._fetch_end(t0, clock(), None, pass_, False)
             model.pass_ended(pass_)
             self._iter_passes.pop(id(it), None)
             raise
         except BaseException:
-            self._fetch_end(t0, clock(), pass_, False)
+            self._fetch_end(t0, clock(), None, pass_, False)
             raise
-        self._fetch_end(t0, clock(), pass_, True)
+        self._fetch_end(t0, clock(), None, pass_, True)
         if source.batch_kind is None:
             self._first_batch(source, item)
         return item
@@ -495,6 +483,13 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
         stack.callback(handle.remove)
 
 
+def _guarded(run: Run, what: str, step: Callable[[], Any]) -> None:
+    try:
+        step()
+    except Exception as exc:
+        run.notes.append(f"traceml failed {what}: {type(exc).__name__}: {exc}")
+
+
 @contextmanager
 def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
     """Record `run` on this thread for the duration: the hook names in builtins, the patches,
@@ -520,9 +515,12 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
         finally:
             hooks.active = previous
             hooks.lines.use(*lines_before)
-            capture.close()
             run._capture = None
+            # Each step of the wrap-up is guarded: this runs while the user's error (if any)
+            # goes up, and nothing of ours may replace it.
+            _guarded(run, "closing the capture", capture.close)
             if capture.gpu_note:
                 run.notes.append(capture.gpu_note)
-            run.captured(capture, perf_counter_ns() - began)
-            ranks.capture_ended(run, capture)  # forked ranks: their last steps, their summaries
+            _guarded(run, "reading the capture", lambda: run.captured(capture, perf_counter_ns() - began))
+            # forked ranks: their last steps, their summaries
+            _guarded(run, "collecting the ranks", lambda: ranks.capture_ended(run, capture))

@@ -175,6 +175,8 @@ def verdict_share(label: str, summary: Mapping[str, Any]) -> str:
         return rank_share(summary.get("straggler"))
     if label == "WARMUP":
         return "warming up"
+    if label == "TOO SHORT":
+        return "steps too short to judge"
     return "no step yet"
 
 

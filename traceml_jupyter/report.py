@@ -45,6 +45,7 @@ from .checklist import (
 from .figures import pct as fmt_pct
 from .locate import dataloader_lines
 from .rank_verdict import checklist_verdict
+from .sources import phase_sentence, phase_verdict
 from .tune import tuned_for
 from .verdict import sync_sentence
 
@@ -906,6 +907,8 @@ def _code_pane(run: Run, ctx: CodeContext, items: Sequence[Item]) -> str:
             "(traceml_jupyter.trace).</div>"
         )
         return "".join(parts)
+    if run.loop_cell_source and run.loop_line is not None:
+        parts = [_loop_cell_pane(run)] + parts
     lines = run.cell_source.splitlines()
     in_cell = run.loop_line is not None and "(" not in where and ctx.loop_cell is None
     loop_line = run.loop_line if in_cell else None
@@ -914,7 +917,7 @@ def _code_pane(run: Run, ctx: CodeContext, items: Sequence[Item]) -> str:
     for item in items:
         if item.status == FIX and item.site is not None and item.site.cell is None:
             marks.setdefault(item.site.line, []).append(item.key)
-    costs = getattr(run, "line_costs", None)
+    costs = getattr(run, "line_costs", None) if not run.loop_cell_source else None
     bars = line_bars(costs, len(lines))
     parts.append(
         f'<div style="font-family:{MONO};font-size:12px;line-height:1.55;overflow-x:auto;'
@@ -945,6 +948,28 @@ def _code_pane(run: Run, ctx: CodeContext, items: Sequence[Item]) -> str:
         parts.append(f'<div style="margin-top:8px;font-size:12px">Timed: {_e(where)}.</div>')
     parts.append(_elsewhere(ctx, items))
     return "".join(parts)
+
+
+def _loop_cell_pane(run: Run) -> str:
+    """The cell that defines the function holding the step loop, with its cost per line."""
+    lines = (run.loop_cell_source or "").splitlines()
+    costs = run.line_costs
+    bars = line_bars(costs, len(lines))
+    out = _section_title(f"The step loop: {run.loop_where}") + (
+        f'<div class="tml-loop-cell" style="font-family:{MONO};font-size:12px;line-height:1.55;'
+        f"overflow-x:auto;border:1px solid {BORDER};border-radius:6px;background-color:{SUBTLE};"
+        f'padding:6px 0">{_code_lines(lines, run.loop_line, set(), {}, bars)}</div>'
+    )
+    legend = [(f"step loop (line {run.loop_line})", LOOP_COLOUR, LOOP_BG)]
+    if bars and costs:
+        legend += heat_legend(costs, bars)
+    out += _legend(legend)
+    if bars and costs:
+        out += (
+            f'<div class="tml-heat-note" style="margin-top:4px;font-size:11px;color:{MUTED}">'
+            f"{_e(heat_note(costs))}</div>"
+        )
+    return out
 
 
 def _banner(run: Run) -> str:
@@ -1282,8 +1307,32 @@ def _header(run: Run) -> str:
     return (
         f'<div style="display:flex;flex-wrap:wrap;align-items:baseline;margin-bottom:8px">'
         f'<span style="font-weight:700;font-size:14px;margin-right:10px">traceml</span>'
-        f'<span style="color:{MUTED}">{_e(run.name)} &middot; {_e(" · ".join(bits))}</span></div>'
+        f'<span style="color:{MUTED}">{_e(run.name)} &middot; {_e(" · ".join(bits))}</span>'
+        f'<span class="tml-step-definition" style="color:{MUTED};margin-left:10px">'
+        f"({_with_code(run.step_definition)})</span></div>"
     )
+
+
+def _phases(run: Run) -> str:
+    """The passes kept out of the steps (validation, test, eval): their share of the cell and
+    their own data wait, and a line of their own when they are what makes the cell slow."""
+    if not run.phases:
+        return ""
+    rows = "".join(
+        f'<li class="tml-phase" style="margin:2px 0">{_with_code(phase_sentence(p))}</li>'
+        for p in run.phases
+    )
+    out = _section_title("Kept out of the steps") + (
+        f'<ul class="tml-phases" style="margin:0;padding-left:18px">{rows}</ul>'
+    )
+    slow = phase_verdict(run.phases)
+    if slow:
+        colour, background = SEVERITY["warn"]
+        out += (
+            f'<div class="tml-phase-verdict" style="margin-top:6px;padding:6px 10px;border-radius:6px;'
+            f'color:{colour};background-color:{background}">{_with_code(slow)}</div>'
+        )
+    return out
 
 
 def render_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
@@ -1304,6 +1353,7 @@ def render_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
         + _ranks(run)
         + _section_title("What a step is made of (median shares)")
         + _step_bar(run.summary)
+        + _phases(run)
         + _section_title("Evidence")
         + _evidence(run)
         + _section_title("Checklist")
