@@ -118,7 +118,7 @@ class Context:
     def __init__(self, shell: Any) -> None:
         import torch
 
-        from traceml_jupyter.sync_stalls import SYNC_METHODS
+        from traceml_jupyter.capture.sync_stalls import SYNC_METHODS
 
         self.shell = shell
         self.torch = torch
@@ -167,7 +167,7 @@ class Context:
 
     def hygiene(self) -> list[str]:
         """The process as before the cell (review, section 3)."""
-        from traceml_jupyter.sync_stalls import SYNC_MESSAGE
+        from traceml_jupyter.capture.sync_stalls import SYNC_MESSAGE
 
         torch, problems = self.torch, []
         if torch.cuda.get_sync_debug_mode() != 0:
@@ -265,7 +265,7 @@ def preflight(ctx: Context) -> list[Check]:
         import pynvml
 
         pynvml.nvmlInit()
-        from traceml_jupyter.nvml import pci_bus_id
+        from traceml_jupyter.capture.nvml import pci_bus_id
 
         handle = pynvml.nvmlDeviceGetHandleByPciBusId(str(pci_bus_id(props)).encode())
         check.numbers["driver"] = str(pynvml.nvmlSystemGetDriverVersion())
@@ -557,7 +557,7 @@ def _nothing() -> None:
 
 def _no_nvml(ctx: Context) -> Callable[[], None]:
     """NVML off for a scenario (the sampler says "no NVML"); returns the undo."""
-    from traceml_jupyter import nvml
+    from traceml_jupyter.capture import nvml
 
     original = nvml.open_nvml
     nvml.open_nvml = lambda: (None, "off for this check")

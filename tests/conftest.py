@@ -11,7 +11,7 @@ import pytest
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from traceml_jupyter.rewrite import HOOK
+from traceml_jupyter.capture.rewrite import HOOK
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from traceml_jupyter.sync_stalls import SYNC_MESSAGE, CudaApi, cuda_api
+from traceml_jupyter.capture.sync_stalls import SYNC_MESSAGE, CudaApi, cuda_api
 
 # What torch appends to a warning raised in C++ (the watches must match on the start only).
 TRIGGERED = " (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:158.)"
@@ -643,8 +643,8 @@ def install_fake_cuda(monkeypatch: Any, gpu: FakeGpu) -> None:
 
     The watches get `gpu.module` through the same `cuda_api` as torch's; the capture core's
     own CUDA decisions are replaced where it has them (old core: run.cuda_in_use, ...)."""
-    from traceml_jupyter import cuda_clock, sync_stalls
     from traceml_jupyter import run as run_module
+    from traceml_jupyter.capture import cuda_clock, sync_stalls
 
     FakeTensor.gpu = gpu
     gpu.initialized = True
@@ -657,7 +657,7 @@ def install_fake_cuda(monkeypatch: Any, gpu: FakeGpu) -> None:
     # The capture core's seams (whichever of them this core has): CUDA initialised, the
     # allocations each device saw (how the loop's device is decided), events on a device.
     try:
-        from traceml_jupyter import capture as capture_module
+        from traceml_jupyter.capture import recording as capture_module
     except ImportError:
         capture_module = None
     if capture_module is not None and hasattr(cuda_clock, "Marks"):

@@ -13,7 +13,7 @@ import pytest
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
-from traceml_jupyter import hooks
+from traceml_jupyter.capture import hooks
 
 
 def run(ip: Any, cell: str) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from traceml_jupyter.checklist import (
+from traceml_jupyter.analysis.checklist import (
     CHECK,
     FIX,
     OK,

@@ -12,10 +12,10 @@ from IPython.core.formatters import DisplayFormatter
 from synthetic import step_columns
 
 import traceml_jupyter
-from traceml_jupyter.compare import Comparison, compare_summaries, speed_words
+from traceml_jupyter.analysis.compare import Comparison, compare_summaries, speed_words
+from traceml_jupyter.analysis.summary import summarize, with_batch_size
+from traceml_jupyter.analysis.verdict import diagnose
 from traceml_jupyter.run import _RUNS, Run
-from traceml_jupyter.summary import summarize, with_batch_size
-from traceml_jupyter.verdict import diagnose
 
 MS = 1_000_000  # ns
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from fake_gpu import FakeGpu, HostClock
 
-from traceml_jupyter.recorder import Recorder
+from traceml_jupyter.capture.recorder import Recorder
 
-cuda_clock = pytest.importorskip("traceml_jupyter.cuda_clock")
+cuda_clock = pytest.importorskip("traceml_jupyter.capture.cuda_clock")
 if not hasattr(cuda_clock, "CudaSteps"):  # the capture core's API is being rewritten
     pytest.skip("cuda_clock.CudaSteps not there", allow_module_level=True)
 

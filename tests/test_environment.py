@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from traceml_jupyter import environment
+from traceml_jupyter.views import environment
 
 
 @pytest.fixture

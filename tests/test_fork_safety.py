@@ -20,10 +20,10 @@ import torch
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
-from traceml_jupyter.line_costs import new_clock
-from traceml_jupyter.nvml import GpuSampler
+from traceml_jupyter.capture.line_costs import new_clock
+from traceml_jupyter.capture.nvml import GpuSampler
+from traceml_jupyter.capture.sync_stalls import gpu_watched, torch_cuda_api
 from traceml_jupyter.run import Run
-from traceml_jupyter.sync_stalls import gpu_watched, torch_cuda_api
 
 # What initialises CUDA (or needs it initialised) in torch.cuda; `_lazy_init` also counts the
 # calls torch makes of it internally (they look the name up in the module).

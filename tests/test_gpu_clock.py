@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from traceml_jupyter import capture as capture_module
-from traceml_jupyter.capture import Capture, capturing
-from traceml_jupyter.cuda_clock import CudaSteps, Marks, busiest_device
-from traceml_jupyter.recorder import Recorder
+from traceml_jupyter.capture import recording as capture_module
+from traceml_jupyter.capture.cuda_clock import CudaSteps, Marks, busiest_device
+from traceml_jupyter.capture.recorder import Recorder
+from traceml_jupyter.capture.recording import Capture, capturing
 from traceml_jupyter.run import _RUNS, Run
 
 

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 from fake_gpu import CudaError, FakeEvent, FakeGpu, FakeNvml, FakeTensor, HostClock, implicit_sync
 
-from traceml_jupyter import nvml as nvml_module
-from traceml_jupyter.line_costs import CudaLineClock, Statement
-from traceml_jupyter.nvml import GpuSampler, at_steps
+from traceml_jupyter.analysis.summary import summarize
+from traceml_jupyter.analysis.verdict import diagnose
+from traceml_jupyter.capture import nvml as nvml_module
+from traceml_jupyter.capture.line_costs import CudaLineClock, Statement
+from traceml_jupyter.capture.nvml import GpuSampler, at_steps
+from traceml_jupyter.capture.sync_stalls import GpuWatch, costliest_host_line
 from traceml_jupyter.run import Run
-from traceml_jupyter.summary import summarize
-from traceml_jupyter.sync_stalls import GpuWatch, costliest_host_line
-from traceml_jupyter.verdict import diagnose
 
 
 class Bench:
@@ -573,7 +573,7 @@ def test_the_stand_in_models_launch_latency_and_a_bounded_queue(fake_clock: Host
 
 
 def test_11_the_checklist_says_non_blocking_from_pageable_memory_is_synchronous() -> None:
-    from traceml_jupyter.checklist import (
+    from traceml_jupyter.analysis.checklist import (
         FIX,
         OK,
         CodeSite,

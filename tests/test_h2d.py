@@ -16,10 +16,10 @@ from IPython.utils.capture import capture_output
 from test_host_bound import gpu_columns
 
 import traceml_jupyter
-from traceml_jupyter.h2d import CopyWatch, copies_timed, non_blocking_of, target_is_cuda
-from traceml_jupyter.summary import summarize
-from traceml_jupyter.sync_stalls import SYNC_METHODS, SyncWatch, syncs_timed
-from traceml_jupyter.verdict import diagnose
+from traceml_jupyter.analysis.summary import summarize
+from traceml_jupyter.analysis.verdict import diagnose
+from traceml_jupyter.capture.h2d import CopyWatch, copies_timed, non_blocking_of, target_is_cuda
+from traceml_jupyter.capture.sync_stalls import SYNC_METHODS, SyncWatch, syncs_timed
 
 TENSOR_ATTRS = ("to", "cuda", *SYNC_METHODS)
 

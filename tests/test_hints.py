@@ -12,9 +12,9 @@ from IPython.utils.capture import capture_output
 from synthetic import step_columns
 
 import traceml_jupyter
-from traceml_jupyter.checklist import Facts, per_sample_item, sample_code_in
-from traceml_jupyter.summary import summarize
-from traceml_jupyter.verdict import diagnose
+from traceml_jupyter.analysis.checklist import Facts, per_sample_item, sample_code_in
+from traceml_jupyter.analysis.summary import summarize
+from traceml_jupyter.analysis.verdict import diagnose
 
 
 def compute_bound(**extra: Any) -> str:

@@ -15,10 +15,10 @@ from fake_gpu import FakeGpu, FakeTensor, HostClock, install_fake_cuda
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
+from traceml_jupyter.analysis.summary import GPU_WORK_KEYS, summarize
+from traceml_jupyter.analysis.verdict import diagnose, host_bound, sync_sentence
+from traceml_jupyter.capture.sync_stalls import SYNC_MESSAGE, GpuWatch, call_text, gpu_watched
 from traceml_jupyter.run import Run
-from traceml_jupyter.summary import GPU_WORK_KEYS, summarize
-from traceml_jupyter.sync_stalls import SYNC_MESSAGE, GpuWatch, call_text, gpu_watched
-from traceml_jupyter.verdict import diagnose, host_bound, sync_sentence
 
 # -- the rule, from synthetic columns ----------------------------------------------------------
 
@@ -290,7 +290,7 @@ def test_item_waits_are_timed_and_implicit_syncs_counted_on_their_lines() -> Non
 
 
 def test_sync_counting_stops_after_many_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from traceml_jupyter import sync_stalls
+    from traceml_jupyter.capture import sync_stalls
 
     monkeypatch.setattr(sync_stalls, "MAX_SYNC_WARNINGS", 3)
     clock = HostClock(fake=True)

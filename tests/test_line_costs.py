@@ -15,8 +15,8 @@ from fake_gpu import FakeGpu, HostClock
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
-from traceml_jupyter import line_costs as lc
-from traceml_jupyter.line_costs import (
+from traceml_jupyter.capture import line_costs as lc
+from traceml_jupyter.capture.line_costs import (
     LINES,
     CudaLineClock,
     LineClock,
@@ -28,7 +28,7 @@ from traceml_jupyter.line_costs import (
     step_of_sample,
     time_lines,
 )
-from traceml_jupyter.locate import find_training_loop
+from traceml_jupyter.capture.locate import find_training_loop
 
 # -- the rewrite keeps the cell's meaning ------------------------------------------------------
 

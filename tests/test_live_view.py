@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from IPython.utils.capture import capture_output
 
-from traceml_jupyter import environment, live
-from traceml_jupyter.live import WIDGET_VIEW
+from traceml_jupyter.views import environment, live
+from traceml_jupyter.views.live import WIDGET_VIEW
 
 Message = tuple[str, str, dict[str, Any], list[Any]]
 
@@ -403,7 +403,7 @@ def test_a_refresh_reads_only_the_window_however_long_the_run(
 
 
 def test_gpu_figures_reach_the_header_and_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    from traceml_jupyter import nvml
+    from traceml_jupyter.capture import nvml
     from traceml_jupyter.run import _RUNS, Run
 
     fake = types.ModuleType("pynvml")

@@ -6,15 +6,15 @@ import ast
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from traceml_jupyter.hooks import FETCH
-from traceml_jupyter.locate import (
+from traceml_jupyter.capture.hooks import FETCH
+from traceml_jupyter.capture.locate import (
     called_names,
     dataloader_lines,
     find_innermost_loop,
     find_training_loop,
     loop_at_line,
 )
-from traceml_jupyter.rewrite import HOOK, instrument_loop
+from traceml_jupyter.capture.rewrite import HOOK, instrument_loop
 
 
 def pick(src: str) -> int | None:

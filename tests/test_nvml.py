@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from traceml_jupyter import nvml
-from traceml_jupyter.nvml import GpuSampler, GpuSamples
+from traceml_jupyter.capture import nvml
+from traceml_jupyter.capture.nvml import GpuSampler, GpuSamples
 
 
 class FakeNVMLError(Exception):

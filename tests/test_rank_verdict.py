@@ -9,15 +9,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from traceml_jupyter.rank_verdict import (
+from traceml_jupyter.analysis.rank_verdict import (
     backward_median,
     compare_ranks,
     rank_notes,
     straggler_sentence,
     with_ranks,
 )
-from traceml_jupyter.summary import summarize
-from traceml_jupyter.textbox import rank_table
+from traceml_jupyter.analysis.summary import summarize
+from traceml_jupyter.analysis.textbox import rank_table
 
 
 def rank(r: int, wait: float, compute: float, backward: float | None, step: float | None = None, n: int = 40, **more: Any) -> dict[str, Any]:

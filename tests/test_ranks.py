@@ -23,8 +23,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, Dataset
 
 from traceml_jupyter import ranks
-from traceml_jupyter.capture import capturing
-from traceml_jupyter.rank_verdict import RANK_NUMBERS
+from traceml_jupyter.analysis.rank_verdict import RANK_NUMBERS
 from traceml_jupyter.run import Run
 
 HERE = Path(__file__).resolve().parent
@@ -126,7 +125,7 @@ def no_leaks() -> Iterator[None]:
 
 def test_ranks_with_different_step_counts_are_said(no_leaks: None) -> None:
     run = Run("uneven")
-    with capturing(run):  # rank 0 reads with 2 DataLoader workers (forked by the rank: no ranks)
+    with ranks.followed(run):  # rank 0 reads with 2 DataLoader workers (forked by the rank: no ranks)
         mp.start_processes(independent_training, args=((12, 8), 0.0, 0.001, (2, 0)), nprocs=2, start_method="fork")
     run.finish()
     assert [(r["rank"], r["n_steps"], r["status"]) for r in run.ranks or []] == [(0, 12, "finished"), (1, 8, "finished")]
@@ -149,7 +148,7 @@ def test_a_rank_still_running_when_the_cell_ends_is_a_note(
     proc = ctx.Process(target=independent_training, args=(0, (40,), 30.0, 0.005))
     try:
         with pytest.raises(KeyboardInterrupt) if interrupted else nullcontext():
-            with capturing(run):
+            with ranks.followed(run):
                 proc.start()
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline:  # the rank has sent steps (at its ticks)
@@ -174,7 +173,7 @@ def test_dataloader_workers_are_not_ranks(no_leaks: None) -> None:
     loader = DataLoader(Batches(16), batch_size=4, num_workers=2, multiprocessing_context="fork")
     model = torch.nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with capturing(run):
+    with ranks.followed(run):
         for x, y in loader:
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -203,7 +202,7 @@ def accelerate_training() -> None:
 def test_accelerate_notebook_launcher_forks_ranks_too() -> None:
     accelerate = pytest.importorskip("accelerate")
     run = Run("accelerate")
-    with capturing(run):
+    with ranks.followed(run):
         accelerate.notebook_launcher(accelerate_training, num_processes=2, use_port=str(free_port()))
     run.finish()
     assert [(r["rank"], r["n_steps"], r["status"]) for r in run.ranks or []] == [(0, 5, "finished"), (1, 5, "finished")]

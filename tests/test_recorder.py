@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from traceml_jupyter import recorder as recorder_module
-from traceml_jupyter.recorder import Recorder
+from traceml_jupyter.capture import recorder as recorder_module
+from traceml_jupyter.capture.recorder import Recorder
 
 
 def fill(rec: Recorder, n: int, wait_ns: int = 1000, compute_ns: int = 3000) -> None:

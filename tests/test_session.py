@@ -14,14 +14,14 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
-from traceml_jupyter import environment, live, report
-from traceml_jupyter.checklist import (
+from traceml_jupyter.analysis.checklist import (
     assigned_line,
     dataloader_sites,
     parse_cell,
     sample_code_in,
 )
-from traceml_jupyter.locate import dataloader_lines
+from traceml_jupyter.capture.locate import dataloader_lines
+from traceml_jupyter.views import code_facts, environment, live
 
 SETUP = """\
 import torch
@@ -49,17 +49,17 @@ WITH_MAGIC = "%time total = sum(range(10))"
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
     """How many times the report parsed each cell's text (nothing read before the test)."""
-    report.forget_cells()
+    code_facts.forget_cells()
     counts: Counter[str] = Counter()
-    real = report.read_cell
+    real = code_facts.read_cell
 
     def counting(text: str, transform: Any = None) -> ast.Module | None:
         counts[text] += 1
         return real(text, transform)
 
-    monkeypatch.setattr(report, "read_cell", counting)
+    monkeypatch.setattr(code_facts, "read_cell", counting)
     yield counts
-    report.forget_cells()
+    code_facts.forget_cells()
 
 
 def run(ip: Any, cell: str) -> tuple[int, Any, str]:
@@ -95,11 +95,11 @@ def test_a_report_reads_new_cells_for_at_most_its_budget_and_the_next_one_goes_o
     ip: Any, reads: Counter[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     setup, _, _ = run(ip, SETUP)
-    monkeypatch.setattr(report, "SEARCH_BUDGET_S", 0.0)  # no time at all to read new cells
+    monkeypatch.setattr(code_facts, "SEARCH_BUDGET_S", 0.0)  # no time at all to read new cells
     _, result, html = run(ip, "%%traceml --no-live\n" + TRAIN)
     assert result.error_in_exec is None and "Step Time:" in html  # the report still shows
     assert reads[SETUP] == 0 and "DataLoader in In [" not in html
-    monkeypatch.setattr(report, "SEARCH_BUDGET_S", 0.02)
+    monkeypatch.setattr(code_facts, "SEARCH_BUDGET_S", 0.02)
     _, _, html = run(ip, "%%traceml --no-live\n" + TRAIN)
     assert reads[SETUP] == 1 and f"DataLoader in In [{setup}]" in html
 
@@ -137,7 +137,7 @@ def train():
 """
     tree = parse_cell(cell)
     assert tree is not None
-    facts = report.cell_facts(tree, "In [7]")
+    facts = code_facts.cell_facts(tree, "In [7]")
     assert list(facts.loader_sites) == dataloader_sites(tree)
     assert list(facts.loader_lines) == dataloader_lines(tree)
     for name in ("train_loader", "val_loader", "loaders", "n", "size", "data", "missing"):
@@ -271,9 +271,9 @@ def test_clear_forgets_the_runs_and_gives_their_widgets_back(
 KERNEL_LONG = "import time\n" + TRAIN.replace("    opt.step()", "    opt.step()\n    time.sleep(0.3)")
 STATE = """\
 import json, sys, threading, traceml_jupyter
-live = sys.modules.get("traceml_jupyter.live")
+live = sys.modules.get("traceml_jupyter.views.live")
 print(json.dumps({
-    "imported": sorted(m for m in ("ipywidgets", "bqplot", "traceml_jupyter.live") if m in sys.modules),
+    "imported": sorted(m for m in ("ipywidgets", "bqplot", "traceml_jupyter.views.live") if m in sys.modules),
     "threads": [t.name for t in threading.enumerate() if t.name.startswith("traceml")],
     "widgets": live.live_widget_count() if live else 0,
     "runs": len(traceml_jupyter.runs()),
@@ -326,7 +326,7 @@ def test_in_a_kernel_old_charts_become_pictures_widgets_stay_bounded_and_clear_f
     # %load_ext imported the live chart's libraries between cells, before any traced cell,
     # on the kernel's own event loop: no thread of ours
     assert early == {
-        "imported": ["bqplot", "ipywidgets", "traceml_jupyter.live"],
+        "imported": ["bqplot", "ipywidgets", "traceml_jupyter.views.live"],
         "threads": [],
         "widgets": 0,
         "runs": 0,

@@ -7,8 +7,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from traceml_jupyter.recorder import Recorder
-from traceml_jupyter.step_model import BACKWARD, ITERATION, OPTIMIZER, Pass, Source, StepModel
+from traceml_jupyter.capture.recorder import Recorder
+from traceml_jupyter.capture.step_model import (
+    BACKWARD,
+    ITERATION,
+    OPTIMIZER,
+    Pass,
+    Source,
+    StepModel,
+)
 
 
 @dataclass

@@ -24,9 +24,8 @@ import torch
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
-from traceml_jupyter.checklist import FIX, OK, Facts, num_workers_item
-from traceml_jupyter.tune import batch_length, one_line, steady_rate
-from traceml_jupyter.tune_plan import (
+from traceml_jupyter.analysis.checklist import FIX, OK, Facts, num_workers_item
+from traceml_jupyter.analysis.tune_plan import (
     KEEP_FED,
     ModelRate,
     Row,
@@ -45,6 +44,7 @@ from traceml_jupyter.tune_plan import (
     sweep_done,
     worker_counts,
 )
+from traceml_jupyter.tune import batch_length, one_line, steady_rate
 
 # The module (the package's `tune` attribute is the function).
 tune_module = importlib.import_module("traceml_jupyter.tune")

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from synthetic import step_columns
 
-from traceml_jupyter.summary import auto_warmup, straggler_share, summarize
-from traceml_jupyter.textbox import verdict_box
-from traceml_jupyter.verdict import diagnose
+from traceml_jupyter.analysis.summary import auto_warmup, straggler_share, summarize
+from traceml_jupyter.analysis.textbox import verdict_box
+from traceml_jupyter.analysis.verdict import diagnose
 
 columns = step_columns
 

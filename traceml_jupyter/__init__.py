@@ -21,11 +21,10 @@ __all__ = [
     "tune",
 ]
 
-# compare.py is light (no torch, bqplot or numpy). Importing it here, not lazily, keeps
-# `traceml_jupyter.compare` the function: importing the submodule later would otherwise
-# rebind the package's `compare` attribute to the module.
-from .compare import compare
-from .tune import tune  # light as well: torch loads when it runs
+# tune.py is light (torch loads when it runs). Importing it here, not lazily, keeps
+# `traceml_jupyter.tune` the function: importing the submodule later would otherwise rebind
+# the package's `tune` attribute to the module.
+from .tune import tune
 
 if TYPE_CHECKING:
     from .run import Run
@@ -33,8 +32,7 @@ if TYPE_CHECKING:
 
 def load_ipython_extension(ipython: Any) -> None:
     from .async_cells import route_async_cells
-    from .display import import_views_when_idle
-    from .magic import TraceMLMagics
+    from .magic import TraceMLMagics, import_views_when_idle
 
     ipython.register_magics(TraceMLMagics)
     import_views_when_idle(ipython)
@@ -70,11 +68,20 @@ def runs() -> list[Run]:
 def clear() -> int:
     """Forget every run of this kernel; their live charts become static pictures of their
     final state (their widgets are closed). Returns how many runs were forgotten."""
-    from .display import release_charts
     from .run import clear as _clear
+    from .views.display import release_charts
 
     release_charts()
     return _clear()
+
+
+def compare(a: Run | str | None = None, b: Run | str | None = None) -> Any:
+    """Compare two runs (Run objects or names given with --name): the speed-up, data wait and
+    compute, the verdict change. No argument: the last two runs; one: that run against the
+    latest."""
+    from .run import compare as _compare
+
+    return _compare(a, b)
 
 
 def trace(name: str | None = None, warmup: int | None = None, show: bool = True) -> Any:
@@ -84,6 +91,6 @@ def trace(name: str | None = None, warmup: int | None = None, show: bool = True)
             for x, y in run.loop(loader):
                 ...
     """
-    from .run import trace as _trace
+    from .tracing import trace as _trace
 
     return _trace(name, warmup, show)

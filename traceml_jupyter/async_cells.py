@@ -36,6 +36,6 @@ def route_async_cells(lines: list[str]) -> list[str]:
     if not has_top_level_await(body):
         return lines
     return [
-        "await __import__('traceml_jupyter.traced_cell').traced_cell.traced_cell_async("
+        "await __import__('traceml_jupyter.magic').magic.traced_cell_async("
         f"get_ipython(), {magic_line!r}, {body!r})\n"
     ]

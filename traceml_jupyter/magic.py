@@ -9,6 +9,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from .views.environment import live_mode
+
 
 def split_line(line: str) -> list[str]:
     """The magic's line split as a shell splits it: quotes group and are removed
@@ -47,6 +49,49 @@ def cell_options(args: Any, line: str) -> Any:
 def parse_cell_line(line: str) -> Any:
     """`cell_options` of a `%%traceml` line as typed."""
     return cell_options(TraceMLMagics.traceml.parser.parse_args(split_line(line)), line)
+
+
+# In a kernel whose front-end draws widgets, what the first traced cell would import (our own
+# modules, numpy, ipywidgets, bqplot and the pandas bqplot imports: about 0.9 s here) is
+# imported on the kernel's event loop this long after `%load_ext`, between cells.
+IMPORT_DELAY_S = 0.5
+
+
+def import_views_when_idle(shell: Any) -> bool:
+    """In a kernel that draws widgets, import what the first traced cell needs on the kernel's
+    own event loop, IMPORT_DELAY_S from now: on the main thread, while no cell runs (or while
+    an async cell awaits). No thread is started, so none can outlive a cell, hold the import
+    lock when the user's code forks, or run concurrently with it. True when scheduled."""
+    if live_mode(shell) != "widget":
+        return False
+    loop = getattr(getattr(shell, "kernel", None), "io_loop", None)
+    call_later = getattr(loop, "call_later", None)
+    if call_later is None:
+        return False
+    call_later(IMPORT_DELAY_S, import_views)
+    return True
+
+
+def import_views() -> None:
+    """Import the traced cell's modules and the live chart's libraries; never raises."""
+    try:
+        import bqplot  # noqa: F401
+        import ipywidgets  # noqa: F401
+
+        from . import traced_cell  # noqa: F401
+        from .views import live, report  # noqa: F401
+    except Exception:  # the traced cell imports them again, and says what failed
+        pass
+
+
+async def traced_cell_async(shell: Any, magic_line: str, cell: str) -> Any:
+    """What a `%%traceml` cell that awaits at top level becomes (async_cells.route_async_cells):
+    awaited where IPython awaits cells, on its event loop."""
+    __tracebackhide__ = True  # noqa: F841
+    from .traced_cell import prepare_cell, run_traced_async
+
+    traced = prepare_cell(shell, magic_line, cell, parse_cell_line(magic_line))
+    return await run_traced_async(traced)
 
 
 @magics_class
@@ -157,7 +202,7 @@ class TraceMLMagics(Magics):
                 + ", ".join(repr(n) for n in names)
                 + ' (quote a name with spaces: %traceml compare "run 1" fixed)'
             )
-        from .compare import compare
+        from .run import compare
 
         try:
             return compare(*names)
@@ -167,8 +212,8 @@ class TraceMLMagics(Magics):
     def _tune(self, line: str, budget: float | None, workers: str | None) -> Any:
         """`%traceml tune [LOADER] [--budget SECONDS] [--workers 0,1,2,4]`: LOADER is an
         expression in the notebook's namespace (default: the last run's training loader)."""
+        from .analysis.tune_plan import loader_expression, parse_workers
         from .tune import DEFAULT_BUDGET_S, TuneError, tune
-        from .tune_plan import loader_expression, parse_workers
 
         expression = loader_expression(line)
         loader = None

@@ -36,24 +36,24 @@ import threading
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from time import monotonic, perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import hooks
-from .patches import patched
-from .probes import attribute, plain_count, safe_len, type_name
-from .rank_verdict import RANK_NUMBERS, backward_median, compare_ranks, rank_summary
-from .recorder import Recorder
-from .step_model import BACKWARD
-from .summary import summarize
-from .verdict import WARN_SHARE
+from .analysis.rank_verdict import RANK_NUMBERS, backward_median, compare_ranks, rank_summary
+from .analysis.summary import summarize
+from .analysis.verdict import WARN_SHARE
+from .capture import hooks
+from .capture.patches import patched
+from .capture.probes import attribute, plain_count, safe_len, type_name
+from .capture.recorder import Recorder
+from .capture.recording import Capture, capturing
+from .capture.step_model import BACKWARD
 
 if TYPE_CHECKING:
-    from .capture import Capture
     from .run import Run
 
 ROWS = ("step", "time_s", "data_wait_ms", "compute_ms", "step_ms", "backward_ms")
@@ -354,7 +354,8 @@ class Sender:
         return {"rank": rank, "world": world}
 
     def _end(self) -> dict[str, Any]:
-        from .sources import describe_run_sources
+        from .analysis.phases import step_definition
+        from .capture.sources import describe_run_sources
 
         end: dict[str, Any] = {**self._who(), "pid": self.pid, "error": self.error}
         try:
@@ -362,7 +363,9 @@ class Sender:
             loader = facts.loader_ref() if facts.loader_ref is not None else None
             end.update(
                 step_kind=facts.step_kind,
-                step_definition=facts.step_definition,
+                step_definition=step_definition(
+                    facts.step_kind, facts.optimizer, facts.batches_per_step, self.run.loop_line, self.run.loop_where
+                ),
                 batch_size=facts.batch_size,
                 batches_per_step=facts.batches_per_step,
                 loader_info=facts.loader_info,
@@ -959,7 +962,7 @@ def dataparallel_note(run: Run) -> None:
     parallel = getattr(getattr(torch, "nn", None), "DataParallel", None)
     if parallel is None or not (run.recorder.n_steps or run.ranks):
         return
-    from .environment import ipython_shell
+    from .views.environment import ipython_shell
 
     shell = ipython_shell()
     names = getattr(shell, "user_ns", None)
@@ -1055,3 +1058,16 @@ def shows_report(run: Run) -> bool:
     """Among several ranks only rank 0 prints the report (every rank has `run.ranks`)."""
     rank, world = dist_rank()
     return world is None or world < 2 or not rank
+
+
+@contextmanager
+def followed(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
+    """`capturing(run, capture)` followed across processes: ranks forked inside it stream their
+    steps to this run (their summaries are on it once it ends), and on one rank of several
+    (torchrun) its own backward() is timed for the summary gathered at the end."""
+    capture = capture or Capture(run)
+    with ExitStack() as stack:
+        stack.callback(capture_ended, run, capture)  # after the capture closed; never raises
+        stack.enter_context(capturing(run, capture))
+        stack.enter_context(watching(run, capture))
+        yield capture

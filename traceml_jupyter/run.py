@@ -6,17 +6,18 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+import weakref
+from collections.abc import Callable, Iterable
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
-from .probes import safe_len
-from .recorder import Recorder
-from .sources import phase_sentence, phase_verdict
-from .summary import summarize, with_batch_size
-from .textbox import rank_table, report_text, verdict_box
-from .verdict import Verdict, diagnose
+from .analysis.compare import Comparison, compare_summaries, usable_cpus
+from .analysis.phases import phase_sentence, phase_verdict, step_definition
+from .analysis.summary import summarize, with_batch_size
+from .analysis.textbox import rank_table, report_text, verdict_box
+from .analysis.verdict import Verdict, diagnose
+from .capture.probes import safe_len
+from .capture.recorder import Recorder
 
 if TYPE_CHECKING:
     import numpy as np
@@ -44,6 +45,76 @@ def find_run(name: str) -> Run | None:
         if run.name == name:
             return run
     return None
+
+
+def compare(a: Run | str | None = None, b: Run | str | None = None) -> Comparison:
+    """Compare two runs (Run objects or names given with --name).
+
+    With no argument: the last two runs. With one: that run against the latest run.
+    """
+    all_runs = runs()
+    if a is None and b is None:
+        if len(all_runs) < 2:
+            raise ValueError(f"compare needs two runs; this kernel has {len(all_runs)}")
+        run_a, run_b = all_runs[-2], all_runs[-1]
+    elif a is None or b is None:
+        run_a = resolve_run(a if a is not None else b)  # type: ignore[arg-type]
+        run_b = all_runs[-1]
+        if run_a is run_b:
+            raise ValueError(f"{run_a.name!r} is the latest run: name a second run to compare")
+    else:
+        run_a, run_b = resolve_run(a), resolve_run(b)
+    workers = (run_b.loader_info or {}).get("num_workers")
+    return compare_summaries(
+        run_a.name,
+        run_a.summary,
+        run_a.verdict,
+        run_b.name,
+        run_b.summary,
+        run_b.verdict,
+        workers_b=workers if isinstance(workers, int) else None,
+        cpus=usable_cpus(),
+    )
+
+
+def resolve_run(which: Run | str) -> Run:
+    """A run itself, or the latest run with that name; ValueError names the known runs."""
+    if not isinstance(which, str):
+        return which
+    found = find_run(which)
+    if found is None:
+        known = ", ".join(repr(r.name) for r in runs()) or "none yet"
+        raise ValueError(f"no run named {which!r}; known runs: {known}")
+    return found
+
+
+# The last `%traceml tune` (tune.py) and the loader it measured: the checklist quotes it.
+_LAST_TUNE: dict[str, Any] = {}
+
+
+def remember_tune(loader: Any, result: dict[str, Any]) -> None:
+    """Keep the last tune's result (to_dict()) with weak references to what it measured."""
+    refs: list[Any] = []
+    for obj in (loader, getattr(loader, "dataset", None)):
+        try:
+            refs.append(weakref.ref(obj))
+        except TypeError:
+            refs.append(None)
+    _LAST_TUNE.clear()
+    _LAST_TUNE.update(loader=refs[0], dataset=refs[1], batch_size=getattr(loader, "batch_size", None), result=result)
+
+
+def tuned_for(loader: Any) -> dict[str, Any] | None:
+    """The last tune's result when it measured this loader, or one over the same dataset with
+    the same batch size; else None."""
+    if loader is None or not _LAST_TUNE:
+        return None
+    same = _LAST_TUNE["loader"] is not None and _LAST_TUNE["loader"]() is loader
+    if not same and _LAST_TUNE["dataset"] is not None:
+        same = _LAST_TUNE["dataset"]() is getattr(loader, "dataset", object()) and _LAST_TUNE[
+            "batch_size"
+        ] == getattr(loader, "batch_size", None)
+    return dict(_LAST_TUNE["result"]) if same else None
 
 
 def clear() -> int:
@@ -114,6 +185,9 @@ class Run:
         # Several processes (ranks.py): every rank's summary once known, and what feeds them
         # while they run (the kernel's reader of forked ranks, or a torchrun rank's own).
         self.ranks: list[dict[str, Any]] | None = None
+        # The checklist as the report shows it (set by whoever shows the report: it reads the
+        # kernel's history and the loader, which a run does not).
+        self.checklist: list[dict[str, Any]] | None = None
         self.rank_feed: Any = None
         _RUNS.append(self)
 
@@ -142,7 +216,7 @@ class Run:
 
     def note_dataloader(self, source: Any, loader: Any) -> None:
         """A DataLoader's first iter() in the run: keep its settings (read once, guarded)."""
-        from .dataloaders import describe_loader
+        from .capture.dataloaders import describe_loader
 
         try:
             self._loader_infos[source.key] = describe_loader(loader)
@@ -169,13 +243,15 @@ class Run:
     def captured(self, capture: Any, wall_ns: int) -> None:
         """What the capture saw, once it closed: where batches came from, which of them fed the
         steps (the training loader), the phases kept out, and what a step was."""
-        from .sources import describe_run_sources
+        from .capture.sources import describe_run_sources
 
         self.wall_ms = wall_ns / 1e6
         facts = describe_run_sources(self, capture)
         self.sources, self.phases = facts.sources, facts.phases
-        self.step_kind, self.step_definition = facts.step_kind, facts.step_definition
-        self.batches_per_step = facts.batches_per_step
+        self.step_kind, self.batches_per_step = facts.step_kind, facts.batches_per_step
+        self.step_definition = step_definition(
+            facts.step_kind, facts.optimizer, facts.batches_per_step, self.loop_line, self.loop_where
+        )
         self.model_compiled = facts.model_compiled
         self.batch_size, self.batch_kind = facts.batch_size, facts.batch_kind
         if facts.loader_info is not None:
@@ -209,7 +285,7 @@ class Run:
             cols[name] = column(cols["step"])
         samples = self._gpu_samples
         if samples is not None and len(samples.get("time_s", ())):
-            from .nvml import at_steps
+            from .capture.nvml import at_steps
 
             cols.update(at_steps(samples, cols["time_s"], cols.get("gpu_backlog_ms")))
         return cols
@@ -236,7 +312,7 @@ class Run:
             with_batch_size(summary, self.batch_size, self.batches_per_step)
             verdict = diagnose(summary)
             if self.ranks:
-                from .rank_verdict import with_ranks
+                from .analysis.rank_verdict import with_ranks
 
                 summary, verdict = with_ranks(summary, self.ranks)
             if not self.finished:
@@ -341,7 +417,7 @@ class Run:
             "loader": _jsonable(self.loader_info),
             "sources": _jsonable(self.sources),
             "phases": _jsonable(self.phases),
-            "checklist": self._checklist(),
+            "checklist": self.checklist,
             "error": self.error,
             "notes": list(self.notes),
             "steps": {k: _jsonable(v.tolist()) for k, v in cols.items()},
@@ -352,15 +428,6 @@ class Run:
             "ranks": _jsonable(self.ranks),
             "straggler": _jsonable(self.straggler),
         }
-
-    def _checklist(self) -> list[dict[str, Any]] | None:
-        from .report import checklist_for
-
-        try:
-            return checklist_for(self)
-        except Exception as exc:
-            self.notes.append(f"checklist unavailable: {type(exc).__name__}: {exc}")
-            return None
 
     def save(self, path: str) -> str:
         with open(path, "w", encoding="utf-8") as fh:
@@ -377,39 +444,3 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
-
-
-@contextmanager
-def trace(name: str | None = None, warmup: int | None = None, show: bool = True) -> Iterator[Run]:
-    """Time training outside the magic (scripts, library code, `torchrun`)::
-
-        with traceml_jupyter.trace("baseline") as run:
-            for x, y in run.loop(loader):
-                ...
-        print(run.verdict)
-
-    Inside the block every DataLoader fetch, `backward()` and optimizer step is seen (steps are
-    what the training does, as in `%%traceml`); `run.loop(it)` marks the loop whose iterations
-    are steps when the training has neither. At the end the report is shown (printed outside
-    IPython), also after an error. On one rank of several (`torchrun`, a process group set up),
-    the ranks' summaries are gathered at the end: `run.ranks` on every rank, `run.straggler`,
-    and rank 0 alone prints the report, with the per-rank table.
-    """
-    from .capture import capturing
-    from .ranks import gather, shows_report
-
-    run = Run(name, warmup)
-    error: BaseException | None = None
-    try:
-        with capturing(run):
-            yield run
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        gather(run, error)  # torchrun: every rank's summary on every rank (no-op otherwise)
-        run.finish(error)
-        if show and shows_report(run):
-            from .display import show_report
-
-            show_report(run)

@@ -13,10 +13,12 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from IPython.core.error import UsageError
 
-from .capture import Capture, capturing
-from .cell_functions import (
+from . import ranks
+from .analysis.summary import auto_warmup
+from .capture.cell_functions import (
     FunctionLoop,
     called_cell_functions,
     compile_function_loop,
@@ -26,7 +28,8 @@ from .cell_functions import (
     restore_definitions,
     swapped_code,
 )
-from .locate import (
+from .capture.line_costs import line_costs
+from .capture.locate import (
     LoopChoice,
     find_innermost_loop,
     find_marked_loop,
@@ -36,7 +39,8 @@ from .locate import (
     is_range,
     loop_at_line,
 )
-from .rewrite import instrument_loop
+from .capture.recording import Capture
+from .capture.rewrite import instrument_loop
 from .run import _RUNS, Run
 
 NO_LOOP = (
@@ -188,7 +192,7 @@ def _instrument(
     capture.call_labels = {line: f"`{text}` on line {line}{where}" for line, text in sites.items()}
     statements: list[Any] = []
     if opts.lines:
-        from .line_costs import time_lines
+        from .capture.line_costs import time_lines
 
         new, statements = time_lines(new, choice, lines, capture.token)
     return new, statements
@@ -259,7 +263,7 @@ def prepare_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -> T
             run.notes.append(f"The loop in {func_loop.where} could not be instrumented; its steps come from training events.")
             func_loop, statements = None, []
     if statements:
-        from .line_costs import new_clock
+        from .capture.line_costs import new_clock
 
         capture.lines = new_clock(statements, run, opts.warmup)
     elif opts.lines_chosen and choice is None and func_loop is None:
@@ -285,14 +289,12 @@ def recording(cell: TracedCell) -> Iterator[None]:
     views: list[Any] = []
     try:
         with ExitStack() as stack:
-            from .sync_stalls import gpu_watched
+            from .capture.sync_stalls import gpu_watched
 
             stack.enter_context(gpu_watched(run))
-            stack.enter_context(capturing(run, capture))
+            stack.enter_context(ranks.followed(run, capture))  # the capture, across processes
             stack.enter_context(swapped_code(cell.func_loop))
             if capture.lines is not None:
-                from .line_costs import line_costs_kept
-
                 stack.enter_context(line_costs_kept(run, capture.lines))
             run.observe(_live_view_starter(run, cell.opts, views))
             yield
@@ -347,16 +349,6 @@ def _run_coroutine(shell: Any, coro: Any) -> Any:
     )
 
 
-async def traced_cell_async(shell: Any, magic_line: str, cell: str) -> Any:
-    """What a `%%traceml` cell that awaits at top level becomes (see `route_async_cells`)."""
-    __tracebackhide__ = True  # noqa: F841
-    from .magic import parse_cell_line
-
-    traced = prepare_cell(shell, magic_line, cell, parse_cell_line(magic_line))
-    value = await run_traced_async(traced)
-    return value
-
-
 def _live_view_starter(run: Run, opts: CellOptions, views: list[Any]) -> Any:
     """The live view starts with the first step (a cell without steps shows none)."""
 
@@ -364,7 +356,7 @@ def _live_view_starter(run: Run, opts: CellOptions, views: list[Any]) -> Any:
         run._observers.remove(start)
         if run.n_steps == 0:  # the run ended without a step: nothing to chart
             return
-        from .display import start_live_view
+        from .views.display import start_live_view
 
         view = start_live_view(run, show=opts.live)
         if view is not None:
@@ -376,7 +368,7 @@ def _live_view_starter(run: Run, opts: CellOptions, views: list[Any]) -> Any:
 
 def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any) -> None:
     """Show the report, or one line when there is nothing to report; never mask the user's error."""
-    from .display import show_report
+    from .views.display import show_report
 
     try:
         run.finish(error)
@@ -408,14 +400,12 @@ def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any)
 def _likely_cause(run: Run) -> str:
     """A checklist fix that explains an error before the first step (workers that cannot
     import a Dataset defined in a notebook cell), as the end of the one-line note."""
-    try:
-        items = run._checklist() or []
-    except Exception:
-        return ""
-    for item in items:
-        if item["key"] == "start_method" and item["status"] == "fix":
-            where = f" ({item['where']})" if item.get("where") else ""
-            return f" Likely cause: {item['seen']}: {item['to_try']}{where}."
+    from .views.code_facts import keep_checklist
+
+    for item in keep_checklist(run) or []:
+        if item.key == "start_method" and item.status == "fix":
+            where = f" ({item.site.label()})" if item.site is not None else ""
+            return f" Likely cause: {item.seen}: {item.to_try}{where}."
     return ""
 
 
@@ -423,3 +413,35 @@ def _why_no_step(run: Run) -> str:
     if run.loop_line is not None and not any(src.get("batches") for src in run.sources):
         return f"the loop on line {run.loop_line} got no batch: its iterator is empty"
     return "no optimizer step, backward() or loop iteration ended"
+
+
+@contextmanager
+def line_costs_kept(run: Run, clock: Any) -> Iterator[Any]:
+    """At the end of the cell, `run.line_costs` gets the costs of the statements `clock` timed."""
+    try:
+        yield clock
+    finally:
+        try:
+            clock.finish()
+        except Exception as exc:
+            run.notes.append(f"GPU time per line incomplete: {type(exc).__name__}: {exc}")
+        try:
+            run.line_costs = _costs_of(run, clock)
+        except Exception as exc:  # it runs as the cell ends: never mask the user's error
+            run.notes.append(f"Cost per line not reported: {type(exc).__name__}: {exc}")
+
+
+def _costs_of(run: Run, clock: Any) -> dict[str, Any]:
+    n = int(run.recorder.n_steps)
+    warm = auto_warmup(n) if run.warmup is None else max(0, int(run.warmup))
+    cols = run.recorder.columns()
+    analysed = cols["step"] >= warm
+    step = cols["step_ms"][analysed]
+    fetch = cols["data_wait_ms"][analysed]
+    return line_costs(
+        clock,
+        warm,
+        float(np.mean(step)) if len(step) else None,
+        float(np.mean(fetch)) if len(fetch) else None,
+        run.loop_line,
+    )

@@ -24,14 +24,13 @@ import sys
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .figures import ms as _ms
-from .tune_plan import (
+from .analysis.figures import ms as _ms
+from .analysis.tune_plan import (
     DEEPER_PREFETCH,
     EMPTY,
     ERROR,
@@ -769,7 +768,7 @@ class TuneResult:
 
 
 def _split_text(split: Mapping[str, Any]) -> str:
-    from .tune_plan import split_sentence
+    from .analysis.tune_plan import split_sentence
 
     return split_sentence(
         Split(
@@ -785,7 +784,7 @@ def _split_text(split: Mapping[str, Any]) -> str:
 
 
 def _fed(row: Mapping[str, Any], model: float | None) -> str:
-    from .tune_plan import required_rate
+    from .analysis.tune_plan import required_rate
 
     rate = row.get("batches_per_s")
     if model is None or rate is None:
@@ -946,7 +945,7 @@ class HtmlView:
     def _show(self, text: str, html_body: str) -> None:
         from IPython.display import display
 
-        from .live import HtmlStatus
+        from .views.live import HtmlStatus
 
         status = HtmlStatus(text, html_body)
         if self.handle is None:
@@ -985,7 +984,7 @@ class WidgetView:
         import ipywidgets as widgets
         from bqplot import Axis, Bars, Figure, LinearScale, Lines, OrdinalScale
 
-        from .live import vertical_axis
+        from .views.live import vertical_axis
 
         self.header = widgets.HTML(value="<b>traceml tune</b>: starting")
         x, y = OrdinalScale(), LinearScale(min=0.0)
@@ -1014,8 +1013,8 @@ class WidgetView:
     def start(self, label: str, budget: float, model: float | None) -> None:
         from IPython.display import display
 
-        from .environment import enable_custom_widget_manager_once
-        from .live import WidgetDisplay
+        from .views.environment import enable_custom_widget_manager_once
+        from .views.live import WidgetDisplay
 
         enable_custom_widget_manager_once()
         self.label = label
@@ -1051,7 +1050,7 @@ class WidgetView:
 def _view(show: bool) -> Any:
     if not show:
         return None
-    from .environment import ipython_shell, live_mode
+    from .views.environment import ipython_shell, live_mode
 
     mode = live_mode(ipython_shell())
     try:
@@ -1153,41 +1152,18 @@ def model_rate(
 # -- the last tune of each loader (the checklist quotes it) --------------------------------------------
 
 
-_LAST: dict[str, Any] = {}
-
-
 def _remember(loader: Any, result: TuneResult) -> None:
-    try:
-        loader_ref: Any = weakref.ref(loader)
-    except TypeError:
-        loader_ref = None
-    try:
-        dataset_ref: Any = weakref.ref(loader.dataset)
-    except TypeError:
-        dataset_ref = None
-    _LAST.clear()
-    _LAST.update(
-        loader=loader_ref,
-        dataset=dataset_ref,
-        batch_size=getattr(loader, "batch_size", None),
-        result=result,
-    )
+    """Keep the result for the checklist, and refresh the checklist of the last run that trained
+    on this loader: its num_workers item now quotes the rates measured."""
+    from .run import remember_tune, runs, tuned_for
+    from .views.code_facts import keep_checklist
 
-
-def tuned_for(loader: Any) -> dict[str, Any] | None:
-    """The last tune's result (as a dict) when it measured this loader, or one over the same
-    dataset with the same batch size; else None."""
-    if loader is None or not _LAST:
-        return None
-    same = _LAST["loader"] is not None and _LAST["loader"]() is loader
-    if not same and _LAST["dataset"] is not None:
-        same = _LAST["dataset"]() is getattr(loader, "dataset", object()) and _LAST[
-            "batch_size"
-        ] == getattr(loader, "batch_size", None)
-    if not same:
-        return None
-    result: TuneResult = _LAST["result"]
-    return result.to_dict()
+    remember_tune(loader, result.to_dict())
+    for run in reversed(runs()):
+        ref = run.loader_ref
+        if ref is not None and tuned_for(ref()) is not None:
+            keep_checklist(run)
+            break
 
 
 # -- tune ---------------------------------------------------------------------------------------------
@@ -1247,7 +1223,7 @@ def tune(
             )
         label = label or "the training loader of run " + repr(run.name)
     _check_loader(loader, label or "it")
-    from .environment import ipython_shell
+    from .views.environment import ipython_shell
 
     shell = ipython_shell()
     names = getattr(shell, "user_ns", None)
@@ -1399,7 +1375,7 @@ def _tune(
 def _deeper_queue(rows: Sequence[Row], model: float | None, on_cuda: bool) -> list[Setting]:
     """After the sweep: the chosen worker count with a deeper prefetch queue, measured only when
     that count does not already keep the model fed with room to spare."""
-    from .tune_plan import choose, keeps_up
+    from .analysis.tune_plan import choose, keeps_up
 
     best, _ = choose(rows, model)
     if best is None or best.setting.num_workers == 0 or keeps_up(best, model):

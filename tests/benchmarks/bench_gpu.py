@@ -53,8 +53,8 @@ def hook_costs(device: str = "cpu") -> Table:
     CPU tensor), and on a GPU for a timed copy (a batch dict of 20 tensors) and a timed .item()."""
     import torch
 
-    from traceml_jupyter.h2d import CopyWatch, EventPool, copies_timed
-    from traceml_jupyter.sync_stalls import SyncWatch, syncs_timed
+    from traceml_jupyter.capture.h2d import CopyWatch, EventPool, copies_timed
+    from traceml_jupyter.capture.sync_stalls import SyncWatch, syncs_timed
 
     on_gpu = device == "cuda"
     steps = [0]
@@ -108,8 +108,8 @@ def event_costs() -> Table:
     """Host µs of one event record/query/elapsed_time, and of the GPU clock per step."""
     import torch
 
-    from traceml_jupyter import cuda_clock
-    from traceml_jupyter.recorder import Recorder
+    from traceml_jupyter.capture import cuda_clock
+    from traceml_jupyter.capture.recorder import Recorder
 
     x = torch.zeros(1024, device="cuda")
     torch.cuda.synchronize()

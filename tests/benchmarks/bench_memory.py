@@ -59,7 +59,7 @@ def one_run(n: int, traced_memory: bool) -> dict[str, Any]:
     """In the child process: one run of `n` steps through the Python API, then its report."""
     import tracemalloc
 
-    from traceml_jupyter.recorder import HISTORY_CAP
+    from traceml_jupyter.capture.recorder import HISTORY_CAP
     from traceml_jupyter.run import Run
 
     warm = Run("warm-up")  # imports, numpy, first-call paths: out of the measured run
@@ -112,9 +112,9 @@ def one_run(n: int, traced_memory: bool) -> dict[str, Any]:
 
 
 def report_renderer() -> Any:
-    """`traceml_jupyter.report.render_html` when the HTML report exists (another issue)."""
+    """`traceml_jupyter.views.report.render_html` when the HTML report exists (another issue)."""
     try:
-        from traceml_jupyter.report import render_html
+        from traceml_jupyter.views.report import render_html
     except ImportError:
         return None
     return render_html
@@ -165,7 +165,7 @@ def measure(sizes: list[int] | None = None) -> list[Table]:
     below = [(n, t) for n, _, t in results if n <= cap]
     if beyond:
         # Flat: past the cap, the kept history is the cap's worth of steps plus one raw chunk.
-        from traceml_jupyter.recorder import CHUNK, COLUMNS, GPU_COLUMNS
+        from traceml_jupyter.capture.recorder import CHUNK, COLUMNS, GPU_COLUMNS
 
         flat_limit = cap * 8 * len(COLUMNS + GPU_COLUMNS) + CHUNK * 24 * 1.25
         flat_ok = all(kept <= flat_limit for _, kept in beyond)
@@ -189,7 +189,7 @@ def measure(sizes: list[int] | None = None) -> list[Table]:
         "columns also exist.",
         f"Exact history is kept up to HISTORY_CAP = {cap:,} steps, then one step in `stride`.",
         "report = run.finish() + run.summary + run.verdict + run.text()"
-        + (" + report.render_html(run)." if results[0][1]["html"] else "; traceml_jupyter.report "
+        + (" + report.render_html(run)." if results[0][1]["html"] else "; traceml_jupyter.views.report "
            "does not exist yet, so no HTML was rendered."),
     ]
     t_rows = [

@@ -360,7 +360,7 @@ def build_tables(shell_times: dict[str, dict[str, list[Runs]]], peer: dict[str, 
     ]
     if not live_present:
         table.notes.append(
-            "traceml_jupyter.live or tests/benchmarks/live_view_cost.py is missing: the 'live "
+            "traceml_jupyter.views.live or tests/benchmarks/live_view_cost.py is missing: the 'live "
             "view' row ran without a chart."
         )
     else:
@@ -426,7 +426,7 @@ def live_view_present() -> bool:
     import importlib.util
 
     here = os.path.dirname(os.path.abspath(__file__))
-    return importlib.util.find_spec("traceml_jupyter.live") is not None and os.path.exists(
+    return importlib.util.find_spec("traceml_jupyter.views.live") is not None and os.path.exists(
         os.path.join(here, "live_view_cost.py")
     )
 

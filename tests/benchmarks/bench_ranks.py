@@ -54,7 +54,7 @@ def child(n: int, variant: str, conn: Any) -> None:
 
     torch.set_num_threads(1)
     if variant == "one process":
-        from traceml_jupyter.capture import capturing
+        from traceml_jupyter.capture.recording import capturing
         from traceml_jupyter.run import Run
 
         run = Run("bench")
@@ -69,7 +69,7 @@ def child(n: int, variant: str, conn: Any) -> None:
 
 def one(n: int, variant: str) -> tuple[float, float, Any]:
     """(child CPU s, this process's CPU s meanwhile, the run) of one child."""
-    from traceml_jupyter.capture import capturing
+    from traceml_jupyter.capture.recording import capturing
     from traceml_jupyter.run import Run
 
     ctx = multiprocessing.get_context("fork")
@@ -121,7 +121,7 @@ def tick_us(steps_per_tick: int, ticks: int = 300) -> float:
     import socket
     from time import perf_counter_ns
 
-    from traceml_jupyter.capture import capturing
+    from traceml_jupyter.capture.recording import capturing
     from traceml_jupyter.ranks import BackwardTimer, Sender, StepTap
     from traceml_jupyter.run import Run
 

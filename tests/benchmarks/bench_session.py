@@ -50,12 +50,12 @@ PROBE = """\
 import gc, json, sys, traceml_jupyter
 gc.collect()
 rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:"))
-live = sys.modules.get("traceml_jupyter.live")
+live = sys.modules.get("traceml_jupyter.views.live")
 print(json.dumps({"rss_kib": rss, "runs": len(traceml_jupyter.runs()),
                   "widgets": live.live_widget_count() if live else 0}))"""
 LOADED = """\
 import sys
-print(sorted(m for m in ("ipywidgets", "bqplot", "traceml_jupyter.live") if m in sys.modules))"""
+print(sorted(m for m in ("ipywidgets", "bqplot", "traceml_jupyter.views.live") if m in sys.modules))"""
 
 
 def filler_cell(k: int, lines: int = FILLER_LINES) -> str:
@@ -229,9 +229,9 @@ def fixed_cost_tables(repeats: int) -> list[Table]:
 
 # -- the first traced cell of a fresh kernel --------------------------------------------------------
 
-NO_EARLY_IMPORT = "import traceml_jupyter.display as d\nd.IMPORT_DELAY_S = 1e9"
+NO_EARLY_IMPORT = "import traceml_jupyter.views.display as d\nd.IMPORT_DELAY_S = 1e9"
 THREAD_IMPORT = (
-    "import threading, traceml_jupyter.display as d\n"
+    "import threading, traceml_jupyter.views.display as d\n"
     "threading.Thread(target=d.import_views, name='bench-import', daemon=True).start()"
 )
 OPTIONS = {

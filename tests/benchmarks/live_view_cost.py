@@ -73,7 +73,7 @@ def main() -> int:
     from IPython.utils.capture import capture_output
 
     import traceml_jupyter
-    from traceml_jupyter import live
+    from traceml_jupyter.views import live
 
     views: list[live.LiveView] = []
     real_start = live.start

@@ -1,5 +1,6 @@
-"""What fed a run's steps, in the user's words: its data sources (which one is the training
-loader), the phases kept out of the steps (validation, test, eval), and what a step was."""
+"""What fed a run's steps, read off the capture once it closed: its data sources (which one is
+the training loader), the passes kept out of the steps (validation, test, eval) and their kind,
+the batch size, and which kind of event ended the steps. analysis/phases.py puts it in words."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .figures import pct
-from .step_model import BACKWARD, FETCH, ITERATION, LEVEL_NAMES, OPTIMIZER, Source
+from .probes import user_namespace
+from .step_model import LEVEL_NAMES, Source
 
 PHASE_WORDS = (("val", "validation"), ("test", "test"), ("eval", "evaluation"), ("dev", "validation"))
 
@@ -18,7 +19,7 @@ class SourceFacts:
     sources: list[dict[str, Any]] = field(default_factory=list)
     phases: list[dict[str, Any]] = field(default_factory=list)
     step_kind: str = "none"
-    step_definition: str = "no step ran"
+    optimizer: str | None = None  # the class of the first optimizer seen stepping
     batches_per_step: float | None = None
     batch_size: int | None = None
     batch_kind: str | None = None
@@ -74,62 +75,6 @@ def training_source(sources: list[Source]) -> Source | None:
     return max(loaders or fed, key=lambda s: (s.wait_ns, s.batches), default=None)
 
 
-def step_definition(level: int, optimizer: str | None, batches_per_step: float | None, where: str | None) -> str:
-    """What a step was, in words ("a step = one `optimizer.step()` of SGD")."""
-    if level == OPTIMIZER:
-        text = f"a step = one `optimizer.step()` of {optimizer or 'the optimizer'}"
-        if batches_per_step is not None and batches_per_step >= 1.5:
-            near = round(batches_per_step)
-            count = f"{near}" if abs(batches_per_step - near) < 0.1 else f"{batches_per_step:.1f}"
-            text += f"; {count} batches per step: gradient accumulation"
-        return text
-    if level == BACKWARD:
-        return "a step = one `backward()` (no optimizer step was seen)"
-    if level == ITERATION:
-        return "a step = one iteration of the loop" + (f" {where}" if where else "")
-    if level == FETCH:
-        return "a step = the time between two batches of the DataLoader (no loop, `backward()` or optimizer step was seen)"
-    return "no step ran"
-
-
-def phase_sentence(phase: Mapping[str, Any]) -> str:
-    """"validation: 1.1 s, 48.0 % of the cell, 95.0 % of it waiting for `val_loader`"."""
-    seconds = (phase.get("time_ms") or 0.0) / 1e3
-    text = f"{phase['kind']}: {seconds:.3g} s"
-    if phase.get("share_of_cell") is not None:
-        text += f", {pct(phase['share_of_cell'])} of the cell"
-    if phase.get("wait_share") is not None:
-        text += f", {pct(phase['wait_share'])} of it waiting for {phase['label']}"
-    passes, batches = phase.get("passes") or 0, phase.get("batches") or 0
-    text += f" ({passes} pass{'es' if passes != 1 else ''}, {batches} batches"
-    workers = phase.get("num_workers")
-    if workers is not None:
-        text += f", num_workers={workers}"
-    return text + ")"
-
-
-PHASE_SLOW_SHARE = 0.30  # a phase this share of the cell makes the cell slow on its own
-
-
-def phase_verdict(phases: list[dict[str, Any]]) -> str | None:
-    """A line of its own for the phase that makes the cell slow (>= 30 % of it), else None."""
-    slow = [p for p in phases if (p.get("share_of_cell") or 0.0) >= PHASE_SLOW_SHARE]
-    if not slow:
-        return None
-    p = max(slow, key=lambda q: q["share_of_cell"])
-    kind = str(p["kind"]).capitalize()
-    text = f"{kind} takes {pct(p['share_of_cell'])} of the cell"
-    wait = p.get("wait_share")
-    if wait is not None and wait >= 0.5:
-        workers = p.get("num_workers")
-        seen = f" (num_workers={workers})" if workers is not None else ""
-        return (
-            f"{text}, {pct(wait)} of it waiting for {p['label']}{seen}: feed it faster too (more "
-            "workers, persistent_workers=True), or run it less often or on fewer batches."
-        )
-    return f"{text}: run it less often, or on fewer batches, to train faster."
-
-
 def _label(src: Source, name: str | None) -> str:
     if src.kind == "dataloader":
         return f"`{name}`" if name else "a DataLoader"
@@ -138,11 +83,8 @@ def _label(src: Source, name: str | None) -> str:
 
 def describe_run_sources(run: Any, capture: Any) -> SourceFacts:
     """The facts the run keeps of its capture (see the module docstring)."""
-    from .environment import ipython_shell
-
     model = capture.model
-    shell = ipython_shell()
-    namespace = getattr(shell, "user_ns", None) if shell is not None else None
+    namespace = user_namespace()
     facts = SourceFacts(step_kind=LEVEL_NAMES[model.level], model_compiled=has_compiled_model(namespace))
     sources = list(model.sources.values())
     training = training_source(sources)
@@ -188,12 +130,9 @@ def describe_run_sources(run: Any, capture: Any) -> SourceFacts:
     if any(p["source_kind"] != "loop" for p in facts.phases):  # the loop's passes over a loader
         facts.phases = [p for p in facts.phases if p["source_kind"] != "loop"]  # are the loader's
     facts.phases.sort(key=lambda p: -p["time_ms"])
-    where = f"on line {run.loop_line}" if run.loop_line is not None else None
-    if where and run.loop_where and run.loop_where != "this cell":
-        where += f" of {run.loop_where}"
-    facts.step_definition = step_definition(model.level, capture.optimizer_name, facts.batches_per_step, where)
+    facts.optimizer = capture.optimizer_name
     if n_steps <= 0:
-        facts.step_definition = "no step ran"
+        facts.step_kind = "none"
     if training is not None and facts.batch_size is None and facts.batch_kind and _is_data(training, run):
         facts.notes.append(f"Batches are {facts.batch_kind}, not tensors: samples/s is not shown.")
     return facts

@@ -4,6 +4,7 @@ raise or return, the answer is a plain value or None, and the user's loop never 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 MAX_COUNT = 1 << 53  # a length or batch size past this is a lie (or a float in disguise)
@@ -67,5 +68,18 @@ def attribute(obj: Any, name: str) -> Any:
     """getattr that never raises (a property may)."""
     try:
         return getattr(obj, name, None)
+    except Exception:
+        return None
+
+
+def user_namespace() -> dict[str, Any] | None:
+    """The running IPython shell's user namespace (where the notebook's names live), or None."""
+    if "IPython" not in sys.modules:
+        return None
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        return getattr(shell, "user_ns", None) if shell is not None else None
     except Exception:
         return None

@@ -17,7 +17,7 @@ from threading import get_ident
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
-from . import hooks, ranks
+from . import hooks
 from .cuda_clock import (
     CudaSteps,
     Marks,
@@ -33,7 +33,7 @@ from .probes import batch_size_of, type_name
 from .step_model import BACKWARD, FETCH, OPTIMIZER, Pass, Source, Span, StepModel
 
 if TYPE_CHECKING:
-    from .run import Run
+    from ..run import Run
 
 DECIDE_STEPS = 3  # the loop's device is decided from the allocations of its first steps
 _tokens = iter(range(1, 1 << 62))
@@ -252,10 +252,9 @@ class Capture:
         """The source of an iterator made before the run: its DataLoader when the namespace
         still holds it, else the iterator itself."""
         from .dataloaders import loader_of_iterator
-        from .environment import ipython_shell
+        from .probes import user_namespace
 
-        shell = ipython_shell()
-        loader = loader_of_iterator(it, getattr(shell, "user_ns", None))
+        loader = loader_of_iterator(it, user_namespace())
         model = self.model
         if loader is not None:
             source = model.sources.get(id(loader))
@@ -496,6 +495,8 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
     the GPU clock. Everything is undone on exit (nested captures restore the outer one)."""
     capture = capture or Capture(run)
     began = perf_counter_ns()
+    if run.recorder.n_steps == 0:
+        run.recorder.origin_ns = began  # the run's time 0: its code starts now, not when it was set up
     hooks.install()
     previous = hooks.active
     run._capture = capture
@@ -503,7 +504,6 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
     with ExitStack() as stack:
         _dataloader_patches(capture, stack)
         _training_patches(capture, stack)
-        stack.enter_context(ranks.watching(run, capture))  # one rank of several: backward per step
         if cuda_initialized():
             capture._start_gpu()
         capture.active = True
@@ -522,5 +522,3 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
             if capture.gpu_note:
                 run.notes.append(capture.gpu_note)
             _guarded(run, "reading the capture", lambda: run.captured(capture, perf_counter_ns() - began))
-            # forked ranks: their last steps, their summaries
-            _guarded(run, "collecting the ranks", lambda: ranks.capture_ended(run, capture))

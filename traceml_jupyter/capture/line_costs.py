@@ -31,18 +31,17 @@ import copy
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
 
-import numpy as np
-
 from .hooks import LINES
 from .locate import LoopChoice, find_node
-from .summary import MAX_AUTO_WARMUP, auto_warmup
 
 FULL_STEPS = 64  # the first steps are all timed (short runs get every step)
+# Sums are kept before each of the first timed steps, so that a warm-up of this many steps (the
+# automatic one is a few) can be taken out once its length is known; a longer --warmup gives its own.
+WARMUP_SNAPSHOTS = 5
 LINE_EVERY = 8  # then one step in 8
 GPU_EVERY = 2  # CUDA: events on one timed step in 2 after the first FULL_STEPS (1 step in 16)
 GPU_EARLY_EVERY = 4  # ... and on one step in 4 among the first FULL_STEPS (after the warm-up)
@@ -130,7 +129,7 @@ class LineClock:
     def __init__(
         self,
         statements: list[Statement],
-        warmup_until: int = MAX_AUTO_WARMUP,
+        warmup_until: int = WARMUP_SNAPSHOTS,
         full: int = FULL_STEPS,
         every: int = LINE_EVERY,
     ) -> None:
@@ -185,7 +184,7 @@ class CudaLineClock(LineClock):
         statements: list[Statement],
         event_factory: Callable[[], Any] | None,
         on_gpu: Callable[[], bool],
-        warmup_until: int = MAX_AUTO_WARMUP,
+        warmup_until: int = WARMUP_SNAPSHOTS,
         full: int = FULL_STEPS,
         every: int = LINE_EVERY,
         gpu_every: int = GPU_EVERY,
@@ -375,7 +374,7 @@ def new_clock(statements: list[Statement], run: Any, warmup: int | None) -> Line
     never initialises it."""
     from . import sync_stalls
 
-    until = max(MAX_AUTO_WARMUP, warmup or 0)
+    until = max(WARMUP_SNAPSHOTS, warmup or 0)
 
     def on_gpu() -> bool:
         return getattr(run, "cuda_device", None) is not None or getattr(run, "_cuda", None) is not None
@@ -384,35 +383,3 @@ def new_clock(statements: list[Statement], run: Any, warmup: int | None) -> Line
         return sync_stalls.torch_cuda_api(getattr(run, "cuda_device", None))
 
     return CudaLineClock(statements, None, on_gpu, until, api_for=api)
-
-
-@contextmanager
-def line_costs_kept(run: Any, clock: LineClock) -> Iterator[LineClock]:
-    """At the end of the cell, `run.line_costs` gets the costs of the statements `clock` timed."""
-    try:
-        yield clock
-    finally:
-        try:
-            clock.finish()
-        except Exception as exc:
-            run.notes.append(f"GPU time per line incomplete: {type(exc).__name__}: {exc}")
-        try:
-            run.line_costs = _costs_of(run, clock)
-        except Exception as exc:  # it runs as the cell ends: never mask the user's error
-            run.notes.append(f"Cost per line not reported: {type(exc).__name__}: {exc}")
-
-
-def _costs_of(run: Any, clock: LineClock) -> dict[str, Any]:
-    n = int(run.recorder.n_steps)
-    warm = auto_warmup(n) if run.warmup is None else max(0, int(run.warmup))
-    cols = run.recorder.columns()
-    analysed = cols["step"] >= warm
-    step = cols["step_ms"][analysed]
-    fetch = cols["data_wait_ms"][analysed]
-    return line_costs(
-        clock,
-        warm,
-        float(np.mean(step)) if len(step) else None,
-        float(np.mean(fetch)) if len(fetch) else None,
-        run.loop_line,
-    )

@@ -13,7 +13,7 @@ from .figures import ms as _ms
 from .figures import pct as _pct
 
 if TYPE_CHECKING:
-    from .run import Run
+    pass
 
 # Within 5 % of each other, two runs are "about as fast": step times jitter by that much.
 SAME_SPEED = 1.05
@@ -245,51 +245,6 @@ def comparison_html(c: Comparison) -> str:
 
 
 # -- runs by name ------------------------------------------------------------------------------
-
-
-def resolve_run(which: Run | str) -> Run:
-    """A run itself, or the latest run with that name; ValueError names the known runs."""
-    from .run import find_run, runs
-
-    if not isinstance(which, str):
-        return which
-    found = find_run(which)
-    if found is None:
-        known = ", ".join(repr(r.name) for r in runs()) or "none yet"
-        raise ValueError(f"no run named {which!r}; known runs: {known}")
-    return found
-
-
-def compare(a: Run | str | None = None, b: Run | str | None = None) -> Comparison:
-    """Compare two runs (Run objects or names given with --name).
-
-    With no argument: the last two runs. With one: that run against the latest run.
-    """
-    from .run import runs
-
-    all_runs = runs()
-    if a is None and b is None:
-        if len(all_runs) < 2:
-            raise ValueError(f"compare needs two runs; this kernel has {len(all_runs)}")
-        run_a, run_b = all_runs[-2], all_runs[-1]
-    elif a is None or b is None:
-        run_a = resolve_run(a if a is not None else b)  # type: ignore[arg-type]
-        run_b = all_runs[-1]
-        if run_a is run_b:
-            raise ValueError(f"{run_a.name!r} is the latest run: name a second run to compare")
-    else:
-        run_a, run_b = resolve_run(a), resolve_run(b)
-    workers = (run_b.loader_info or {}).get("num_workers")
-    return compare_summaries(
-        run_a.name,
-        run_a.summary,
-        run_a.verdict,
-        run_b.name,
-        run_b.summary,
-        run_b.verdict,
-        workers_b=workers if isinstance(workers, int) else None,
-        cpus=usable_cpus(),
-    )
 
 
 def usable_cpus() -> int:

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..analysis.figures import pct as _pct
+from ..capture.nvml import GpuSampler
 from . import environment
-from .figures import pct as _pct
-from .nvml import GpuSampler
 
 if TYPE_CHECKING:
-    from .run import Run
+    from ..run import Run
 
 WINDOW = 300  # steps in the rolling chart
 OVERVIEW_BINS = 128  # bins of the overview strip over the whole run
@@ -316,8 +316,8 @@ def live_numbers(
     While the loop runs the verdict comes from the window (bounded work); at the end it is the
     run's own verdict, as the report shows it.
     """
-    from .summary import summarize
-    from .verdict import diagnose
+    from ..analysis.summary import summarize
+    from ..analysis.verdict import diagnose
 
     step = run.n_steps
     if run.finished:

@@ -1,0 +1,608 @@
+"""The facts the checklist reads, gathered from the run and the kernel (reads only): the cell
+history (where the DataLoader was built, the loop in an earlier cell), the loader and its
+dataset's code, the copies and syncs the run saw, and the evaluated checklist itself."""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import multiprocessing
+import os
+import re
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..analysis.checklist import (
+    CodeSite,
+    CopySeen,
+    Facts,
+    Item,
+    LineSeen,
+    SampleCode,
+    assigned_line,
+    class_def,
+    costly_calls,
+    dataloader_sites,
+    default_start_method,
+    evaluate,
+    iter_names,
+    loop_at,
+    method_def,
+    nested_in_loop,
+    parse_cell,
+    pick_loader_line,
+    sample_code_in,
+    transfers_in,
+)
+from ..analysis.rank_verdict import checklist_verdict
+from ..capture.locate import dataloader_lines
+from ..run import tuned_for
+
+if TYPE_CHECKING:
+    from ..run import Run
+
+CELL_IN = re.compile(r"\((?:Cell )?In ?\[(\d+)\]\)")
+FUNCTION = re.compile(r"^function ([\w.<>]+)")
+MAX_HISTORY = 1000  # earlier cells searched for the DataLoader, newest first
+SEARCH_BUDGET_S = 0.02  # a report parses earlier cells it has not read before for this long
+
+
+# -- facts from the run and the kernel (reads only) ------------------------------------------
+
+
+def history_cells(shell: Any) -> list[str]:
+    """The kernel's cells as typed, indexed like `In` (entry 0 is empty)."""
+    if shell is None:
+        return []
+    raw = getattr(getattr(shell, "history_manager", None), "input_hist_raw", None)
+    if not isinstance(raw, list) or not raw:
+        raw = getattr(shell, "user_ns", {}).get("In")
+    return [str(cell) for cell in raw] if isinstance(raw, list) else []
+
+
+def _body(source: str) -> str:
+    return source.partition("\n")[2].rstrip() if source.startswith("%%") else source.rstrip()
+
+
+def current_cell_index(cells: Sequence[str], cell_source: str | None) -> int | None:
+    """Where the traced cell is in the history (the last cell with the same code)."""
+    if not cell_source:
+        return None
+    body = _body(cell_source)
+    for i in range(len(cells) - 1, 0, -1):
+        if cells[i].startswith("%%traceml") and _body(cells[i]) == body:
+            return i
+    return None
+
+
+def _transform(shell: Any) -> Any:
+    return getattr(shell, "transform_cell", None) if shell is not None else None
+
+
+def _earlier(cells: Sequence[str], current: int | None) -> range:
+    """Cell numbers before the traced one, newest first."""
+    end = current if current is not None else len(cells)
+    return range(end - 1, 0, -1)
+
+
+def _cell_label(i: int) -> str:
+    return f"In [{i}]"
+
+
+@dataclass(frozen=True)
+class CellFacts:
+    """What the report looks up in an earlier cell, read off its tree once per kernel (the
+    tree itself is not kept: a 300-line cell's tree weighs about 2 MiB)."""
+
+    loader_sites: tuple[tuple[int, frozenset[str]], ...]  # DataLoader(...) lines, names bound
+    loader_lines: tuple[int, ...]
+    first_assigned: Mapping[str, int]  # name -> first line that assigns it
+    samples: Mapping[str, SampleCode]  # dataset classes defined in the cell, by name
+    loop_functions: frozenset[str]  # functions defined in the cell that hold a `for`
+
+
+def read_cell(text: str, transform: Any = None) -> ast.Module | None:
+    """An earlier cell's tree: plain Python is parsed as typed (most cells, and the line
+    numbers stay the user's); IPython's transform (magics, `!cmd`) only when that fails."""
+    return parse_cell(text) or parse_cell(text, transform)
+
+
+def _is_dataloader(call: ast.Call) -> bool:
+    """`DataLoader(...)` or `data.DataLoader(...)`."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return name == "DataLoader"
+
+
+def _within(inner: ast.expr, outer: ast.stmt | ast.expr) -> bool:
+    """`inner` is part of `outer` (nodes' source spans nest as the nodes do)."""
+    start = (outer.lineno, outer.col_offset)
+    end = (outer.end_lineno or outer.lineno, outer.end_col_offset or 0)
+    return start <= (inner.lineno, inner.col_offset) and (
+        inner.end_lineno or inner.lineno,
+        inner.end_col_offset or 0,
+    ) <= end
+
+
+def cell_facts(tree: ast.AST, label: str) -> CellFacts:
+    """The facts of one cell's tree (`label`: "In [3]") in one walk over it: the DataLoader
+    lines and sites as `dataloader_lines` and `dataloader_sites` read them, each name's first
+    assignment as `assigned_line` reads it, the dataset classes as `sample_code_in` does."""
+    nodes = list(ast.walk(tree))
+    calls = [node for node in nodes if isinstance(node, ast.Call) and _is_dataloader(node)]
+    sites: dict[int, set[str]] = {call.lineno: set() for call in calls}
+    first: dict[str, int] = {}
+    samples: dict[str, SampleCode] = {}
+    loops: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.ClassDef) and node.name not in samples:
+            found = sample_code_in(node, node.name, label)
+            if found is not None:
+                samples[node.name] = found
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in loops:
+            if any(isinstance(inner, (ast.For, ast.AsyncFor)) for inner in ast.walk(node)):
+                loops.add(node.name)
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
+            targets = [node.target]
+        else:
+            continue
+        names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        if not isinstance(node, ast.AugAssign):  # `x += 1` does not bring x in
+            line = targets[0].lineno
+            for name in names:
+                first[name] = min(first.get(name, line), line)
+        for call in calls:
+            if _within(call, node):
+                sites[call.lineno] |= names
+    return CellFacts(
+        tuple((line, frozenset(names)) for line, names in sorted(sites.items())),
+        tuple(sorted(sites)),
+        first,
+        samples,
+        frozenset(loops),
+    )
+
+
+# Read once per kernel: each earlier cell's facts, by number and text (the text too: numbers
+# start again after a history reset); and, for the few functions whose loop a run used, that
+# loop and its function (the report shows the loop's line and reads its transfers).
+LoopInFunction = tuple[ast.For | ast.AsyncFor, ast.AST]
+_CELL_FACTS: dict[tuple[int, str], CellFacts | None] = {}
+_MENTIONS: dict[tuple[int, str, str], bool] = {}  # (number, text, word): the word is in it
+_FUNCTION_LOOPS: dict[tuple[int, str, str, int], LoopInFunction | None] = {}
+FUNCTION_LOOPS_KEPT = 16
+
+
+class EarlierCells:
+    """The cells before the traced one, newest first, as one report reads them.
+
+    A cell is parsed only when its text can hold what is looked for (a cheap substring test),
+    at most once per kernel (the facts are cached), and a report spends at most `budget_s`
+    parsing cells not read before: the report's cost does not grow with the session. Cells
+    left unread are read by a later report.
+    """
+
+    def __init__(
+        self,
+        shell: Any,
+        cells: Sequence[str],
+        current: int | None,
+        budget_s: float | None = None,
+    ) -> None:
+        self.cells = cells
+        self.numbers = _earlier(cells, current)
+        self.transform = _transform(shell)
+        self.budget_s = SEARCH_BUDGET_S if budget_s is None else budget_s
+        self.spent_s = 0.0
+
+    def mentions(self, i: int, word: str) -> bool:
+        """Whether cell i's text holds `word` (cached: a session's cells are scanned once)."""
+        key = (i, self.cells[i], word)
+        found = _MENTIONS.get(key)
+        if found is None:
+            found = _MENTIONS[key] = word in key[1]
+        return found
+
+    def facts(self, i: int, *needles: str) -> CellFacts | None:
+        """Cell i's facts; None when its text holds none of `needles`, it is not Python, or
+        reading it would pass the report's budget."""
+        if needles and not any(self.mentions(i, needle) for needle in needles):
+            return None
+        text = self.cells[i]
+        key = (i, text)
+        if key in _CELL_FACTS:
+            return _CELL_FACTS[key]
+        if self.spent_s >= self.budget_s:
+            return None
+        began = time.perf_counter()
+        tree = read_cell(text, self.transform)
+        _CELL_FACTS[key] = cell_facts(tree, _cell_label(i)) if tree is not None else None
+        self.spent_s += time.perf_counter() - began
+        return _CELL_FACTS[key]
+
+    def function_loop(
+        self, i: int, name: str, line: int, named: bool = False
+    ) -> LoopInFunction | None:
+        """The `for` on `line` of function `name` in cell i, and that function; cached. The
+        cell the run names (`named`) is read whatever the budget: the report shows that loop."""
+        text = self.cells[i]
+        key = (i, text, name, line)
+        if key in _FUNCTION_LOOPS:
+            return _FUNCTION_LOOPS[key]
+        known = _CELL_FACTS.get((i, text))
+        if not self.mentions(i, f"def {name}") or (
+            known is not None and name not in known.loop_functions
+        ):
+            return None
+        if not named and self.spent_s >= self.budget_s:
+            return None
+        began = time.perf_counter()
+        tree = read_cell(text, self.transform)
+        found = None
+        if tree is not None:
+            if (i, text) not in _CELL_FACTS:
+                _CELL_FACTS[(i, text)] = cell_facts(tree, _cell_label(i))
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                    loop = loop_at(node, line)
+                    if loop is not None:
+                        found = loop, node
+                        break
+        self.spent_s += time.perf_counter() - began
+        while len(_FUNCTION_LOOPS) >= FUNCTION_LOOPS_KEPT:
+            _FUNCTION_LOOPS.pop(next(iter(_FUNCTION_LOOPS)))
+        _FUNCTION_LOOPS[key] = found
+        return found
+
+
+def forget_cells() -> None:
+    """Drop what was read of earlier cells (tests; a kernel whose history was reset)."""
+    _CELL_FACTS.clear()
+    _MENTIONS.clear()
+    _FUNCTION_LOOPS.clear()
+
+
+def _loader_object(run: Run) -> Any:
+    """The loop's DataLoader if it is still alive; else the last one the cell started
+    iterating (a loader whose first batch failed was never noted by the run)."""
+    for ref in (run.loader_ref, getattr(run, "loader_seen", None)):
+        loader = ref() if ref is not None else None
+        if loader is not None:
+            return loader
+    return None
+
+
+def loader_settings(run: Run) -> dict[str, Any] | None:
+    """The run's loader settings, read from the loader object when the run has none."""
+    if run.loader_info is not None:
+        return run.loader_info
+    loader = _loader_object(run)
+    if loader is None:
+        return None
+    from ..capture.dataloaders import describe_loader
+
+    try:
+        return describe_loader(loader)
+    except Exception:
+        return None
+
+
+def _names_bound_to(obj: Any, namespace: Mapping[str, Any]) -> set[str]:
+    if obj is None:
+        return set()
+    return {name for name, value in list(namespace.items()) if value is obj}
+
+
+def _loop_in_other_cell(
+    run: Run, earlier: EarlierCells
+) -> tuple[ast.For | ast.AsyncFor, str, ast.AST] | None:
+    """The step loop when it lives in a function defined in an earlier cell: the loop, the
+    cell's label and the function."""
+    where, line = run.loop_where or "", run.loop_line
+    func = FUNCTION.match(where)
+    if func is None or line is None:
+        return None
+    name = func.group(1).split(".")[-1]
+    named = CELL_IN.search(where)
+    numbers = [int(named.group(1))] if named else []
+    numbers += [i for i in earlier.numbers if i not in numbers]
+    for i in numbers:
+        if not 0 < i < len(earlier.cells):
+            continue
+        found = earlier.function_loop(i, name, line, named=named is not None and i == numbers[0])
+        if found is not None:
+            return found[0], _cell_label(i), found[1]
+    return None
+
+
+def _loader_site(
+    earlier: EarlierCells, tree: ast.Module | None, names: set[str]
+) -> CodeSite | None:
+    """Where the loop's DataLoader is built: the construction assigned to the name the loop
+    iterates (this cell first, then earlier cells, newest first); else the first construction
+    found that way; else the line that assigns the loader (built by a function or library)."""
+    numbers = earlier.numbers[:MAX_HISTORY]
+    if tree is not None:
+        line = pick_loader_line(dataloader_sites(tree), names)
+        if line is not None:
+            return CodeSite(line, None)
+    first_built: CodeSite | None = None
+    for i in numbers:
+        facts = earlier.facts(i, "DataLoader")
+        if facts is None:
+            continue
+        line = pick_loader_line(facts.loader_sites, names)
+        if line is not None:
+            return CodeSite(line, _cell_label(i))
+        if first_built is None and facts.loader_lines:
+            first_built = CodeSite(facts.loader_lines[0], _cell_label(i))
+    if tree is not None and dataloader_lines(tree):
+        return CodeSite(dataloader_lines(tree)[0], None)
+    if first_built is not None:
+        return first_built
+    if not names:
+        return None
+    line = assigned_line(tree, names) if tree is not None else None
+    if line is not None:
+        return CodeSite(line, None)
+    for i in numbers:
+        facts = earlier.facts(i, *names)
+        assigned = facts.first_assigned if facts is not None else {}
+        seen = [assigned[n] for n in names if n in assigned]
+        if seen:
+            return CodeSite(min(seen), _cell_label(i))
+    return None
+
+
+def source_label(run: Run, shell: Any, filename: str) -> str | None:
+    """None for the traced cell itself, "In [3]" for another cell, the file name else."""
+    if filename == run.cell_filename:
+        return None
+    fmt = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    named = fmt(filename) if fmt is not None else None
+    if named:
+        number = re.search(r"\d+", str(named[1]))
+        return _cell_label(int(number.group())) if number else str(named[1])
+    return os.path.basename(filename)
+
+
+def _dataset_of(loader: Any) -> Any:
+    """The dataset behind a loader, through wrappers such as Subset."""
+    dataset = getattr(loader, "dataset", None)
+    for _ in range(4):
+        inner = getattr(dataset, "dataset", None)
+        if inner is None or type(dataset).__module__.split(".")[0] != "torch":
+            break
+        dataset = inner
+    return dataset
+
+
+# `__getitem__` read from its source file or cell, by (file, line, class, source text).
+_SOURCE_SAMPLES: dict[tuple[str, int, str, str], SampleCode | None] = {}
+SOURCE_SAMPLES_KEPT = 16
+
+
+def _sample_code_from_object(run: Run, shell: Any, dataset: Any) -> SampleCode | None:
+    cls = type(dataset)
+    func = getattr(cls, "__getitem__", None)
+    code = getattr(getattr(func, "__func__", func), "__code__", None)
+    if code is None:
+        return None
+    lines = linecache.getlines(code.co_filename)
+    if not lines:
+        return None
+    key = (code.co_filename, code.co_firstlineno, cls.__name__, "".join(lines))
+    if key in _SOURCE_SAMPLES:
+        return _SOURCE_SAMPLES[key]
+    tree = parse_cell(key[3])
+    node = method_def(tree, code.co_firstlineno) if tree is not None else None
+    found = None
+    if tree is not None and node is not None:
+        label = source_label(run, shell, code.co_filename)
+        owner = class_def(tree, cls.__name__)
+        found = SampleCode(
+            cls.__name__,
+            tuple(costly_calls(node, label)),
+            CodeSite(node.lineno, label),
+            CodeSite(owner.lineno, label) if owner is not None else None,
+        )
+    while len(_SOURCE_SAMPLES) >= SOURCE_SAMPLES_KEPT:
+        _SOURCE_SAMPLES.pop(next(iter(_SOURCE_SAMPLES)))
+    _SOURCE_SAMPLES[key] = found
+    return found
+
+
+def _sample_code(run: Run, shell: Any, ctx: CodeContext) -> SampleCode | None:
+    dataset = _dataset_of(_loader_object(run))
+    if dataset is not None:
+        try:
+            found = _sample_code_from_object(run, shell, dataset)
+        except Exception:
+            found = None
+        if found is not None:
+            return found
+    name = (loader_settings(run) or {}).get("dataset_type")
+    if not name:
+        return None
+    if ctx.tree is not None:
+        found = sample_code_in(ctx.tree, str(name))
+        if found is not None:
+            return found
+    earlier = ctx.earlier or EarlierCells(shell, ctx.cells, ctx.current)
+    for i in earlier.numbers:
+        facts = earlier.facts(i, str(name))
+        if facts is not None and str(name) in facts.samples:
+            return facts.samples[str(name)]
+    return SampleCode(str(name), (), None, None)
+
+
+def _process_start_method() -> str:
+    """The start method workers get when the loader does not choose one."""
+    chosen = multiprocessing.get_start_method(allow_none=True)
+    return chosen or default_start_method(
+        (sys.version_info.major, sys.version_info.minor), sys.platform
+    )
+
+
+def cpu_count() -> int | None:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
+
+
+def run_shell() -> Any:
+    from .environment import ipython_shell
+
+    return ipython_shell()
+
+
+@dataclass
+class CodeContext:
+    """The code around a run: this cell's tree, where the loop and the DataLoader are."""
+
+    cells: list[str] = field(default_factory=list)
+    current: int | None = None
+    tree: ast.Module | None = None
+    loop: ast.For | ast.AsyncFor | None = None
+    loop_cell: str | None = None  # None: the loop is in this cell
+    loop_tree: ast.AST | None = None  # this cell's tree, or the function around the loop
+    loader_site: CodeSite | None = None
+    earlier: EarlierCells | None = None
+
+    @classmethod
+    def of(cls, run: Run, shell: Any) -> CodeContext:
+        ctx = cls(history_cells(shell))
+        ctx.current = current_cell_index(ctx.cells, run.cell_source)
+        ctx.earlier = EarlierCells(shell, ctx.cells, ctx.current)
+        ctx.tree = parse_cell(run.cell_source, _transform(shell)) if run.cell_source else None
+        in_cell = "(" not in (run.loop_where or "")
+        if run.loop_line is not None and ctx.tree is not None and in_cell:
+            ctx.loop, ctx.loop_tree = loop_at(ctx.tree, run.loop_line), ctx.tree
+        if ctx.loop is None:
+            other = _loop_in_other_cell(run, ctx.earlier)
+            if other is not None:
+                ctx.loop, ctx.loop_cell, ctx.loop_tree = other
+        names = iter_names(ctx.loop) if ctx.loop is not None else set()
+        names |= _names_bound_to(_loader_object(run), getattr(shell, "user_ns", {}) or {})
+        names -= {"enumerate", "zip", "tqdm", "iter", "range", "len"}
+        ctx.loader_site = _loader_site(ctx.earlier, ctx.tree, names)
+        return ctx
+
+    def cell_line(self, site: CodeSite) -> str | None:
+        """The text of `site` when it is a line of an earlier cell."""
+        match = re.match(r"In \[(\d+)\]$", site.cell or "")
+        if match is None or not 0 < int(match.group(1)) < len(self.cells):
+            return None
+        lines = self.cells[int(match.group(1))].splitlines()
+        return lines[site.line - 1] if 0 < site.line <= len(lines) else None
+
+
+def _site_text(run: Run, filename: str, line: int) -> str:
+    """The call on a line of the traced cell (`x.to("cuda")`), else the line's text."""
+    from ..capture.sync_stalls import call_text
+
+    text = call_text(run.cell_source, line) if filename == run.cell_filename else None
+    return text or linecache.getline(filename, line).strip() or f"line {line}"
+
+
+def copies_seen(run: Run, shell: Any = None) -> tuple[CopySeen, ...] | None:
+    """The measured copies to the GPU by line (run.h2d), costliest first; None if not watched."""
+    h2d = getattr(run, "h2d", None)
+    if not h2d:
+        return None
+    out = []
+    for s in h2d.get("sites") or []:
+        filename, line, copies = str(s["filename"]), int(s["line"]), max(1, int(s["copies"]))
+        site = CodeSite(line, source_label(run, shell, filename)) if line > 0 else None
+        out.append(
+            CopySeen(
+                site,
+                _site_text(run, filename, line),
+                float(s["bytes_per_step"]),
+                s.get("ms_per_step"),
+                s.get("gb_per_s"),
+                int(s["pinned"]) / copies,
+                int(s["non_blocking"]) / copies,
+            )
+        )
+    return tuple(out)
+
+
+def busiest_line(run: Run) -> LineSeen | None:
+    """The loop body's statement with the most host time per step (run.line_costs)."""
+    costs = getattr(run, "line_costs", None)
+    rows = [r for r in (costs or {}).get("statements") or [] if r.get("ms_per_step") is not None]
+    if not rows:
+        return None
+    top = max(rows, key=lambda r: float(r["ms_per_step"]))
+    return LineSeen(CodeSite(int(top["line"])), str(top["text"]), float(top["ms_per_step"]))
+
+
+def facts_for(
+    run: Run, shell: Any = None, start_method: str | None = None, context: CodeContext | None = None
+) -> Facts:
+    """Read what the checklist needs from the run, its loader, its code and the kernel."""
+    ctx = context or CodeContext.of(run, shell)
+    loader = loader_settings(run)
+    summary = run.summary
+    passes = int(getattr(run, "_loops_started", 0) or 0)
+    several = passes >= 2
+    if ctx.loop is not None and ctx.loop_tree is not None and run.loop_line is not None:
+        several = several or nested_in_loop(ctx.loop_tree, run.loop_line)
+    if run.expected_steps and run.n_steps > run.expected_steps:
+        several = True
+    method = (loader or {}).get("multiprocessing_context") or start_method
+    wait = (summary.get("stats") or {}).get("data_wait_ms") or {}
+    return Facts(
+        verdict=checklist_verdict(run.verdict, run.straggler),  # a rank straggler: its cause
+        loader=loader,
+        cpu_count=cpu_count(),
+        on_gpu=bool(getattr(run, "_gpu_used", False)) or summary.get("clock") == "gpu",
+        several_passes=several,
+        loader_site=ctx.loader_site,
+        transfers=tuple(transfers_in(ctx.loop, ctx.loop_cell)) if ctx.loop is not None else None,
+        sample_code=_sample_code(run, shell, ctx),
+        start_method=method or _process_start_method(),
+        straggler_steps=int(summary.get("straggler_steps") or 0),
+        wait_median_ms=summary.get("data_wait_ms"),
+        wait_p99_ms=wait.get("p99"),
+        pinned_share=summary.get("h2d_pinned_share"),
+        non_blocking_share=summary.get("h2d_non_blocking_share"),
+        copies=copies_seen(run, shell),
+        sync_top=summary.get("sync_top"),
+        batch_size=run.batch_size or (loader or {}).get("batch_size"),
+        step_ms=summary.get("step_ms"),
+        host_issue_ms=summary.get("host_issue_ms"),
+        gpu_idle_share=summary.get("host_share"),
+        busiest_line=busiest_line(run),
+        tuned=tuned_for(_loader_object(run)),
+    )
+
+
+def checklist_items(run: Run, shell: Any = None, context: CodeContext | None = None) -> list[Item]:
+    return evaluate(facts_for(run, shell, context=context))
+
+
+def checklist_for(run: Run) -> list[dict[str, Any]]:
+    """The evaluated checklist as JSON-ready dicts."""
+    return [item.to_dict() for item in checklist_items(run, run_shell())]
+
+
+def keep_checklist(run: Run) -> list[Item] | None:
+    """Evaluate the checklist once, leave it on the run (`run.checklist`, what `to_dict` and
+    `--save` write) and return it for the report. Never raises: a failure is a note."""
+    try:
+        items = checklist_items(run, run_shell())
+    except Exception as exc:
+        run.notes.append(f"The checklist could not be evaluated: {type(exc).__name__}: {exc}")
+        return None
+    run.checklist = [item.to_dict() for item in items]
+    return items
+
+

@@ -1,0 +1,65 @@
+"""Where a run is shown: the live view while it runs, the report when it ends."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+from .environment import ipython_shell
+
+if TYPE_CHECKING:
+    from ..run import Run
+
+
+
+class ReportDisplay:
+    """The final report as a display object: static HTML for notebooks, the box for terminals."""
+
+    def __init__(self, run: Run, checklist: Any = None) -> None:
+        self.run = run
+        self.checklist = checklist
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        from .report import render_html
+
+        return {"text/plain": self.run.text(), "text/html": render_html(self.run, self.checklist)}
+
+
+def show_report(run: Run, view: Any = None) -> None:
+    """Stop the live view (its chart stays, with the final data), evaluate the checklist once
+    (it stays on the run: `run.checklist`) and show the report below the chart."""
+    from .code_facts import keep_checklist
+
+    if view is not None:
+        try:
+            view.close()
+        except Exception:
+            pass
+    items = keep_checklist(run)
+    if ipython_shell() is None:
+        print(run.text())
+        return
+    from IPython.display import display
+
+    display(ReportDisplay(run, items))
+
+
+def start_live_view(run: Run, show: bool = True) -> Any:
+    """The live chart for a notebook front-end, or (show=False, or no front-end) only the
+    GPU sampling behind it; None if it cannot start."""
+    try:
+        from .live import start
+
+        return start(run, show)
+    except Exception as exc:  # a view must never stop the user's cell
+        run.notes.append(f"The live view could not start: {type(exc).__name__}: {exc}")
+        return None
+
+
+def release_charts() -> int:
+    """Turn every finished run's live chart into a static picture of its final state and close
+    its widgets. Returns how many charts were released."""
+    live = sys.modules.get(f"{__package__}.live")  # no chart was ever drawn without it
+    return int(live.release_charts(0)) if live is not None else 0
+
+
