@@ -240,10 +240,12 @@ class CudaLineClock(LineClock):
             self._marks = None
             self._poll()
         super().start()
+        if self.gpu_off is not None or not self._on_gpu():  # the CPU path ends here
+            return
         k = self.timed - 1
         step = step_of_sample(k, self.full, self.every)
         due = step % GPU_EARLY_EVERY == 0 if step < self.full else k % self.gpu_every == 0
-        if due and step > self.warmup_until and self.gpu_off is None and self._on_gpu():
+        if due and step > self.warmup_until:
             try:
                 if not self._ready():
                     return
@@ -377,7 +379,7 @@ def new_clock(statements: list[Statement], run: Any, warmup: int | None) -> Line
     until = max(WARMUP_SNAPSHOTS, warmup or 0)
 
     def on_gpu() -> bool:
-        return getattr(run, "cuda_device", None) is not None or getattr(run, "_cuda", None) is not None
+        return getattr(run, "cuda_device", None) is not None
 
     def api() -> Any:
         return sync_stalls.torch_cuda_api(getattr(run, "cuda_device", None))
