@@ -67,14 +67,14 @@ def worker(repeats: int) -> None:
     run_cell(SETUP.format(**lens, **train))
     out: dict[str, dict[str, list[list[float]]]] = {}
     for label, (body, _, _short, _long) in LOOPS.items():
-        out[label] = {}
-        for variant, head in VARIANTS.items():
-            cells = [head + body.format(n=n) for n in ("short", "long")]
-            run_cell(cells[0])  # warm-up
-            runs = []
-            for _ in range(repeats):
-                runs.append([run_cell(cell)[1] for cell in cells])
-            out[label][variant] = runs
+        cells = {v: [head + body.format(n=n) for n in ("short", "long")] for v, head in VARIANTS.items()}
+        out[label] = {v: [] for v in VARIANTS}
+        for variant in VARIANTS:
+            run_cell(cells[variant][0])  # warm-up
+        # Variants interleaved within each repeat: this machine's speed drifts over seconds.
+        for _ in range(repeats):
+            for variant in VARIANTS:
+                out[label][variant].append([run_cell(cell)[1] for cell in cells[variant]])
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -228,9 +228,8 @@ class Capture:
             pass_ = self._iter_passes[id(it)] = Pass(self._iterator_source(it), grad_disabled=not _grad_enabled())
         source = pass_.source
         clock = perf_counter_ns
-        t0 = clock()
         if model.level <= FETCH and not model._stack:
-            model.fetch_started(source, t0)
+            model.fetch_started(source, clock())
         self._fetch_begin()
         t0 = clock()
         try:

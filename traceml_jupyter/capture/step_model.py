@@ -197,6 +197,8 @@ class StepModel:
     def _classify_at_event(self) -> None:
         """A training event: each open pass fed it, unless it was left behind after two or more
         batches for another source's fetch (an abandoned validation pass)."""
+        if not self.open_passes:  # the common case: every pass already classified
+            return
         latest = self.fetch_serial - 1
         for p in list(self.open_passes):
             self.open_passes.remove(p)
