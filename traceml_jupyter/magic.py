@@ -158,7 +158,7 @@ class TraceMLMagics(Magics):
         ends, a report gives the verdict (INPUT-BOUND, INPUT STRAGGLER, COMPUTE-BOUND, ...),
         the numbers behind it and a checklist. `traceml_jupyter.last()` returns the run.
         Each top-level statement of the loop body is timed on sampled steps (every step for
-        the first 64, then one in 8): ms per step next to each line (`--lines off`: not timed).
+        the first 64, then one in 16): ms per step next to each line (`--lines off`: not timed).
 
         `%traceml compare [A B]` puts two runs side by side (default: the last two):
         the speed-up, data wait and compute, the verdict change.

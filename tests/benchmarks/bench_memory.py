@@ -60,11 +60,13 @@ def one_run(n: int, traced_memory: bool) -> dict[str, Any]:
     import tracemalloc
 
     from traceml_jupyter.capture.recorder import HISTORY_CAP
+    from traceml_jupyter.capture.recording import capturing
     from traceml_jupyter.run import Run
 
     warm = Run("warm-up")  # imports, numpy, first-call paths: out of the measured run
-    for _ in warm.loop(range(1000)):
-        pass
+    with capturing(warm):
+        for _ in warm.loop(range(1000)):
+            pass
     warm.finish()
     _ = warm.summary, warm.verdict, warm.text()
     render_html = report_renderer()
@@ -78,10 +80,11 @@ def one_run(n: int, traced_memory: bool) -> dict[str, Any]:
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
     run = Run("memory")
-    t0 = time.perf_counter()
-    for _ in run.loop(range(n)):
-        pass
-    out["loop_s"] = time.perf_counter() - t0
+    with capturing(run):  # as trace() and %%traceml record: the hooks, then the run's wrap-up
+        t0 = time.perf_counter()
+        for _ in run.loop(range(n)):
+            pass
+        out["loop_s"] = time.perf_counter() - t0
     if traced_memory:
         cur, peak = tracemalloc.get_traced_memory()
         out["loop_peak_bytes"] = peak - base
@@ -89,6 +92,7 @@ def one_run(n: int, traced_memory: bool) -> dict[str, Any]:
         tracemalloc.reset_peak()
     t0 = time.perf_counter()
     run.finish()
+    assert run.n_steps == n, (run.n_steps, n)  # a benchmark that recorded nothing reports nothing
     _ = run.summary, run.verdict
     text = run.text()
     t_text = time.perf_counter()

@@ -69,7 +69,7 @@ def child(n: int, variant: str, conn: Any) -> None:
 
 def one(n: int, variant: str) -> tuple[float, float, Any]:
     """(child CPU s, this process's CPU s meanwhile, the run) of one child."""
-    from traceml_jupyter.capture.recording import capturing
+    from traceml_jupyter.ranks import followed
     from traceml_jupyter.run import Run
 
     ctx = multiprocessing.get_context("fork")
@@ -78,7 +78,7 @@ def one(n: int, variant: str) -> tuple[float, float, Any]:
     run = None
     if variant == "rank":
         run = Run("bench ranks")
-        with capturing(run):
+        with followed(run):  # as %%traceml records a cell: ranks forked inside stream to it
             proc = ctx.Process(target=child, args=(n, variant, there))
             proc.start()
             seconds = here.recv()
@@ -160,33 +160,43 @@ def measure(repeats: int = 5) -> list[Table]:
     torch.set_num_threads(1)
     best: dict[tuple[str, int], float] = {}
     kernel: dict[int, float] = {}
+    plain_slopes: list[float] = []  # per repeat: the noise
     for r in range(repeats):
         order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
         for variant in order:
+            seen: dict[int, float] = {}
             for n in (SHORT, LONG):
                 seconds, here, run = one(n, variant)
                 key = (variant, n)
                 best[key] = min(best.get(key, float("inf")), seconds)
+                seen[n] = seconds
                 if run is not None:
                     ranks = run.ranks or []
                     assert len(ranks) == 1 and ranks[0]["n_steps"] == n, ranks
                     kernel[n] = min(kernel.get(n, float("inf")), here)
+            if variant == "plain":
+                plain_slopes.append((seen[LONG] - seen[SHORT]) / (LONG - SHORT) * 1e6)
 
     def slope(variant: str) -> float:
         return (best[(variant, LONG)] - best[(variant, SHORT)]) / (LONG - SHORT)
 
     plain = slope("plain")
-    rows = [["plain loop", f"{plain * 1e6:.1f}", "", ""]]
+    noise = (max(plain_slopes) - min(plain_slopes)) / 2
+    rows = [["plain loop", f"{plain * 1e6:.1f}", "", "", f"{noise:.2f}"]]
     for variant in VARIANTS[1:]:
         extra = (slope(variant) - plain) * 1e6
-        rows.append([variant, f"{slope(variant) * 1e6:.1f}", f"{extra:+.2f}", f"{100 * extra / (plain * 1e6):+.1f} %"])
+        shown = f"{extra:+.2f}" if abs(extra) > 2 * noise else f"{extra:+.2f} (not resolved)"
+        rows.append([variant, f"{slope(variant) * 1e6:.1f}", shown, f"{100 * extra / (plain * 1e6):+.1f} %", ""])
     kernel_us = (kernel[LONG] - kernel[SHORT]) / (LONG - SHORT) * 1e6
     table = Table(
         "Per-step overhead on a forked rank vs one process (CPU time, µs per step)",
-        ["loop", "µs per step", "overhead µs / step", "of the step"],
+        ["loop", "µs per step", "overhead µs / step", "of the step", "± noise µs / step"],
         rows,
         notes=[
             f"Steps: {SHORT} and {LONG} (slope), fastest of {repeats} alternating repeats, each in a forked child.",
+            "± noise: half the spread of the plain loop's per-repeat slopes; an overhead below twice it "
+            "is not resolved (the step varies by more than the capture adds: what a rank adds to one "
+            "process is resolved in the next table).",
             f"The kernel's side (reading the rank's steps, its thread included): {kernel_us:.2f} µs of its CPU per rank step.",
             "Collectives added on the per-step path: none (forked ranks stream over a socket pair; "
             "torchrun ranks gather once, at the end of trace()).",

@@ -229,10 +229,10 @@ def fixed_cost_tables(repeats: int) -> list[Table]:
 
 # -- the first traced cell of a fresh kernel --------------------------------------------------------
 
-NO_EARLY_IMPORT = "import traceml_jupyter.views.display as d\nd.IMPORT_DELAY_S = 1e9"
+NO_EARLY_IMPORT = "import traceml_jupyter.magic as m\nm.IMPORT_DELAY_S = 1e9"
 THREAD_IMPORT = (
-    "import threading, traceml_jupyter.views.display as d\n"
-    "threading.Thread(target=d.import_views, name='bench-import', daemon=True).start()"
+    "import threading, traceml_jupyter.magic as m\n"
+    "threading.Thread(target=m.import_views, name='bench-import', daemon=True).start()"
 )
 OPTIONS = {
     # name: (cell before %load_ext, cell after it)

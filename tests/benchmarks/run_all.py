@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     import bench_live_view
     import bench_memory
     import bench_overhead
+    import bench_ranks
     import bench_session
     import bench_step_model
 
@@ -65,11 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_table()
     parts: list[tuple[str, list[Table]]] = [
         ("Overhead per step and per cell (CPU)", section("overhead", lambda: bench_overhead.measure(args.repeats, "cpu", peer, install))),
-        ("The step model against the capture before it", section("step model", lambda: bench_step_model.tables(args.repeats))),
+        ("The step model against the capture before it", section("step model", lambda: bench_step_model.tables(max(args.repeats, 5)))),
         ("Accuracy (CPU)", section("accuracy", lambda: bench_accuracy.measure("cpu", peer, install))),
         ("Memory and scale", section("memory", bench_memory.measure)),
         ("Live view cost", section("live view", bench_live_view.measure)),
         ("Long sessions (real kernels)", section("session", bench_session.measure)),
+        ("Several processes (ranks forked from a traced cell)", section("ranks", lambda: bench_ranks.measure(max(args.repeats, 5)))),
         ("GPU", section("gpu", lambda: bench_gpu.measure(args.repeats, peer, install))),
     ]
     minutes = (time.perf_counter() - began) / 60

@@ -85,6 +85,7 @@ class Capture:
         fetch_end, iteration_end = model.fetch_end, model.iteration_end
         flag, timed = hooks.lines, (self.lines.sample if self.lines is not None else None)
         it: Iterator[Any] | None = None
+        first = source.batch_kind is None  # the source's first batch is read once
         try:
             while True:
                 # The fetch. On the CPU the model's own calls, no wrapper: this is the per-step
@@ -108,7 +109,8 @@ class Capture:
                     done(t0, clock(), None, pass_, False)
                     raise
                 done(t0, clock(), None, pass_, True)
-                if source.batch_kind is None:
+                if first:
+                    first = False
                     self._first_batch(source, item)
                     self.run.note_loop_iterable(iterable)
                 # The body: the step's lines timed or not, then the iteration's end.
