@@ -33,7 +33,7 @@ RATIO = re.compile(r"ratio live / no-live: ([\d.]+)")
 TOTALS = re.compile(r"(\d+) comm messages, (\d+) kB a run, (\d+) of them updates")
 
 
-def measure(steps: int = 100_000, step_us: float = 30.0, repeats: int = 2) -> list[Table]:
+def measure(steps: int = 100_000, step_us: float = 30.0, repeats: int = 4) -> list[Table]:
     title = f"Live view cost: {steps:,} steps of {step_us:g} µs CPU each"
     if not os.path.exists(SCRIPT):
         return [Table(title, [], notes=["not measured: tests/benchmarks/live_view_cost.py does not exist"])]
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> list[Table]:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--step-us", type=float, default=30.0)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     tables = measure(args.steps, args.step_us, args.repeats)
     show(tables)
