@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tables import Table, num, show, target  # noqa: E402
+from tables import Table, noise_of, num, show, target  # noqa: E402
 
 TARGET_US = 5.0
 TARGET_FIXED_MS = 100.0
@@ -280,8 +280,7 @@ def added(times: dict[str, list[Runs]], variant: str, clock: str) -> tuple[float
 
 def noise_us(runs: list[Runs], clock: str) -> float:
     """Half the spread of the plain loop's per-repeat slopes, in µs per step."""
-    slopes = [(r[clock][1] - r[clock][0]) / (r["n"][1] - r["n"][0]) * 1e6 for r in runs]
-    return float(max(slopes) - min(slopes)) / 2
+    return noise_of([(r[clock][1] - r[clock][0]) / (r["n"][1] - r["n"][0]) * 1e6 for r in runs])
 
 
 def ratio_text(r: float) -> str:

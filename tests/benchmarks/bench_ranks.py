@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tables import Table, show  # noqa: E402
+from tables import Table, noise_of, show  # noqa: E402
 
 SHORT, LONG = 200, 1500
 VARIANTS = ("plain", "one process", "rank")
@@ -181,7 +181,7 @@ def measure(repeats: int = 5) -> list[Table]:
         return (best[(variant, LONG)] - best[(variant, SHORT)]) / (LONG - SHORT)
 
     plain = slope("plain")
-    noise = (max(plain_slopes) - min(plain_slopes)) / 2
+    noise = noise_of(plain_slopes)
     rows = [["plain loop", f"{plain * 1e6:.1f}", "", "", f"{noise:.2f}"]]
     for variant in VARIANTS[1:]:
         extra = (slope(variant) - plain) * 1e6

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tables import Table, num, show, target  # noqa: E402
+from tables import Table, noise_of, num, show, target  # noqa: E402
 
 BEFORE = "8a46db9"  # the last commit before the step model
 TARGET_US = 2.0
@@ -115,8 +115,7 @@ def slope_us(runs: list[list[float]], short: int, long: int) -> float:
 def noise_us(runs: list[list[float]], short: int, long: int) -> float:
     """Half the spread of the plain loop's per-repeat slopes (µs per step): a cost below twice
     this is not resolved."""
-    slopes = [(r[1] - r[0]) / (long - short) * 1e6 for r in runs]
-    return (max(slopes) - min(slopes)) / 2
+    return noise_of([(r[1] - r[0]) / (long - short) * 1e6 for r in runs])
 
 
 def has_step_model() -> bool:

@@ -84,6 +84,12 @@ def spread(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
+def noise_of(slopes: list[float]) -> float:
+    """Half the spread of the plain loop's per-repeat slopes: a cost below twice this is not
+    resolved (the benchmarks' one rule for noise)."""
+    return (max(slopes) - min(slopes)) / 2
+
+
 def num(value: float | None, digits: int = 1) -> str:
     if value is None or value != value:
         return "—"

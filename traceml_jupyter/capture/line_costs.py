@@ -43,8 +43,7 @@ FULL_STEPS = 64  # the first steps are all timed (short runs get every step)
 # automatic one is a few) can be taken out once its length is known; a longer --warmup gives its own.
 WARMUP_SNAPSHOTS = 5
 LINE_EVERY = 16  # then one step in 16 (a timed step costs ~1.5 µs more than an untimed one)
-GPU_EVERY = 1  # CUDA: events on every timed step after the first FULL_STEPS (1 step in 16)
-GPU_EARLY_EVERY = 4  # ... and on one step in 4 among the first FULL_STEPS (after the warm-up)
+GPU_EARLY_EVERY = 4  # CUDA: events on one step in 4 among the first FULL_STEPS (after the warm-up), then on every timed step
 
 
 @dataclass(frozen=True)
@@ -166,8 +165,8 @@ class LineClock:
 
 class CudaLineClock(LineClock):
     """The wall clock, plus a CUDA event at every statement boundary of some steps after the
-    warm-up (one in GPU_EARLY_EVERY of the first FULL_STEPS, then one in LINE_EVERY *
-    GPU_EVERY): the GPU time between two events is the GPU time of the statement between
+    warm-up (one in GPU_EARLY_EVERY of the first FULL_STEPS, then every timed step: one in
+    LINE_EVERY): the GPU time between two events is the GPU time of the statement between
     them. Events are read once every one of a step's marks has completed, never waited for
     before the end of the cell.
 
@@ -187,7 +186,6 @@ class CudaLineClock(LineClock):
         warmup_until: int = WARMUP_SNAPSHOTS,
         full: int = FULL_STEPS,
         every: int = LINE_EVERY,
-        gpu_every: int = GPU_EVERY,
         api_for: Callable[[], Any] | None = None,
     ) -> None:
         super().__init__(statements, warmup_until, full, every)
@@ -195,7 +193,6 @@ class CudaLineClock(LineClock):
         self._on_gpu = on_gpu
         self._api_for = api_for
         self._stream_of: Callable[[], Any] | None = None
-        self.gpu_every = gpu_every
         self.warmup_until = warmup_until
         self.gpu_sampled = 0  # steps with events
         self.gpu_read = 0  # ... whose events were read (all of them, after finish())
@@ -244,7 +241,7 @@ class CudaLineClock(LineClock):
             return
         k = self.timed - 1
         step = step_of_sample(k, self.full, self.every)
-        due = step % GPU_EARLY_EVERY == 0 if step < self.full else k % self.gpu_every == 0
+        due = step >= self.full or step % GPU_EARLY_EVERY == 0
         if due and step > self.warmup_until:
             try:
                 if not self._ready():
