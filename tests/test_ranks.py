@@ -4,6 +4,7 @@ the end of trace(); nothing is left running after the cell."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -108,8 +109,19 @@ def independent_training(
     time.sleep(linger_s)
 
 
-def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+def open_fds() -> dict[str, str]:
+    """This process's open descriptors and what each is (socket:[...], pipe:[...], a path)."""
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed already
+            pass
+    return fds
+
+
+def left_open(before: dict[str, str]) -> dict[str, str]:
+    return {fd: what for fd, what in open_fds().items() if before.get(fd) != what}
 
 
 @pytest.fixture()
@@ -119,7 +131,15 @@ def no_leaks() -> Iterator[None]:
     assert not ranks._collectors, "a collector is still running"
     assert not [t for t in threading.enumerate() if t.name.startswith("traceml")]
     assert not mp.active_children()
-    left = open_fds() - before
+    sockets = {fd: what for fd, what in left_open(before).items() if what.startswith("socket:")}
+    assert not sockets, f"sockets left open: {sockets}"  # the ranks' channels are sockets
+    # A DataLoader closes its worker pipes lazily: its queues' feeder threads close their ends
+    # after the loop, the workers' sentinels go with the garbage iterator. Let those finish.
+    for thread in threading.enumerate():
+        if thread.name == "QueueFeederThread":
+            thread.join(timeout=10)
+    gc.collect()
+    left = left_open(before)
     assert not left, f"descriptors left open: {left}"
 
 
