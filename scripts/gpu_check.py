@@ -660,7 +660,8 @@ def fetch_in_range_body(ctx: Context) -> list[Check]:
 
 def side_streams(ctx: Context) -> list[Check]:
     """F1: the body's work on a side stream; F2: `set_stream` in the middle of the loop; G: a
-    side-stream prefetcher (copies off the loop's stream)."""
+    side-stream prefetcher (copies off the loop's stream); G2: a side-stream copy the loop waits
+    for at once in a loop that syncs every step (the copy is step time)."""
     torch = ctx.torch
     checks = []
     check = Check("F1 body on a side stream", "GPU compute 10 ms; no exception", "F10")
@@ -713,6 +714,26 @@ def side_streams(ctx: Context) -> list[Check]:
     check.expect(site.get("side_stream") == site.get("copies") == site.get("timed"), f"copy site {site}")
     check.expect((run.summary.get("h2d_ms") or 0.0) < 0.05, f"h2d_ms {run.summary.get('h2d_ms')}, want ~0")
     check.expect(run.verdict != "H2D-BOUND", f"verdict {run.verdict}")
+    checks.append(check)
+
+    check = Check("G2 side-stream copy waited for at once", "the wait is step time: h2d_ms ~ the copy", "F10b")
+    big = [torch.ones(16 * 2**20).pin_memory() for _ in range(2)]  # 64 MiB
+    cell = """
+    for i in range(30):  # traceml: loop
+        with torch.cuda.stream(side):
+            x = big[i % 2].to("cuda", non_blocking=True)
+        torch.cuda.current_stream().wait_stream(side)
+        x.record_stream(torch.cuda.current_stream())
+        torch.cuda._sleep(CYCLES)
+        loss = (x * 2).sum().item()
+    """
+    run = ctx.traced("G2-waited", cell, {"big": big, "side": torch.cuda.Stream(), "torch": torch, "CYCLES": ctx.cycles(1)})
+    describe(check, run)
+    site = ((run.h2d or {}).get("sites") or [{}])[0]
+    copy_ms, waited_ms = site.get("ms_per_step") or 0.0, site.get("waited_ms_per_step") or 0.0
+    check.numbers["copy/waited ms per step"] = f"{copy_ms:.3f}/{waited_ms:.3f}"
+    check.expect(copy_ms > 0 and waited_ms >= 0.8 * copy_ms, f"waited {waited_ms} of a {copy_ms} ms copy, want most")
+    check.expect((run.summary.get("h2d_ms") or 0.0) >= 0.8 * copy_ms, f"h2d_ms {run.summary.get('h2d_ms')}")
     checks.append(check)
     return checks
 
@@ -994,7 +1015,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("D", "a stale GPU tensor and a CPU loop", "F4", "CPU clock", stale_tensor_cpu_loop),
     Scenario("D2", "a loop of in-place kernels (allocates nothing on the GPU)", "F4", "GPU clock", in_place_loop),
     Scenario("E", "next(it) inside a range loop", "F6", "INPUT-BOUND", fetch_in_range_body),
-    Scenario("F", "side stream body, set_stream mid-loop, side-stream prefetcher (F1, F2, G)", "F3, F10, F14", "no exception; right times", side_streams),
+    Scenario("F", "side stream body, set_stream mid-loop, side-stream prefetcher (F1, F2, G, G2)", "F3, F10, F14", "no exception; right times", side_streams),
     Scenario("H", "pageable non_blocking copies", "F11", "a timed wait", pageable_non_blocking),
     Scenario("I", "70 000 steps past the fold", "F12, F13", "all timings, no spike", long_run),
     Scenario("J", "CUDA graph replay", "", "no exception", cuda_graph),

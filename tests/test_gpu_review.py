@@ -406,18 +406,75 @@ def test_10_a_loop_on_a_non_default_stream_counts_its_copies_and_its_backlog(fak
 
 
 def test_10_a_prefetch_on_a_side_stream_is_not_step_time(fake_clock: HostClock) -> None:
+    """The next batch is copied on a side stream while this step computes (apex's
+    data_prefetcher): the loop's stream finds the copy done when it waits for it."""
+    gpu = machine(fake_clock)
+    side = gpu.new_stream(0)
+    body = """
+    cuda.current_stream().wait_stream(side)
+    x = nxt
+    with cuda.stream(side):
+        nxt = batch.to("cuda", non_blocking=True)
+    y = x.work(5.0)
+    """
+    names = {"batch": FakeTensor(10_000_000, pinned=True), "side": side, "nxt": FakeTensor(10, device="cuda")}
+    run = Bench(gpu, body, names=names).start().steps(20).close()
+    site = run.h2d["sites"][0]
+    assert site["side_stream"] == site["copies"] == site["timed"] == 20
+    assert site["waited_ms_per_step"] == 0.0
+    assert run.summary["h2d_ms"] == 0.0 and run.verdict != "H2D-BOUND"
+
+
+def test_10_a_prefetch_longer_than_the_step_counts_what_it_does_not_hide(fake_clock: HostClock) -> None:
+    """3 ms copies behind 1 ms steps: each step waits 2 ms for its batch."""
+    gpu = machine(fake_clock)
+    side = gpu.new_stream(0)
+    body = """
+    cuda.current_stream().wait_stream(side)
+    x = nxt
+    with cuda.stream(side):
+        nxt = batch.to("cuda", non_blocking=True)
+    y = x.work(1.0)
+    """
+    names = {"batch": FakeTensor(30_000_000, pinned=True), "side": side, "nxt": FakeTensor(10, device="cuda")}
+    run = Bench(gpu, body, names=names).start().steps(30).close()
+    assert run.summary["h2d_ms"] == pytest.approx(2.0, abs=0.01)
+    assert run.verdict == "H2D-BOUND"
+
+
+def test_10b_a_side_stream_copy_waited_for_at_once_is_step_time(fake_clock: HostClock) -> None:
+    """A copy on a side stream followed at once by wait_stream (a naive "overlap"), in a loop
+    whose host waits for each step (loss.item()): nothing runs beside the copy, which takes
+    its whole time out of the step as a copy on the loop's stream would."""
     gpu = machine(fake_clock)
     side = gpu.new_stream(0)
     body = """
     with cuda.stream(side):
-        nxt = batch.to("cuda", non_blocking=True)
+        x = batch.to("cuda", non_blocking=True)
     cuda.current_stream().wait_stream(side)
-    y = nxt.work(5.0)
+    y = x.work(2.0)
+    loss = y.item()
     """
-    run = Bench(gpu, body, names={"batch": FakeTensor(10_000_000, pinned=True), "side": side}).start().steps(20).close()
+    run = Bench(gpu, body, names={"batch": FakeTensor(30_000_000, pinned=True), "side": side}).start().steps(30).close()
     site = run.h2d["sites"][0]
-    assert site["side_stream"] == site["copies"] == site["timed"] == 20
-    assert run.summary["h2d_ms"] == 0.0 and run.verdict != "H2D-BOUND"
+    assert site["side_stream"] == 30 and site["waited_ms_per_step"] == pytest.approx(3.0)
+    assert run.summary["h2d_ms"] == pytest.approx(3.0)
+    assert run.summary["h2d_side_stream_waited"] == [3]
+    v = run.verdict_detail
+    assert v.label == "H2D-BOUND"
+    assert "on line 3 runs on a side stream, but the loop's stream waits for it" in v.why
+
+
+def test_10b_the_wait_for_a_side_stream_is_harmless_after_the_cell(fake_clock: HostClock) -> None:
+    gpu = machine(fake_clock)
+    side = gpu.new_stream(0)
+    stream_type = gpu.module.Stream
+    before = dict(vars(stream_type))
+    bench = Bench(gpu, "cuda.current_stream().wait_stream(side)", names={"side": side}).start()
+    assert "wait_stream" in vars(stream_type)  # patched while the loop runs
+    bench.steps(3).close()
+    assert dict(vars(stream_type)) == before
+    gpu.current_stream(0).wait_stream(side)  # still works
 
 
 # -- 11. pageable non_blocking copies make the host wait ----------------------------------------

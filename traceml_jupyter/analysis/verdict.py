@@ -173,6 +173,13 @@ def _h2d_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tuple
             f" non_blocking=True without pinned memory is synchronous{_lines(pageable_nb)}: CUDA "
             "waits for the GPU before it copies from pageable memory."
         )
+    waited = list(summary.get("h2d_side_stream_waited") or [])
+    if waited:
+        why += (
+            f" The copy{_lines(waited)} runs on a side stream, but the loop's stream waits for it "
+            "(wait_stream) before it is done, so most of it does not overlap compute: start the next "
+            "batch's copy before this step's compute (a prefetch), and make the copy cheaper."
+        )
     # Pinning makes a copy about twice as fast; on the loop's stream it still runs between
     # the kernels, so only a copy on a side stream (a prefetcher) overlaps compute.
     after = share * ((pinned or 0.0) + (1.0 - (pinned or 0.0)) / 2.0)

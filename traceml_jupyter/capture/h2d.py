@@ -178,6 +178,23 @@ class CopySite:
     non_blocking: int = 0  # copies written with non_blocking=True
     pageable_non_blocking: int = 0  # ... of which from pageable memory: the host waited anyway
     side_stream: int = 0  # copies on another stream than the loop's: they can overlap compute
+    waited: int = 0  # ... of which the loop's stream waited for (wait_stream) before they were done
+    waited_ms: float = 0.0  # how long the loop's stream waited for them (GPU time): step time
+
+
+@dataclass(slots=True)
+class _Copy:
+    """A copy in flight: its two events, and where the loop's stream waited for it, if it did."""
+
+    step: int
+    device: int
+    stream: Any
+    start: Any
+    end: Any
+    side: bool
+    site: CopySite
+    waited_at: Any = None  # an event on the loop's stream, just before it waited for `stream`
+    waited_step: int = 0  # the step that waited
 
 
 class CopyWatch:
@@ -188,7 +205,9 @@ class CopyWatch:
     query(), elapsed_time(other) and synchronize()). `stream_of(d)` is device d's current
     stream, `current_device()` the current device; `loop_device` the loop's. `loop_stream`
     (set by the GPU watch) is the stream the loop's steps run on: a copy on another stream can
-    overlap compute and is not step time.
+    overlap compute and is not step time, except for the part of it the loop's stream waits for
+    (`stream_waits`, called by a patched `Stream.wait_stream`): a copy made on a side stream and
+    waited for at once runs between the kernels as one on the loop's stream does.
     """
 
     def __init__(
@@ -211,7 +230,7 @@ class CopyWatch:
         self.off: str | None = None  # why the watch turned itself off
         self.tallies = {name: StepTally() for name in COPY_COLUMNS}
         self.sites: dict[tuple[str, int], CopySite] = {}
-        self._pending: deque[tuple[int, int, Any, Any, bool, CopySite]] = deque()
+        self._pending: deque[_Copy] = deque()
 
     def turn_off(self, exc: BaseException) -> None:
         if self.off is None:
@@ -255,40 +274,70 @@ class CopyWatch:
         tallies["h2d_bytes"].add(step, nbytes)
         tallies["h2d_pinned_bytes"].add(step, nbytes if pinned else 0)
         tallies["h2d_async_bytes"].add(step, nbytes if non_blocking and pinned else 0)
-        self._pending.append((step, device, start, end, side, site))
+        self._pending.append(_Copy(step, device, stream, start, end, side, site))
         self.poll()
 
-    def _read(self, entry: tuple[int, int, Any, Any, bool, CopySite]) -> None:
-        step, device, start, end, side, site = entry
-        ms = float(start.elapsed_time(end))
+    def stream_waits(self, waiter: Any, other: Any) -> None:
+        """`waiter.wait_stream(other)` is about to be queued. When the loop's stream waits for a
+        side stream whose newest copy is not read yet, an event on the loop's stream marks the
+        wait: the copy's end past that event is time the loop's stream spent waiting for it.
+        (A copy already done when the wait is queued ends before the event: nothing waited.)"""
+        if other == waiter or waiter != self.loop_stream:
+            return
+        step = self.current_step()
+        if step is None:
+            return
+        for copy in reversed(self._pending):
+            if copy.stream == other:  # copies on one stream run in order: the newest ends last
+                if copy.waited_at is None and copy.side and copy.device == self.loop_device:
+                    copy.waited_at = self.pool.record(copy.device, waiter)
+                    copy.waited_step = step
+                return
+
+    def _read(self, copy: _Copy) -> None:
+        ms = float(copy.start.elapsed_time(copy.end))
+        site = copy.site
         site.ms += ms
         site.timed += 1
-        if not side:  # a copy on another stream overlaps compute: not step time
-            self.tallies["h2d_ms"].add(step, ms)
-        self.pool.give(device, start, end)
+        if not copy.side:
+            self.tallies["h2d_ms"].add(copy.step, ms)
+        elif copy.waited_at is not None:  # a side copy overlaps compute but for the waited part
+            waited = max(0.0, float(copy.waited_at.elapsed_time(copy.end)))
+            site.waited += 1
+            site.waited_ms += waited
+            self.tallies["h2d_ms"].add(copy.waited_step, waited)
+            self.pool.give(copy.device, copy.waited_at)
+        self.pool.give(copy.device, copy.start, copy.end)
+
+    @staticmethod
+    def _done(copy: _Copy) -> bool:
+        return bool(
+            copy.end.query() and copy.start.query() and (copy.waited_at is None or copy.waited_at.query())
+        )
 
     def poll(self) -> None:
-        """Read the copies that are done, oldest first (both events queried)."""
-        pending = self._pending
-        while pending and pending[0][3].query() and pending[0][2].query():
+        """Read the copies that are done, oldest first (their events queried)."""
+        pending, done = self._pending, self._done
+        while pending and done(pending[0]):
             self._read(pending.popleft())
 
     def poll_all(self) -> None:
         """Read every copy that is done, whatever its stream (at the end, after the GPU was
         waited for: all of them)."""
-        left: deque[tuple[int, int, Any, Any, bool, CopySite]] = deque()
-        for entry in self._pending:
-            if entry[3].query() and entry[2].query():
-                self._read(entry)
+        left: deque[_Copy] = deque()
+        for copy in self._pending:
+            if self._done(copy):
+                self._read(copy)
             else:
-                left.append(entry)
+                left.append(copy)
         self._pending = left
 
     def synchronize(self) -> None:
         """Wait for every pending copy and read them all."""
-        for entry in self._pending:
-            if hasattr(entry[3], "synchronize"):
-                entry[3].synchronize()
+        for copy in self._pending:
+            for event in (copy.end, copy.waited_at):
+                if hasattr(event, "synchronize"):
+                    event.synchronize()
         self.poll_all()
 
     def release(self) -> None:
@@ -325,6 +374,8 @@ class CopyWatch:
                     "non_blocking": s.non_blocking,
                     "pageable_non_blocking": s.pageable_non_blocking,
                     "side_stream": s.side_stream,
+                    "waited": s.waited,
+                    "waited_ms_per_step": s.waited_ms / per,
                 }
                 for s in sites
             ],
@@ -342,8 +393,11 @@ def copies_timed(
     inside: list[int] | None = None,
     clock: Callable[[], int] = perf_counter_ns,
     compiling: Callable[[], bool] = lambda: False,
+    stream_type: Any = None,
 ) -> Iterator[None]:
-    """`tensor_type.to` and `tensor_type.cuda` time host-to-device copies for the duration.
+    """`tensor_type.to` and `tensor_type.cuda` time host-to-device copies for the duration, and
+    `stream_type.wait_stream` (torch.cuda.Stream's) tells the watch when the loop's stream
+    waits for a side stream's copies.
 
     A copy that makes the host wait for the GPU (a blocking one, or a `non_blocking` one from
     pageable memory, which CUDA runs synchronously) and a blocking `.to("cpu")` of a CUDA
@@ -430,6 +484,18 @@ def copies_timed(
             return cuda(self, *args, **kwargs)
         return timed(cuda, self, args, kwargs, step, CURRENT if device is None else device)
 
+    wait_stream: Any = getattr(stream_type, "wait_stream", None)
+
+    def watched_wait_stream(self: Any, stream: Any) -> Any:
+        if watch.off is None and get_ident() == watch.thread:
+            try:
+                watch.stream_waits(self, stream)
+            except Exception as exc:  # ours: the wait itself still runs
+                watch.turn_off(exc)
+        return wait_stream(self, stream)
+
     timed_to.__doc__, timed_cuda.__doc__ = to.__doc__, cuda.__doc__
-    with patched(tensor_type, {"to": timed_to, "cuda": timed_cuda}):
+    watched_wait_stream.__doc__ = getattr(wait_stream, "__doc__", None)
+    waits = {"wait_stream": watched_wait_stream} if callable(wait_stream) else {}
+    with patched(tensor_type, {"to": timed_to, "cuda": timed_cuda}), patched(stream_type, waits):
         yield

@@ -74,6 +74,7 @@ class CudaApi:
     # wait is worth a time: torch.cuda.synchronize, Event.synchronize, Stream.synchronize.
     sync_points: tuple[tuple[Any, str, str], ...] = ()
     compiling: Callable[[], bool] = lambda: False  # torch.compile is tracing: stay out of it
+    stream_type: Any = None  # torch.cuda.Stream: its wait_stream tells when the loop waits for a copy
 
 
 def cuda_module() -> Any:
@@ -128,6 +129,7 @@ def cuda_api(
         tensor_type,
         points,
         compiling or (lambda: False),
+        getattr(cuda, "Stream", None),
     )
 
 
@@ -522,7 +524,9 @@ class GpuWatch:
             self.copies, self.syncs = copies, syncs
             patches = self._patches
             patches.enter_context(
-                copies_timed(copies, api.tensor_type, syncs.synced, syncs.inside, self.clock, api.compiling)
+                copies_timed(
+                    copies, api.tensor_type, syncs.synced, syncs.inside, self.clock, api.compiling, api.stream_type
+                )
             )
             patches.enter_context(syncs_timed(syncs, api.tensor_type, api.sync_points))
             self.counting_sync_warnings = patches.enter_context(sync_warnings_counted(syncs, api))
@@ -740,6 +744,14 @@ def watch_summary(h2d: dict[str, Any] | None, syncs: dict[str, Any] | None) -> d
         out["h2d_lines"] = sorted({s["line"] for s in h2d["sites"] if s["in_cell"]})
         out["h2d_pageable_non_blocking"] = sorted(
             {s["line"] for s in h2d["sites"] if s["in_cell"] and s.get("pageable_non_blocking")}
+        )
+        # side-stream copies the loop's stream waited for most of (a prefetch that hides little)
+        out["h2d_side_stream_waited"] = sorted(
+            {
+                s["line"]
+                for s in h2d["sites"]
+                if s["in_cell"] and s.get("waited") and (s.get("waited_ms_per_step") or 0.0) * 2 >= (s["ms_per_step"] or 0.0)
+            }
         )
     if syncs:
         out["syncs_all_seen"] = bool(syncs.get("counted_implicit") and syncs.get("all_counted", True))
