@@ -405,20 +405,30 @@ def test_10_a_loop_on_a_non_default_stream_counts_its_copies_and_its_backlog(fak
     assert run.verdict == "H2D-BOUND"
 
 
-def test_10_a_prefetch_on_a_side_stream_is_not_step_time(fake_clock: HostClock) -> None:
-    """The next batch is copied on a side stream while this step computes (apex's
-    data_prefetcher): the loop's stream finds the copy done when it waits for it."""
-    gpu = machine(fake_clock)
+def prefetched(clock: HostClock, batch_bytes: int, work_ms: float, steps: int) -> Run:
+    """apex's data_prefetcher: each step waits for the side stream, takes the batch copied
+    there during the previous step, starts the next one's copy and computes for `work_ms`."""
+    gpu = machine(clock)
     side = gpu.new_stream(0)
     body = """
     cuda.current_stream().wait_stream(side)
     x = nxt
     with cuda.stream(side):
         nxt = batch.to("cuda", non_blocking=True)
-    y = x.work(5.0)
+    y = x.work(work_ms)
     """
-    names = {"batch": FakeTensor(10_000_000, pinned=True), "side": side, "nxt": FakeTensor(10, device="cuda")}
-    run = Bench(gpu, body, names=names).start().steps(20).close()
+    names = {
+        "batch": FakeTensor(batch_bytes, pinned=True),
+        "side": side,
+        "nxt": FakeTensor(10, device="cuda"),
+        "work_ms": work_ms,
+    }
+    return Bench(gpu, body, names=names).start().steps(steps).close()
+
+
+def test_10_a_prefetch_on_a_side_stream_is_not_step_time(fake_clock: HostClock) -> None:
+    """1 ms copies behind 5 ms steps: the loop's stream finds each copy done when it waits."""
+    run = prefetched(fake_clock, 10_000_000, 5.0, 20)
     site = run.h2d["sites"][0]
     assert site["side_stream"] == site["copies"] == site["timed"] == 20
     assert site["waited_ms_per_step"] == 0.0
@@ -427,17 +437,7 @@ def test_10_a_prefetch_on_a_side_stream_is_not_step_time(fake_clock: HostClock) 
 
 def test_10_a_prefetch_longer_than_the_step_counts_what_it_does_not_hide(fake_clock: HostClock) -> None:
     """3 ms copies behind 1 ms steps: each step waits 2 ms for its batch."""
-    gpu = machine(fake_clock)
-    side = gpu.new_stream(0)
-    body = """
-    cuda.current_stream().wait_stream(side)
-    x = nxt
-    with cuda.stream(side):
-        nxt = batch.to("cuda", non_blocking=True)
-    y = x.work(1.0)
-    """
-    names = {"batch": FakeTensor(30_000_000, pinned=True), "side": side, "nxt": FakeTensor(10, device="cuda")}
-    run = Bench(gpu, body, names=names).start().steps(30).close()
+    run = prefetched(fake_clock, 30_000_000, 1.0, 30)
     assert run.summary["h2d_ms"] == pytest.approx(2.0, abs=0.01)
     assert run.verdict == "H2D-BOUND"
 
