@@ -115,6 +115,11 @@ class CellSyntaxError(Exception):
         super().__init__(str(error))
         self.error = error
         self.shell = shell
+        # The fields a SyntaxError carries, as the error has them (a cell run through IPython
+        # never gets here: syntax_cells.py hands IPython the plain cell, which raises the real
+        # SyntaxError; this is for `run_cell_magic` called from code).
+        for name in ("msg", "filename", "lineno", "offset", "text", "end_lineno", "end_offset"):
+            setattr(self, name, getattr(error, name, None))
 
     def _render_traceback_(self) -> list[str]:
         err = self.error
