@@ -195,6 +195,8 @@ def _instrument(
     """The tree with the loop's iterator, fetch calls and (--lines) body statements hooked."""
     new, sites = instrument_loop(tree, choice, capture.token)
     capture.call_labels = {line: f"`{text}` on line {line}{where}" for line, text in sites.items()}
+    capture.run.fetch_calls = dict(sites)
+    capture.run.loop_iter_text = ast.unparse(find_node(tree, choice).iter)
     statements: list[Any] = []
     if opts.lines:
         from .capture.line_costs import time_lines

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .data_sources import input_next, straggler_next
 from .figures import ms as _ms
 from .figures import pct as _pct
 
@@ -314,8 +315,7 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
             f"The loop spends {_pct(wait_share)} of a typical step waiting for data (median "
             f"wait {_ms(wait)}, median step {_ms(step)}, {compute_name.lower()} {_ms(compute)}), "
             f"over {n} steps.",
-            "Feed the loop faster: more DataLoader workers, persistent workers, pinned memory, "
-            "and less per-sample work (see the checklist).",
+            input_next(summary),
             evidence,
         )
     lost = summary.get("straggler_share") or 0.0
@@ -326,8 +326,7 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
             f"{summary['straggler_steps']} of {n} fetches stall (p99 wait "
             f"{_ms(summary['stats']['data_wait_ms']['p99'])}, median {_ms(wait)}) and cost "
             f"{_pct(lost)} of the total time.",
-            "Keep workers alive between epochs (persistent_workers=True), prefetch more, and "
-            "look for slow samples, files or shards.",
+            straggler_next(summary),
             evidence + [("Time lost to stalls", _pct(lost))],
         )
     severity = h2d_bound(summary)

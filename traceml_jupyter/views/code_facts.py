@@ -37,8 +37,10 @@ from ..analysis.checklist import (
     sample_code_in,
     transfers_in,
 )
+from ..analysis.data_sources import feeder
 from ..analysis.rank_verdict import checklist_verdict
 from ..capture.locate import dataloader_lines
+from ..capture.sources import fed_expression, resolve_name
 from ..run import tuned_for
 
 if TYPE_CHECKING:
@@ -391,12 +393,20 @@ def _sample_code_from_object(run: Run, shell: Any, dataset: Any) -> SampleCode |
     cls = type(dataset)
     func = getattr(cls, "__getitem__", None)
     code = getattr(getattr(func, "__func__", func), "__code__", None)
+    return _code_read(run, shell, code, cls.__name__, cls.__name__)
+
+
+def _code_read(
+    run: Run, shell: Any, code: Any, name: str, class_name: str | None
+) -> SampleCode | None:
+    """The costly calls of the function whose code object is `code` (a `__getitem__`, a
+    generator, a `get_batch()`), read from its cell or file; `name` names it in the item."""
     if code is None:
         return None
     lines = linecache.getlines(code.co_filename)
     if not lines:
         return None
-    key = (code.co_filename, code.co_firstlineno, cls.__name__, "".join(lines))
+    key = (code.co_filename, code.co_firstlineno, class_name or name, "".join(lines))
     if key in _SOURCE_SAMPLES:
         return _SOURCE_SAMPLES[key]
     tree = parse_cell(key[3])
@@ -404,9 +414,9 @@ def _sample_code_from_object(run: Run, shell: Any, dataset: Any) -> SampleCode |
     found = None
     if tree is not None and node is not None:
         label = source_label(run, shell, code.co_filename)
-        owner = class_def(tree, cls.__name__)
+        owner = class_def(tree, class_name) if class_name else None
         found = SampleCode(
-            cls.__name__,
+            name,
             tuple(costly_calls(node, label)),
             CodeSite(node.lineno, label),
             CodeSite(owner.lineno, label) if owner is not None else None,
@@ -439,6 +449,32 @@ def _sample_code(run: Run, shell: Any, ctx: CodeContext) -> SampleCode | None:
         if facts is not None and str(name) in facts.samples:
             return facts.samples[str(name)]
     return SampleCode(str(name), (), None, None)
+
+
+def _feeder_code(run: Run, shell: Any) -> SampleCode | None:
+    """The code behind a source that is no DataLoader: the generator function (`slow` of
+    `slow()`), the `get_batch` function, or an iterator's `__next__`, looked up in the
+    namespace after the cell; None when it cannot be found or read."""
+    row = next((r for r in run.sources if r.get("training")), None)
+    if row is None or row.get("kind") == "dataloader":
+        return None
+    node = fed_expression(row.get("expression"))
+    namespace = getattr(shell, "user_ns", None) or {}
+    try:
+        target = node.func if isinstance(node, ast.Call) else node
+        obj = resolve_name(target, namespace) if target is not None else None
+        if obj is None:
+            return None
+        name = getattr(obj, "__name__", None) or type(obj).__name__
+        code = getattr(obj, "gi_code", None) or getattr(obj, "__code__", None)
+        if code is None:
+            cls = obj if isinstance(obj, type) else type(obj)
+            step = getattr(cls, "__next__", None) or getattr(cls, "__iter__", None)
+            code = getattr(step, "__code__", None)
+            return _code_read(run, shell, code, f"{cls.__name__}.{getattr(step, '__name__', '')}", cls.__name__)
+        return _code_read(run, shell, code, f"{name}()", None)
+    except Exception:
+        return None
 
 
 def _process_start_method() -> str:
@@ -582,7 +618,17 @@ def facts_for(
         gpu_idle_share=summary.get("host_share"),
         busiest_line=busiest_line(run),
         tuned=tuned_for(_loader_object(run)),
+        **_feeder_facts(run, shell, summary, ctx),
     )
+
+
+def _feeder_facts(run: Run, shell: Any, summary: Mapping[str, Any], ctx: CodeContext) -> dict[str, Any]:
+    """What fed the steps when it is no DataLoader, where, and the code behind it."""
+    source = feeder(summary)
+    if source is None:
+        return {}
+    site = CodeSite(source.line, ctx.loop_cell) if source.line is not None else None
+    return {"feeder": source, "feeder_site": site, "feeder_code": _feeder_code(run, shell)}
 
 
 def checklist_items(run: Run, shell: Any = None, context: CodeContext | None = None) -> list[Item]:
