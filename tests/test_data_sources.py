@@ -25,6 +25,8 @@ from traceml_jupyter.analysis.data_sources import (
 )
 from traceml_jupyter.capture.sources import expression_type, fed_expression, object_type
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 SETUP = """
 import time, torch
 from torch import nn

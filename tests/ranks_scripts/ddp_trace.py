@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 import traceml_jupyter
+from traceml_jupyter.views.display import print_whole
 
 STEPS = 24
 SLOW_RANK = 1
@@ -72,7 +73,8 @@ def main() -> None:
     at_end = calls[len(during) :]
     steps = [r["n_steps"] for r in run.ranks or []]
     facts = {"straggler": run.straggler, "steps": steps, "during_steps": during, "at_end": at_end}
-    print(f"RANKS {rank} " + json.dumps(facts), flush=True)
+    # One write: every rank shares torchrun's stdout pipe (see print_whole).
+    print_whole(f"RANKS {rank} " + json.dumps(facts))
     dist.destroy_process_group()
 
 
