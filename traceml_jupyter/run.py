@@ -159,6 +159,7 @@ class Run:
         self.sources: list[dict[str, Any]] = []  # where batches came from (per loader)
         self.phases: list[dict[str, Any]] = []  # passes kept out of the steps (validation...)
         self.wall_ms: float | None = None  # the whole capture (the cell), for phase shares
+        self.process_cpu_ms: float | None = None  # the process's CPU time (all threads) meanwhile
         self.notes: list[str] = []
         self.error: str | None = None
         self.error_before_first_step = False
@@ -421,6 +422,7 @@ class Run:
             "verdict": self.verdict_detail.to_dict(),
             "summary": _jsonable(self.summary),
             "loop": {"line": self.loop_line, "where": self.loop_where},
+            "process_cpu_ms": self.process_cpu_ms,
             "step": {"kind": self.step_kind, "definition": self.step_definition},
             "loader": _jsonable(self.loader_info),
             "sources": _jsonable(self.sources),

@@ -26,7 +26,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .analysis.figures import ms as _ms
@@ -45,6 +45,7 @@ from .analysis.tune_plan import (
     code_line,
     conclude,
     is_waiting,
+    model_cpu_share,
     rate_text,
     sweep_done,
     worker_counts,
@@ -59,6 +60,15 @@ RESERVE_S = 0.3
 # A candidate may overrun its share by this much (one slow batch) before it is stopped hard.
 GRACE_SHARE = 0.25
 MIN_SHARE_S = 0.5
+# The candidate at the model's pace (paced()): the last PACED_SHARE of a candidate's share, at
+# most TAKE_S seconds, means of at least TAKE_SAMPLES calls; without the model's rate, pauses of
+# this many times a batch's time at the measured rate, so the workers are ahead.
+PACE_OVER_RATE = 1.25
+PACED_SHARE = 0.4
+TAKE_S = 2.0
+TAKE_SAMPLES = 12
+# Below this CPU share of the model's compute, its stand-in mostly sleeps: no slowdown measured.
+MIN_BURN = 0.25
 
 Progress = Callable[[Mapping[str, Any]], None]
 
@@ -540,6 +550,74 @@ def one_line(exc: BaseException) -> str:
     return f"{name}: {lines[0]}"
 
 
+def workers_cpu_s(iterator: Any) -> float | None:
+    """CPU seconds the iterator's worker processes have used so far (None: not readable)."""
+    import psutil
+
+    total = 0.0
+    try:
+        workers = list(getattr(iterator, "_workers", ()) or ())
+        for worker in workers:
+            times = psutil.Process(worker.pid).cpu_times()
+            total += times.user + times.system
+    except Exception:  # a worker that is gone, psutil missing a platform's counters
+        return None
+    return total if workers else None
+
+
+def burn_cpu(seconds: float) -> None:
+    """`seconds` of this thread's CPU time: fixed work, which takes longer when the cores are
+    shared, as a model's compute on the CPU does."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@dataclass(frozen=True)
+class Paced:
+    """The candidate at the model's pace (paced()): ms to take a batch, and the model's compute
+    slowed by the workers' CPU (wall over CPU time of its stand-in); None: not measured."""
+
+    take_ms: float | None
+    slowdown: float | None
+
+
+def paced(
+    fetch: Callable[[], bool], pace_s: float, burn: float, until: float, most: int = 40
+) -> Paced:
+    """The training loop's side with this candidate, the model stood in for: `pace_s` of the
+    model's compute per batch (its CPU share `burn` as CPU time burnt, the rest a sleep, as a
+    host waiting on a GPU), then `fetch()` (next(); False when it starts a new epoch), timed.
+
+    Taking a batch holds unpickling, the shared-memory handles each worker hands over (a worker
+    busy in Python answers late), the queue and the next index sent, and the wait the workers
+    leave at that pace; the burnt compute takes longer when the workers' CPU work crowds the
+    usable cores. Means over the calls after the first third (the queue settles to the pace);
+    None below TAKE_SAMPLES calls (a loader too slow for a mean of its waits)."""
+    takes: list[float] = []
+    walls: list[float] = []
+    for _ in range(most):
+        if time.perf_counter() + pace_s > until:
+            break
+        begin = time.perf_counter()
+        if burn > 0:
+            burn_cpu(burn * pace_s)
+        if burn < 1:
+            time.sleep((1 - burn) * pace_s)
+        fetched = time.perf_counter()
+        if fetch():
+            walls.append(fetched - begin)
+            takes.append(time.perf_counter() - fetched)
+    if len(takes) < TAKE_SAMPLES:
+        return Paced(None, None)
+    first = len(takes) // 3
+    take = 1000.0 * sum(takes[first:]) / len(takes[first:])
+    # A sleep is not slowed by the workers: only the burnt part measures the crowding.
+    wall = sum(walls[first:]) / len(walls[first:])
+    slowdown = wall / pace_s if burn >= MIN_BURN and pace_s > 0 else None
+    return Paced(take, max(1.0, slowdown) if slowdown is not None else None)
+
+
 @dataclass
 class Measured:
     row: Row
@@ -553,6 +631,8 @@ def measure(
     soft_end: float,
     hard_end: float,
     split: bool = False,
+    pace_ms: float | None = None,
+    burn: float = 0.0,
 ) -> Measured:
     """Iterate one candidate until its share of the budget is spent (or its rate is steady):
     start-up (iter() to the first batch) apart from the steady batches a second."""
@@ -567,6 +647,12 @@ def measure(
         setting.pin_memory and not pin_here,
     )
     skip = max(1, setting.num_workers)
+    # With workers, the last part of the share runs the candidate at the model's pace (paced()).
+    share = soft_end - time.perf_counter()
+    steady_end = soft_end - (PACED_SHARE * share if setting.num_workers else 0.0)
+    cpu_start: float | None = None
+    cpu_span: tuple[float, int] | None = None  # workers' CPU seconds over steady batches
+    at_pace = Paced(None, None)
     arrivals: list[float] = []
     cpu_marks: list[float] = []
     samples: int | None = 0
@@ -583,6 +669,18 @@ def measure(
             iterator = iter(loader)
             guard.iterators.append(iterator)
         in_epoch = 0
+
+        def next_epoch() -> None:
+            nonlocal iterator, in_epoch
+            in_epoch = 0
+            with guard.held(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="This DataLoader will create")
+                fresh = iter(loader)  # persistent workers: the same iterator, reset
+                if fresh is not iterator:
+                    guard.iterators.append(fresh)
+                    _close(iterator, force=False)
+                iterator = fresh
+
         while True:
             try:
                 batch = next(iterator)
@@ -590,16 +688,9 @@ def measure(
                 if not in_epoch:
                     status, message = EMPTY, "the loader yielded no batch"
                     break
-                if time.perf_counter() >= soft_end:
+                if time.perf_counter() >= steady_end:
                     break
-                in_epoch = 0
-                with guard.held(), warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message="This DataLoader will create")
-                    fresh = iter(loader)  # persistent workers: the same iterator, reset
-                    if fresh is not iterator:
-                        guard.iterators.append(fresh)
-                        _close(iterator, force=False)
-                    iterator = fresh
+                next_epoch()
                 continue
             if pin_here and probe is not None:
                 begin = time.perf_counter()
@@ -613,10 +704,31 @@ def measure(
             n = batch_length(batch)
             samples = None if n is None or samples is None else samples + n
             del batch
-            if now >= soft_end:
+            if setting.num_workers and len(arrivals) == skip + 1:
+                cpu_start = workers_cpu_s(iterator)
+            if now >= steady_end or (
+                len(arrivals) - skip >= ENOUGH_BATCHES and now - arrivals[skip] >= ENOUGH_WINDOW_S
+            ):
                 break
-            if len(arrivals) - skip >= ENOUGH_BATCHES and now - arrivals[skip] >= ENOUGH_WINDOW_S:
-                break
+        if setting.num_workers and status == OK and len(arrivals) > skip + 1:
+            cpu_end = workers_cpu_s(iterator)
+            if cpu_start is not None and cpu_end is not None:
+                cpu_span = (cpu_end - cpu_start, len(arrivals) - 1 - skip)
+            rate_now = steady_rate(arrivals, skip)
+
+            def fetch() -> bool:
+                try:
+                    next(iterator)
+                except StopIteration:
+                    next_epoch()
+                    return False
+                return True
+
+            if rate_now:
+                pace_s = (pace_ms or 0.0) / 1000.0 or PACE_OVER_RATE / rate_now
+                now = time.perf_counter()
+                until = min(max(soft_end, now + 0.2), now + TAKE_S)
+                at_pace = paced(fetch, pace_s, burn if pace_ms else 0.0, until)
     except _OutOfTime:
         status = TIMEOUT if arrivals else NO_START
         message = (
@@ -652,6 +764,9 @@ def measure(
         len(arrivals),
         seconds,
         message,
+        take_ms=at_pace.take_ms,
+        compute_slowdown=at_pace.slowdown,
+        worker_cpu_ms=1000.0 * cpu_span[0] / cpu_span[1] if cpu_span and cpu_span[1] else None,
     )
     result = Measured(row)
     if probe is not None and rate:
@@ -694,6 +809,7 @@ class TuneResult:
     budget_s: float = DEFAULT_BUDGET_S
     elapsed_s: float = 0.0
     cpus: int = 1
+    model_cpu_share: float | None = None  # the model's compute that is CPU work (0..1)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -718,6 +834,7 @@ class TuneResult:
             "budget_s": self.budget_s,
             "elapsed_s": self.elapsed_s,
             "cpus": self.cpus,
+            "model_cpu_share": self.model_cpu_share,
         }
 
     def text(self) -> str:
@@ -1140,7 +1257,10 @@ def model_rate(
             )
     per_step = summary.get("batches_per_step")
     batches = float(per_step) if per_step else 1.0
-    step = summary.get("step_ms")
+    # The speed-up's base is the run's time per step (its mean step): what an epoch takes. A
+    # loader whose workers deliver in bursts gives many short steps and a few long ones, and
+    # the median step would miss the long ones.
+    step = ((summary.get("stats") or {}).get("step_ms") or {}).get("mean") or summary.get("step_ms")
     if compute_ms is not None:
         return ModelRate(float(compute_ms), batches, f"compute_ms={compute_ms:g}", step), notes
     compute = summary.get("compute_ms")
@@ -1268,8 +1388,16 @@ def _tune(
     deadline = started + budget
     reserve = min(RESERVE_S, 0.1 * budget)
     on_cuda = torch.cuda.is_initialized()  # pinning only where the user's code uses CUDA
+    # The model's compute burns the training process's CPU when it ran on the CPU clock (or,
+    # given as compute_ms=, when the code uses no GPU); on a GPU the host mostly waits.
+    model_on_cpu = (
+        (run.summary.get("clock") == "cpu")
+        if model is not None and model.source.startswith("run")
+        else not on_cuda
+    )
     rows: list[Row] = []
     split: Split | None = None
+    burn = _burn_share(run, model, None, model_on_cpu)  # refined once num_workers=0 is measured
     stopped = False
     error: str | None = None
     explicit = sorted(set(workers)) if workers is not None else None
@@ -1296,7 +1424,14 @@ def _tune(
                 hard_end = min(soft_end + max(0.25, GRACE_SHARE * share), deadline - reserve)
                 views.candidate(setting, len(rows) + 1, len(rows) + remaining)
                 got = measure(
-                    recipe, setting, guard, soft_end, hard_end, split=setting.num_workers == 0
+                    recipe,
+                    setting,
+                    guard,
+                    soft_end,
+                    hard_end,
+                    split=setting.num_workers == 0,
+                    pace_ms=model.compute_ms / model.batches_per_step if model else None,
+                    burn=burn,
                 )
                 rows.append(got.row)
                 split = got.split or split
@@ -1308,6 +1443,7 @@ def _tune(
                     error = f"{setting.label()}: {got.row.message}"
                     break
                 if phase == "first":
+                    burn = _burn_share(run, model, split, model_on_cpu)
                     waiting = is_waiting(split.cpu_share if split is not None else None)
                     queue = [
                         Setting(n, True, None, on_cuda) for n in worker_counts(cpus, waiting)[1:]
@@ -1325,11 +1461,8 @@ def _tune(
                 _reap(before)
     rows_out = rows
     current = recipe.current
-    model_on_cpu = (
-        (run.summary.get("clock") == "cpu")
-        if model is not None and model.source.startswith("run")
-        else not on_cuda
-    )
+    if model is not None:
+        model = replace(model, cpu_share=burn)
     verdict = conclude(rows_out, model, current, cpus, split, model_on_cpu)
     dataset_name = _name_of(recipe.dataset, names) or (
         f"{loader_name}.dataset" if loader_name else "dataset"
@@ -1366,10 +1499,34 @@ def _tune(
         budget_s=budget,
         elapsed_s=time.perf_counter() - started,
         cpus=cpus,
+        model_cpu_share=burn if model is not None else None,
     )
     views.finish(result)
     _remember(loader, result)
     return result
+
+
+def _burn_share(run: Any, model: ModelRate | None, split: Split | None, on_cpu: bool) -> float:
+    """How much of the model's compute its stand-in burns as CPU time (the rest sleeps): the
+    run's measured CPU share of its compute (model_cpu_share), else all of it on the CPU clock
+    and none on a GPU."""
+    if model is None or not model.source.startswith("run") or run is None:
+        return 1.0 if on_cpu else 0.0
+    try:
+        import numpy as np
+
+        steps = run.steps
+        share = model_cpu_share(
+            run.process_cpu_ms,
+            float(np.nansum(steps["data_wait_ms"])),
+            float(np.nansum(steps["compute_ms"])),
+            split.cpu_share if split is not None else None,
+        )
+    except Exception:
+        share = None
+    if share is None:
+        return 1.0 if on_cpu else 0.0
+    return share
 
 
 def _deeper_queue(rows: Sequence[Row], model: float | None, on_cuda: bool) -> list[Setting]:

@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     import bench_ranks
     import bench_session
     import bench_step_model
+    import bench_tune
 
     began = time.perf_counter()
     machine = machine_table()
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         ("Live view cost", section("live view", bench_live_view.measure)),
         ("Long sessions (real kernels)", section("session", bench_session.measure)),
         ("Several processes (ranks forked from a traced cell)", section("ranks", lambda: bench_ranks.measure(max(args.repeats, 5)))),
+        ("`%traceml tune`: predicted against measured speed-up", section("tune", bench_tune.measure)),
         ("GPU", section("gpu", lambda: bench_gpu.measure(args.repeats, peer, install))),
     ]
     minutes = (time.perf_counter() - began) / 60

@@ -94,6 +94,13 @@ class Row:
     batches_measured: int = 0
     seconds: float = 0.0
     message: str | None = None  # why it has no rate, or what stopped it
+    # With workers: what taking a ready batch costs the training process (ms, next() timed once
+    # the workers are ahead), and the workers' CPU time per batch (ms). None: not measured.
+    take_ms: float | None = None
+    worker_cpu_ms: float | None = None
+    # The model's compute beside these workers over alone (>= 1): a stand-in for it, run at the
+    # model's pace with this candidate, took this much longer for the same CPU work.
+    compute_slowdown: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +113,9 @@ class Row:
             "batches_measured": self.batches_measured,
             "seconds": self.seconds,
             "message": self.message,
+            "take_ms": self.take_ms,
+            "worker_cpu_ms": self.worker_cpu_ms,
+            "compute_slowdown": self.compute_slowdown,
         }
 
 
@@ -117,7 +127,10 @@ class ModelRate:
     compute_ms: float
     batches_per_step: float = 1.0
     source: str = "compute_ms"
-    step_ms: float | None = None  # the run's median step: the base of the predicted speed-up
+    step_ms: float | None = None  # the run's time per step: the base of the predicted speed-up
+    # The share of the compute that is the training process's CPU work (model_cpu_share); None:
+    # not known (then all of it on the CPU clock, none on a GPU).
+    cpu_share: float | None = None
 
     @property
     def batches_per_s(self) -> float:
@@ -244,15 +257,44 @@ def _adds_nothing(measured: Sequence[Row], i: int) -> bool:
 # -- the choice -----------------------------------------------------------------------------
 
 
-def predicted_step_ms(row: Row, model: ModelRate) -> float | None:
-    """The step with this setting: loading overlaps compute with workers (the slower of the
-    two bounds the step), and adds to it without."""
+def predicted_step_ms(
+    row: Row, model: ModelRate, cpus: int | None = None, model_on_cpu: bool = False
+) -> float | None:
+    """The step with this setting. Without workers, loading adds to compute. With workers,
+    loading overlaps compute and the step is the slower of the training process's own chain
+    (its compute, slowed by the workers' CPU work, plus taking each batch from the workers, both
+    measured at the model's pace) and the workers' rate measured alone. Where the slowdown was
+    not measured, the CPU that the training process (its compute too, when the model runs on
+    the CPU) and the workers need per step, shared by the usable `cpus`, bounds it instead."""
     if row.batches_per_s is None or row.batches_per_s <= 0:
         return None
-    load_ms = model.batches_per_step * 1000.0 / row.batches_per_s
+    batches = model.batches_per_step
+    load_ms = batches * 1000.0 / row.batches_per_s
     if row.setting.num_workers == 0:
         return model.compute_ms + load_ms
-    return max(model.compute_ms, load_ms)
+    take = batches * (row.take_ms or 0.0)
+    step = max(model.compute_ms * (row.compute_slowdown or 1.0) + take, load_ms)
+    if row.compute_slowdown is None and cpus and row.worker_cpu_ms is not None:
+        share = model.cpu_share if model.cpu_share is not None else float(model_on_cpu)
+        own = model.compute_ms * share
+        step = max(step, (own + take + batches * row.worker_cpu_ms) / cpus)
+    return step
+
+
+def model_cpu_share(
+    process_cpu_ms: float | None,
+    wait_ms: float,
+    compute_ms: float,
+    loading_cpu_share: float | None,
+) -> float | None:
+    """The share of a run's compute that was CPU work of the training process (0: it waited, on
+    a GPU or a sleep; 1: one core busy), from the process's CPU time over the run less what its
+    loading took (`loading_cpu_share` of the data wait: tune's num_workers=0 split; unknown,
+    all of it). `wait_ms` and `compute_ms` are the run's totals. None when not measured."""
+    if process_cpu_ms is None or compute_ms <= 0:
+        return None
+    loading = wait_ms * (1.0 if loading_cpu_share is None else loading_cpu_share)
+    return min(1.0, max(0.0, (process_cpu_ms - loading) / compute_ms))
 
 
 def choose(rows: Sequence[Row], model_batches_per_s: float | None) -> tuple[Row | None, bool]:
@@ -275,6 +317,34 @@ def choose(rows: Sequence[Row], model_batches_per_s: float | None) -> tuple[Row 
         if plain and (fastest.batches_per_s or 0) < (plain[0].batches_per_s or 0) * PREFETCH_GAIN:
             return plain[0], False
     return fastest, False
+
+
+def quickest(
+    rows: Sequence[Row], model: ModelRate, cpus: int | None, model_on_cpu: bool
+) -> Row | None:
+    """When no setting keeps the model fed: the one with the shortest predicted step (taking
+    batches and the workers' CPU counted, the fastest loader alone may not be the fastest in
+    training), the smaller on a tie within 2 %; a deeper queue only where it beats the same
+    workers with the default queue by PREFETCH_GAIN."""
+    steps = [(predicted_step_ms(r, model, cpus, model_on_cpu), r) for r in rows]
+    known = [(s, r) for s, r in steps if s is not None]
+    plain = {
+        r.setting.num_workers: s
+        for s, r in known
+        if r.setting.prefetch_factor in (None, DEFAULT_PREFETCH)
+    }
+
+    def worth_it(step: float, row: Row) -> bool:
+        if row.setting.prefetch_factor in (None, DEFAULT_PREFETCH):
+            return True
+        base = plain.get(row.setting.num_workers)
+        return base is None or step * PREFETCH_GAIN <= base
+
+    kept = sorted(((s, r) for s, r in known if worth_it(s, r)), key=lambda sr: sr[1].setting.size())
+    if not kept:
+        return None
+    fastest = min(s for s, _ in kept)
+    return next(r for s, r in kept if s <= fastest * 1.02)
 
 
 def changes_from(setting: Setting, current: Mapping[str, Any]) -> dict[str, Any]:
@@ -420,11 +490,15 @@ def conclude(
     """The best setting, the kwargs to change, the predicted step and speed-up, and the advice."""
     model_rate = model.batches_per_s if model is not None else None
     best, fed = choose(rows, model_rate)
+    if best is not None and not fed and model is not None:
+        best = quickest(rows, model, cpus, model_on_cpu) or best
     notes: list[str] = []
     if best is None:
         return Conclusion(None, {}, False, None, None, ["No setting delivered a batch."], notes)
     changes = changes_from(best.setting, current)
-    step = predicted_step_ms(best, model) if model is not None else None
+    step = predicted_step_ms(best, model, cpus, model_on_cpu) if model is not None else None
+    if step is not None and model is not None and not changes and model.step_ms:
+        step = model.step_ms  # the loader as it is: the step the run measured
     speedup = model.step_ms / step if model is not None and model.step_ms and step else None
     advice = []
     name = best.setting.label()
@@ -465,7 +539,7 @@ def conclude(
             "that is paid once, not at every epoch."
         )
     note = optimistic_note(split, best.setting.num_workers, cpus, model_on_cpu)
-    if note is not None and model is not None:
+    if note is not None and model is not None and best.compute_slowdown is None:
         notes.append(note)
     return Conclusion(best, changes, fed, step, speedup, advice, notes)
 

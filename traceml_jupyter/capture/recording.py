@@ -14,7 +14,7 @@ import sys
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from threading import get_ident
-from time import perf_counter_ns
+from time import perf_counter_ns, process_time_ns
 from typing import TYPE_CHECKING, Any
 
 from . import hooks
@@ -496,6 +496,7 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
     the GPU clock. Everything is undone on exit (nested captures restore the outer one)."""
     capture = capture or Capture(run)
     began = perf_counter_ns()
+    cpu_began = process_time_ns()
     if run.recorder.n_steps == 0:
         run.recorder.origin_ns = began  # the run's time 0: its code starts now, not when it was set up
     hooks.install()
@@ -522,4 +523,5 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
             _guarded(run, "closing the capture", capture.close)
             if capture.gpu_note:
                 run.notes.append(capture.gpu_note)
+            run.process_cpu_ms = (process_time_ns() - cpu_began) / 1e6
             _guarded(run, "reading the capture", lambda: run.captured(capture, perf_counter_ns() - began))
