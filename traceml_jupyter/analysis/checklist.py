@@ -448,21 +448,39 @@ def per_item_item(f: Facts, source: Feeder) -> Item:
             "item, every pass, can often be done once and cached.",
             bears,
         )
+    return _cache_item(
+        title, code, name, ("item", "pass"), bears,
+        "applies random augmentations, new every pass and not cacheable: make them in a "
+        "background thread or DataLoader workers, or on the whole batch on the GPU.",
+        "run it in a thread or workers",
+    )
+
+
+def _cache_item(
+    title: str,
+    code: SampleCode,
+    what: str,
+    every: tuple[str, str],
+    bears: bool,
+    random_reason: str,
+    random_try: str,
+) -> Item:
+    """The per-sample (per-item) item once costly calls were read in `what`: the ones that give
+    the same result each time can be cached; random augmentations cannot."""
     names = ", ".join(c for c, _ in code.calls[:4]) + (" ..." if len(code.calls) > 4 else "")
     fixed, random_names = _cacheable(code)
-    if not fixed:
+    if not fixed:  # random augmentations differ every epoch: nothing to cache
         return Item(
-            "per_sample_cost", title, CHECK, names, "run it in a thread or workers",
-            code.calls[0][1],
-            f"{name} applies random augmentations, new every pass and not cacheable: make them "
-            "in a background thread or DataLoader workers, or on the whole batch on the GPU.",
-            bears,
+            "per_sample_cost", title, CHECK, names, random_try, code.calls[0][1],
+            f"{what} {random_reason}", bears,
         )
-    keep = f"; the random ones ({', '.join(random_names[:3])}) must stay per pass" if random_names else ""
+    unit, period = every
+    keep = f"; the random ones ({', '.join(random_names[:3])}) must stay per {period}" if random_names else ""
     return Item(
         "per_sample_cost", title, CHECK, names, "cache or precompute", fixed[0][1],
-        f"{name} repeats this for every item and every pass; work that gives the same result "
-        f"each time ({', '.join(c for c, _ in fixed[:3])}) can be done once and cached{keep}.",
+        f"{what} repeats this for every {unit} and every {period}; work that gives the same "
+        f"result each time ({', '.join(c for c, _ in fixed[:3])}) can be done once and "
+        f"cached{keep}.",
         bears,
     )
 
@@ -903,24 +921,11 @@ def per_sample_item(f: Facts) -> Item:
             + ("; time it on one sample (%timeit dataset[0]) to be sure." if bears else "."),
             bears,
         )
-    names = ", ".join(c for c, _ in code.calls[:4]) + (" ..." if len(code.calls) > 4 else "")
-    fixed, random_names = _cacheable(code)
-    if not fixed:  # random augmentations differ every epoch: nothing to cache
-        return Item(
-            "per_sample_cost", title, CHECK, names, "run it in workers, or on the GPU",
-            code.calls[0][1],
-            f"{code.dataset}.__getitem__ applies random augmentations, which give a new result "
-            "every epoch and cannot be cached: spread them over DataLoader workers, or apply "
-            "them to the whole batch on the GPU.",
-            bears,
-        )
-    keep = f"; the random ones ({', '.join(random_names[:3])}) must stay per epoch" if random_names else ""
-    return Item(
-        "per_sample_cost", title, CHECK, names, "cache or precompute", fixed[0][1],
-        f"{code.dataset}.__getitem__ repeats this for every sample and every epoch; work "
-        f"that gives the same result each time ({', '.join(c for c, _ in fixed[:3])}) can be "
-        f"done once and cached{keep}.",
-        bears,
+    return _cache_item(
+        title, code, f"{code.dataset}.__getitem__", ("sample", "epoch"), bears,
+        "applies random augmentations, which give a new result every epoch and cannot be "
+        "cached: spread them over DataLoader workers, or apply them to the whole batch on the GPU.",
+        "run it in workers, or on the GPU",
     )
 
 
