@@ -556,6 +556,15 @@ def test_when_nothing_keeps_up_the_quickest_predicted_step_is_chosen() -> None:
     assert not c.keeps_up and c.changes == {"num_workers": 2, "persistent_workers": True}
     assert c.predicted_step_ms == pytest.approx((10 + 1 + 36) / 2)
     assert c.predicted_speedup == pytest.approx(45 / 23.5)
+    assert "predicted step 23.5 ms (the CPU work the cores share)" in c.advice[1]
+    fed = conclude(
+        [Row(Setting(2, True), batches_per_s=400.0, take_ms=2.0, worker_cpu_ms=3.0, compute_slowdown=1.2)],
+        model, {"num_workers": 0}, cpus=2, model_on_cpu=True,
+    )
+    assert fed.keeps_up and fed.advice[1].startswith(
+        "Predicted step 14.0 ms (12.0 ms compute, 1.20x slower beside the workers + 2.0 ms to "
+        "take each batch from the workers): 3.2x faster"
+    )
 
 
 def test_the_loader_as_it_is_is_predicted_as_the_run_measured_it() -> None:
@@ -583,7 +592,7 @@ def test_when_nothing_keeps_up_the_advice_says_where_the_time_goes() -> None:
     rows = [row(0, 33.0), row(1, 33.5), row(2, 40.0)]
     c = conclude(rows, model, {"num_workers": 0}, cpus=2, split=split, model_on_cpu=True)
     assert not c.keeps_up and c.changes == {"num_workers": 2, "persistent_workers": True}
-    assert c.advice[0].startswith("No setting keeps the model fed: the fastest, num_workers=2")
+    assert c.advice[0].startswith("No setting keeps the model fed: the best, num_workers=2")
     assert "__getitem__ 3.60 ms a sample x 8 (96 %)" in c.advice[2]
     assert c.advice[2].endswith("Make __getitem__ cheaper.")
     assert c.predicted_step_ms == pytest.approx(25.0)

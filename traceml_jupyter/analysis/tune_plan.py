@@ -281,6 +281,23 @@ def predicted_step_ms(
     return step
 
 
+def step_parts(row: Row, model: ModelRate, step: float) -> str:
+    """What the predicted step is made of, in words: " (6.1 ms compute + 2.2 ms to take each
+    batch from the workers)", " (the workers' pace)", " (the CPU work the cores share)"; ""
+    without workers or without the figures measured at the model's pace."""
+    if row.setting.num_workers == 0 or row.take_ms is None or not row.batches_per_s:
+        return ""
+    take = model.batches_per_step * row.take_ms
+    compute = model.compute_ms * (row.compute_slowdown or 1.0)
+    if step > compute + take + 1e-6:
+        load = model.batches_per_step * 1000.0 / row.batches_per_s
+        return " (the workers' pace)" if step <= load + 1e-6 else " (the CPU work the cores share)"
+    slowed = ""
+    if row.compute_slowdown is not None and row.compute_slowdown >= 1.05:
+        slowed = f", {row.compute_slowdown:.2f}x slower beside the workers"
+    return f" ({_ms(compute)} compute{slowed} + {_ms(take)} to take each batch from the workers)"
+
+
 def model_cpu_share(
     process_cpu_ms: float | None,
     wait_ms: float,
@@ -515,19 +532,19 @@ def conclude(
             f"model's {rate_text(model_rate)} ({(best.batches_per_s or 0) / (model_rate or 1):.1f}x)."
         )
         if step is not None and changes:
-            text = f"Predicted step {_ms(step)}"
+            text = f"Predicted step {_ms(step)}{step_parts(best, model, step)}"
             if speedup is not None and model.step_ms:
                 text += f": {speedup:.1f}x faster than {model.source} ({_ms(model.step_ms)})"
             advice.append(text + ".")
     else:
         advice.append(
-            f"No setting keeps the model fed: the fastest, {name}, makes "
+            f"No setting keeps the model fed: the best, {name}, makes "
             f"{rate_text(best.batches_per_s)} batches/s (a batch every "
             f"{_ms_fine(1000.0 / (best.batches_per_s or 1.0))}) and the model takes "
             f"{rate_text(model_rate)} (one every {_ms_fine(1000.0 / (model_rate or 1.0))})."
         )
         if step is not None:
-            text = f"With it, predicted step {_ms(step)}"
+            text = f"With it, predicted step {_ms(step)}{step_parts(best, model, step)}"
             if speedup is not None and model.step_ms:
                 text += f" ({speedup:.1f}x faster than {model.source}, {_ms(model.step_ms)})"
             advice.append(text + ".")
