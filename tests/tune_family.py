@@ -162,7 +162,7 @@ def run_case(shell: Any, case: Case, budget: float = 20.0) -> Outcome:
 # The family: I/O and CPU samples, 1 to 4 ms a sample, batches of 8 to 64, 2 to 20 ms of
 # compute a step (on the CPU; two with the host waiting, as on a GPU).
 FAMILY = [
-    Case("sleep", 1, 8, 10, "sleep"),
+    Case("sleep", 1, 8, 20, "sleep"),
     Case("sleep", 4, 16, 10, "sleep"),
     Case("sleep", 2, 8, 6, "sleep"),
     Case("sleep", 2, 8, 6),
