@@ -2,10 +2,11 @@
 
     .venv/bin/python tests/benchmarks/run_all.py --out docs/benchmarks.md
 
-Overhead, accuracy, memory, live-view cost and long sessions (real kernels) on the CPU; the
-GPU variant too where CUDA is available (otherwise one line says it was skipped). traceml-ai,
-the peer, is installed on first use into its own venv (/tmp/venv-traceml, never pulling
-torch); `--no-traceml-ai` leaves it out. About ten minutes on a 2-core machine.
+Overhead, accuracy, memory, live-view cost, long sessions (real kernels), ranks and `%traceml
+tune`'s predictions on the CPU; the GPU variant too where CUDA is available (otherwise one line
+says it was skipped). traceml-ai, the peer, is installed on first use into its own venv
+(/tmp/venv-traceml, never pulling torch); `--no-traceml-ai` leaves it out. About fifteen minutes
+on a 2-core machine (tune's family about five of them).
 """
 
 from __future__ import annotations
