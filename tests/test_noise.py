@@ -178,16 +178,17 @@ def test_blocks_keep_drifting_steps_honest_where_resampling_single_steps_is_not(
     assert misses_iid >= 25, misses_iid  # i.i.d. resampling calls most of them a change
 
 
-def test_blocks_are_about_the_cube_root_and_at_most_32() -> None:
+def test_blocks_are_about_the_cube_root_and_at_most_16() -> None:
     assert len(block_edges(64)) - 1 == 16
-    assert len(block_edges(100_000)) - 1 == 32
+    assert len(block_edges(300)) - 1 == 15  # blocks of 20 steps
+    assert len(block_edges(100_000)) - 1 == 16
     assert len(block_edges(3)) - 1 == 3
-    assert widening(32) == pytest.approx(1.057, abs=0.01)
+    assert widening(16) == pytest.approx(1.123, abs=0.01)
     assert widening(10) == pytest.approx(1.215, abs=0.01)
 
 
 def test_a_long_run_costs_a_fixed_number_of_blocks() -> None:
-    # 131072 kept steps (the recorder's cap): the replicates are sums over 32 blocks.
+    # 131072 kept steps (the recorder's cap): the replicates are sums over 16 blocks.
     values = {"step_ms": noisy(30, 131_072, 35), "data_wait_ms": noisy(3, 131_072, 36)}
     means = replicate_means(values, np.random.default_rng(0), replicates=2000)
     assert means["step_ms"].shape == (2000,)
