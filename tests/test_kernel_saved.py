@@ -11,26 +11,13 @@ from typing import Any
 
 import nbformat
 import pytest
-from jupyter_harness import KERNEL_NAME, ensure_python3_kernel, notebook
+from jupyter_harness import DECODING_DATASET, KERNEL_NAME, ensure_python3_kernel, notebook
 
 nbclient = pytest.importorskip("nbclient")
 
 pytestmark = pytest.mark.kernel
 
-SETUP = """\
-import time, torch
-from torch.utils.data import DataLoader, Dataset
-torch.set_num_threads(1)
-
-class SlowDataset(Dataset):
-    def __init__(self, decode_ms):
-        self.decode_ms = decode_ms
-    def __len__(self):
-        return 160
-    def __getitem__(self, i):
-        time.sleep(self.decode_ms / 1000)  # stands in for decoding an image
-        return torch.randn(16), i % 2
-
+SETUP = DECODING_DATASET + """
 loader = DataLoader(SlowDataset(6.0), batch_size=4)
 model = torch.nn.Linear(16, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)

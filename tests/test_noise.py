@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from synthetic import step_columns
+from synthetic import drifting_steps, step_columns
 
 from traceml_jupyter.analysis.comparable import caveats
 from traceml_jupyter.analysis.compare import Comparison, compare_summaries
@@ -148,14 +148,7 @@ def test_the_interval_is_the_same_every_time() -> None:
 
 
 def ar1(n: int, phi: float, seed: int) -> np.ndarray:
-    """Step times that drift: each step is phi of the last one's offset plus fresh noise."""
-    rng = np.random.default_rng(seed)
-    noise = rng.normal(0.0, 2.0 * np.sqrt(1 - phi**2), n)
-    x = np.empty(n)
-    x[0] = rng.normal(0.0, 2.0)
-    for i in range(1, n):
-        x[i] = phi * x[i - 1] + noise[i]
-    return 40.0 + x
+    return drifting_steps(n, phi, np.random.default_rng(seed))
 
 
 def test_blocks_keep_drifting_steps_honest_where_resampling_single_steps_is_not() -> None:

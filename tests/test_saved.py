@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
+from jupyter_harness import DECODING_DATASET
 
 import traceml_jupyter
 from traceml_jupyter import history
@@ -27,22 +28,9 @@ from traceml_jupyter.views.report_file import report_page
 DATA = Path(__file__).parent / "data"
 V1 = DATA / "run_v1.json"  # saved by main's code before runs could be loaded (make_run_v1.py)
 
-SETUP = '''\
-import time, torch
-from torch.utils.data import DataLoader, Dataset
-torch.set_num_threads(1)
-
-class SlowDataset(Dataset):
-    def __init__(self, decode_ms):
-        self.decode_ms = decode_ms
-    def __len__(self):
-        return 48
-    def __getitem__(self, i):
-        time.sleep(self.decode_ms / 1000)  # stands in for decoding an image
-        return torch.randn(16), i % 2
-'''
+SETUP = DECODING_DATASET
 MODEL = '''\
-loader = DataLoader(SlowDataset(1.0), batch_size=4)
+loader = DataLoader(SlowDataset(1.0, n=48), batch_size=4)
 model = torch.nn.Linear(16, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 loss_fn = torch.nn.CrossEntropyLoss()
@@ -251,7 +239,7 @@ def test_the_history_finds_runs_of_an_earlier_kernel_by_name(ip: Any, saved: tup
         ip.run_line_magic("traceml", f"history {where}")
     assert out.stdout.strip() == f"traceml: every run is saved to {where} (0 runs there)"
     assert cell(ip, "%%traceml --name before --no-live\ntrain()\n").error_in_exec is None
-    assert cell(ip, "loader = DataLoader(SlowDataset(0.5), batch_size=4)").error_in_exec is None
+    assert cell(ip, "loader = DataLoader(SlowDataset(0.5, n=48), batch_size=4)").error_in_exec is None
     assert cell(ip, "%%traceml --name after --no-live\ntrain()\n").error_in_exec is None
     files = sorted(p.name for p in where.iterdir())
     assert len(files) == 2 and files[0].endswith("-before.json") and files[1].endswith("-after.json")

@@ -14,20 +14,17 @@ Pure numpy, seeded: the figures are the same on every machine; only the timing i
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import numpy as np
 
-from traceml_jupyter.analysis.noise import judge
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from synthetic import drifting_steps as ar1  # noqa: E402
 
-def ar1(n: int, phi: float, rng: np.random.Generator) -> np.ndarray:
-    noise = rng.normal(0.0, 2.0 * np.sqrt(1 - phi**2), n)
-    x = np.empty(n)
-    x[0] = rng.normal(0.0, 2.0)
-    for i in range(1, n):
-        x[i] = phi * x[i - 1] + noise[i]
-    return 40.0 + x
+from traceml_jupyter.analysis.noise import judge  # noqa: E402
 
 
 def excluded_iid(a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> bool:
