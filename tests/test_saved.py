@@ -284,6 +284,9 @@ def test_bad_names_paths_and_globs_say_which_and_why(ip: Any, saved: tuple[Run, 
         with pytest.raises(UsageError) as info:
             ip.run_line_magic("traceml", line)
         assert str(info.value).startswith(f"%traceml compare: {why}"), str(info.value)
+    _RUNS.clear()
+    with pytest.raises(UsageError, match=r"compare 'slow' with what\? This kernel has no run: name two"):
+        ip.run_line_magic("traceml", f"compare {tmp_path}/slow.json")
     with pytest.raises(UsageError, match="unknown command 'load'.*history"):
         ip.run_line_magic("traceml", "load x")
     with pytest.raises(UsageError, match="history: .*a file, not a directory"):
@@ -299,3 +302,15 @@ def test_a_history_that_cannot_be_written_costs_nothing_but_a_line(ip: Any, save
     assert result.error_in_exec is None and ip.user_ns["result"] == 7
     assert "traceml: could not save lost to the history" in result.out.stderr
     assert traceml_jupyter.last().name == "lost"
+
+
+def test_traceml_history_in_the_environment_saves_every_run(
+    ip: Any, saved: tuple[Run, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRACEML_HISTORY", str(tmp_path / "from-env"))
+    assert cell(ip, "%%traceml --name env --no-live\ntrain()\n").error_in_exec is None
+    [path] = (tmp_path / "from-env").iterdir()
+    assert path.name.endswith("-env.json") and traceml_jupyter.load(str(path)).name == "env"
+    with capture_output() as out:
+        ip.run_line_magic("traceml", "history")
+    assert out.stdout.strip() == f"traceml: every run is saved to {tmp_path / 'from-env'} (1 run there)"

@@ -65,6 +65,8 @@ def compare(a: Run | str | None = None, b: Run | str | None = None) -> Compariso
         run_a, run_b = all_runs[-2], all_runs[-1]
     elif a is None or b is None:
         run_a = resolve_run(a if a is not None else b)  # type: ignore[arg-type]
+        if not all_runs:
+            raise ValueError(f"compare {run_a.name!r} with what? This kernel has no run: name two")
         run_b = all_runs[-1]
         if run_a is run_b:
             raise ValueError(f"{run_a.name!r} is the latest run: name a second run to compare")
