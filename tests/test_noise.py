@@ -57,6 +57,8 @@ def test_two_runs_of_the_same_code_are_no_change_even_when_their_means_differ_a_
         c = compared(a, b)
         assert c.change == "NO CHANGE", c.text()
         assert c.conclusion.startswith("NO CHANGE (within noise): ")
+        throughput = next(row for row in c.rows if row[0].startswith("Throughput"))
+        assert throughput[3].endswith("x: within noise")  # never "1.1x faster" within the noise
         assert c.speedup_low is not None and c.speedup_high is not None
         assert c.speedup_low <= 1.0 <= c.speedup_high or abs(c.speedup - 1) < 0.05
 

@@ -281,6 +281,10 @@ def compare_summaries(
         return Comparison(
             name_a, name_b, label_a, label_b, speedup, conclusion, rows, [], caveats=said_first
         )
+    if judgement.change.value == "NO CHANGE" and speedup:
+        # the throughput row says what the conclusion says: no "1.1x faster" within the noise
+        what, a, b, _ = rows[1]
+        rows[1] = (what, a, b, f"{speedup:.2f}x: within noise")
     return Comparison(
         name_a,
         name_b,
