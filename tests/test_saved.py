@@ -156,6 +156,8 @@ def test_a_later_version_with_more_keys_and_unknown_ones_loads(tmp_path: Path) -
     document["resources"] = {"time_s": [0.1, 0.2], "cpu_pct": [120.0, None]}  # a key we don't know
     document["steps"]["forward_ms"] = [1.0] * 24  # a part another branch measures
     document["steps"]["optimizer_ms"] = [None] * 24
+    document["steps"]["memory_kind"] = ["cuda"] * 24  # a column of another kind: left out
+    document["steps"]["backward_ms"] = None  # a column left null: left out
     document["cell"] = {"source": "%%traceml --name slow\nfor x, y in loader:\n    pass", "loop_cell_source": None}
     document["machine"] = {"python": "3.11.7", "torch": "2.13.0", "cpus": 2}
     path = tmp_path / "v2.json"
@@ -165,6 +167,8 @@ def test_a_later_version_with_more_keys_and_unknown_ones_loads(tmp_path: Path) -
         assert run.schema_version == 2 and run.machine == document["machine"]
         assert "cell_source" not in run.unsaved and run.cell_source.startswith("%%traceml")
         assert run.steps["forward_ms"].tolist() == [1.0] * 24
+        assert "memory_kind" not in run.steps and "backward_ms" not in run.steps
+        assert run.to_dict()["steps"]["memory_kind"] == ["cuda"] * 24  # kept as read
         assert "for x, y in loader:" in render_html(run)
         c = traceml_jupyter.compare(run, str(V1))
         assert "forward_ms" not in {ch.column for ch in c.per_step}  # only one of them has it
@@ -185,7 +189,10 @@ def test_a_later_version_with_more_keys_and_unknown_ones_loads(tmp_path: Path) -
         ('{"schema_version": 1, "name": "x", "summary": {}, "verdict": {"label": "X"}, '
          '"steps": {"step_ms": ["a"]}}', "steps.step_ms is not a list of numbers"),
         ('{"schema_version": 1, "name": "x", "summary": {}, "verdict": {"label": "X"}, '
-         '"steps": {"step_ms": [1.0], "data_wait_ms": []}}', "per-step columns have different lengths"),
+         '"steps": {"step_ms": [1.0], "data_wait_ms": [], "compute_ms": [1.0]}}',
+         "per-step columns have different lengths"),
+        ('{"schema_version": 1, "name": "x", "summary": {}, "verdict": {"label": "X"}, '
+         '"steps": {"step_ms": [1.0], "data_wait_ms": [1.0]}}', "steps.compute_ms is missing"),
         ("<!DOCTYPE html>\n<html><body>report</body></html>", "an HTML report, not a saved run"),
     ],
 )

@@ -109,25 +109,42 @@ def _float(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+REQUIRED_COLUMNS = ("step_ms", "data_wait_ms", "compute_ms")
+
+
+def _column(name: str, values: Any) -> np.ndarray | None:
+    if not isinstance(values, list):
+        return None
+    try:
+        array = np.array(values, dtype=np.int64 if name == "step" else np.float64)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if array.ndim != 1:
+        return None
+    array.flags.writeable = False
+    return array
+
+
 def _columns(steps: Mapping[str, Any], shown: str) -> dict[str, np.ndarray]:
-    """The saved per-step columns as read-only numpy arrays (null: NaN), all of one length."""
+    """The saved per-step columns as read-only numpy arrays (null: NaN). The step's own columns
+    must be numbers, all of one length; another column that is not (a later version's column
+    of another kind, a column left null) is left out."""
     out: dict[str, np.ndarray] = {}
-    for name, values in steps.items():
-        if not isinstance(values, list):
-            raise LoadError(f"{shown}: steps.{name} is not a list of numbers")
-        try:
-            array = np.array(values, dtype=np.int64 if name == "step" else np.float64)
-        except (TypeError, ValueError, OverflowError):
-            raise LoadError(f"{shown}: steps.{name} is not a list of numbers") from None
-        if array.ndim != 1:
-            raise LoadError(f"{shown}: steps.{name} is not a list of numbers")
-        array.flags.writeable = False
-        out[str(name)] = array
+    for name in REQUIRED_COLUMNS:
+        array = _column(name, steps.get(name))
+        if array is None:
+            what = "missing" if name not in steps else "not a list of numbers"
+            raise LoadError(f"{shown}: steps.{name} is {what}")
+        out[name] = array
     lengths = {len(a) for a in out.values()}
     if len(lengths) > 1:
         raise LoadError(f"{shown}: the per-step columns have different lengths {sorted(lengths)}")
+    n = lengths.pop()
+    for name, values in steps.items():
+        array = _column(str(name), values) if name not in out else None
+        if array is not None and len(array) == n:
+            out[str(name)] = array
     if "step" not in out:
-        n = lengths.pop() if lengths else 0
         out["step"] = np.arange(n, dtype=np.int64)
         out["step"].flags.writeable = False
     return out
