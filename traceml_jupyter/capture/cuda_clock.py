@@ -152,11 +152,14 @@ class CudaSteps:
             self.current.start = self._mark()
 
     def before_fetch(self, index: int) -> None:
-        if self.current is None:  # the run's first step opens with its first fetch
+        opening = self.current is None or self.current.start is None
+        if opening:  # the run's first step (or one begun inside a CUDA graph capture) opens here
             self._stream = self.marks.stream()
         self._before = ev = self._mark()
         if self.current is None:
             self.current = StepEvents(index, ev)
+        elif opening:
+            self.current.start = ev
 
     def after_fetch(self, serial: int) -> None:
         before, self._before = self._before, None
@@ -189,6 +192,19 @@ class CudaSteps:
         self.current = StepEvents(index + 1, end, fetches=later)
         self.poll()
 
+    def step_captured(self, index: int, next_serial: int) -> None:
+        """Step `index` ended while a CUDA graph capture was under way, when no event may be
+        recorded (cuda_graphs.py): its GPU timings are unknown, and the next step starts at its
+        first fetch."""
+        cur = self.current
+        later: list[tuple[int, Any, Any]] = []
+        if cur is not None and cur.index == index:
+            later = [f for f in cur.fetches if f[0] >= next_serial]
+            cur.fetches = [f for f in cur.fetches if f[0] < next_serial]
+            cur.valid = False
+            self.pending.append(cur)
+        self.current = StepEvents(index + 1, None, fetches=later)
+
     def merged(self, n: int) -> None:
         """The last n closed steps were merged into the open one: its GPU timings are unknown."""
         last = self.recorder.n_steps  # the open step's index after the merge
@@ -208,17 +224,17 @@ class CudaSteps:
                 events += (a, b)
             for a, b in step.phases:
                 events += (a, b)
-            if not all(ev.query() for ev in events):
+            if not all(ev.query() for ev in events if ev is not None):
                 return
             pending.popleft()
-            if step.valid:
+            if step.valid and step.start is not None and step.end is not None:
                 wait = sum(float(a.elapsed_time(b)) for _, a, b in step.fetches)
                 kept_out = sum(float(a.elapsed_time(b)) for a, b in step.phases)
                 total = float(step.start.elapsed_time(step.end)) - kept_out
                 add(step.index, wait, total - wait)
             # The step's end is the next step's start: it stays in use until that one is read.
             # The first step's start is its first fetch's own event: free each event once.
-            done = {id(ev): ev for ev in [step.start, *events[2:]]}
+            done = {id(ev): ev for ev in [step.start, *events[2:]] if ev is not None}
             self._free += done.values()
 
     def close(self) -> None:

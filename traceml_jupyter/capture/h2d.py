@@ -21,6 +21,7 @@ from types import FrameType
 from typing import Any
 
 from .cell_functions import is_cell_file
+from .cuda_graphs import capturing
 from .patches import patched
 from .step_tally import StepTally
 
@@ -468,7 +469,7 @@ def copies_timed(
         if device is None:
             return to(self, *args, **kwargs)
         step = watch.current_step()
-        if step is None or compiling():
+        if step is None or compiling() or capturing():  # a copy into a CUDA graph runs at replay
             return to(self, *args, **kwargs)
         return timed(to, self, args, kwargs, step, device)
 
@@ -476,7 +477,7 @@ def copies_timed(
         if watch.off is not None or get_ident() != watch.thread or self.is_cuda:
             return cuda(self, *args, **kwargs)
         step = watch.current_step()
-        if step is None or compiling():
+        if step is None or compiling() or capturing():
             return cuda(self, *args, **kwargs)
         target = _device_arg(args, kwargs)
         device = CURRENT if target is None or isinstance(target, bool) else cuda_index(target)
@@ -487,7 +488,7 @@ def copies_timed(
     wait_stream: Any = getattr(stream_type, "wait_stream", None)
 
     def watched_wait_stream(self: Any, stream: Any) -> Any:
-        if watch.off is None and get_ident() == watch.thread:
+        if watch.off is None and get_ident() == watch.thread and not capturing():
             try:
                 watch.stream_waits(self, stream)
             except Exception as exc:  # ours: the wait itself still runs

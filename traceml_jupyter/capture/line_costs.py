@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
 
+from .cuda_graphs import capturing
 from .hooks import LINES
 from .locate import LoopChoice, find_node
 
@@ -237,7 +238,7 @@ class CudaLineClock(LineClock):
             self._marks = None
             self._poll()
         super().start()
-        if self.gpu_off is not None or not self._on_gpu():  # the CPU path ends here
+        if self.gpu_off is not None or not self._on_gpu() or capturing():  # the CPU path ends here
             return
         k = self.timed - 1
         step = step_of_sample(k, self.full, self.every)
@@ -261,6 +262,9 @@ class CudaLineClock(LineClock):
         self.ns[i] += now - self._prev
         self.runs[i] += 1
         marks = self._marks
+        if marks is not None and capturing():  # no event inside a CUDA graph capture: drop the step's
+            self._free.extend(ev for _, ev in marks)
+            self._marks = marks = None
         if marks is not None:
             try:
                 marks.append((i, self._event(self._mark_stream)))
@@ -271,6 +275,8 @@ class CudaLineClock(LineClock):
 
     def _poll(self) -> None:
         pending, sums, free = self._pending, self.gpu_sums, self._free
+        if capturing():
+            return
         try:
             while pending:
                 marks = pending[0]
@@ -290,6 +296,8 @@ class CudaLineClock(LineClock):
         if self._marks is not None:
             self._pending.append(self._marks)
             self._marks = None
+        if self._pending and self.gpu_off is None and capturing():
+            self._turn_off(RuntimeError("a CUDA graph capture was still under way when the cell ended"))
         if self._pending and self.gpu_off is None:
             try:  # every mark: a body that switched streams leaves them on several
                 for marks in self._pending:

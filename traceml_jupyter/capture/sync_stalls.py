@@ -41,6 +41,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from .cuda_graphs import capturing
 from .h2d import COPY_COLUMNS, CopyWatch, EventPool, cell_line, copies_timed
 from .patches import patched
 from .step_tally import StepTally
@@ -544,7 +545,7 @@ class GpuWatch:
 
     def step_ended(self, t_ns: int | None = None, step: int | None = None) -> None:
         """Step `step` (the one that just closed) ended at host time `t_ns`. Never raises."""
-        if self._last is None or self.backlog_off is not None:
+        if self._last is None or self.backlog_off is not None or capturing():
             return
         self._steps_seen += 1
         if self._steps_seen % BACKLOG_EVERY:
@@ -655,6 +656,8 @@ class GpuWatch:
             self.run.notes.extend(self.notes)
             return
         try:
+            if capturing():  # a capture left open: a wait now would invalidate it
+                raise RuntimeError("a CUDA graph capture was still under way when the cell ended")
             self._read_at_end(self.api, self.device)
         except Exception as exc:
             self.notes.append(f"GPU timings of copies and syncs incomplete: {_why(exc)}")
