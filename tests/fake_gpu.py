@@ -453,7 +453,6 @@ class FakeEvent:
 
     def record(self, stream: FakeStream | None = None) -> None:
         gpu = self.gpu
-        gpu.check()
         stream = stream or gpu.current_stream()
         if self.device is None:
             self.device = stream.device_index

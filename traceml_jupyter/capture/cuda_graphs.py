@@ -41,9 +41,17 @@ class _Captures:
 
 
 _STATE = _Captures()
-# The strongest training event each graph's capture held (step_model levels), kept across
-# cells while the graph lives: a graph captured in one traced cell is replayed in the next.
-_LEVELS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+# The strongest training event each graph's capture held (a step_model level, and the
+# optimizer when it is a step), kept across cells while the graph lives: a graph captured in
+# one traced cell is replayed in the next.
+_LEVELS: weakref.WeakKeyDictionary[Any, tuple[int, Callable[[], Any]]] = weakref.WeakKeyDictionary()
+
+
+def _ref(obj: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def graph_class() -> Any:
@@ -95,11 +103,11 @@ class GraphWatch:
     """The CUDA graphs of one traced cell: captures, replays (those on the loop's thread, per
     step), the training events the captures held, and our calls skipped while one ran.
 
-    `replayed(level)` is called on the loop's thread after a replay of a graph whose capture
-    held a training event of `level` (the capture's `training_event`)."""
+    `replayed(level, optimizer)` is called on the loop's thread after each replay: with the
+    strongest training event its capture held (level None: none, or captured elsewhere)."""
 
     thread: int
-    replayed: Callable[[int], None] | None = None
+    replayed: Callable[[int | None, Any], None] | None = None
     captures: int = 0  # captures that ended (well or not) during the cell
     invalidated: int = 0  # ... whose capture_end raised (the user's capture failed)
     replays: int = 0  # every replay during the cell, on any thread
@@ -109,16 +117,18 @@ class GraphWatch:
     _stack: list[Any] = field(default_factory=list)  # graphs being captured on the loop's thread
     _skipped_before: int = 0
 
-    def held(self, level: int) -> bool:
-        """A training event now: inside a capture (it is recorded, not run) its level goes to
-        the graph being captured and it ends no step (True); else False."""
+    def held(self, level: int, optimizer: Any = None) -> bool:
+        """A training event now: inside a capture (it is recorded, not run) it goes to the
+        graph being captured and ends no step (True); else False."""
         if _STATE.active <= 0:
             return False
         self.held_events += 1
         if self._stack and threading.get_ident() == self.thread:
             graph = self._stack[-1]
             try:
-                _LEVELS[graph] = max(level, _LEVELS.get(graph, level))
+                known = _LEVELS.get(graph)
+                if known is None or level > known[0]:
+                    _LEVELS[graph] = (level, _ref(optimizer))
             except TypeError:  # a graph that takes no weak reference: its replays end no step
                 pass
         return True
@@ -129,11 +139,11 @@ class GraphWatch:
             return
         self.loop_replays += 1
         try:
-            level = _LEVELS.get(graph)
+            held = _LEVELS.get(graph)
         except TypeError:
-            level = None
-        if level is not None and self.replayed is not None:
-            self.replayed(level)
+            held = None
+        if self.replayed is not None:
+            self.replayed(*(held[0], held[1]()) if held is not None else (None, None))
 
     def summary(self, n_steps: int) -> dict[str, Any] | None:
         """What the report says of the cell's graphs; None when it used none."""

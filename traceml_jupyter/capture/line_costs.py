@@ -203,6 +203,7 @@ class CudaLineClock(LineClock):
         self._mark_stream: Any = None
         self._pending: deque[list[tuple[int, Any]]] = deque()
         self._free: list[Any] = []
+        self.own: Callable[[int], None] = lambda ns: None  # our event records' host time in a step
 
     def _ready(self) -> bool:
         """Events can be made: a factory was given, or torch's CUDA API for the loop's device."""
@@ -270,7 +271,9 @@ class CudaLineClock(LineClock):
                 marks.append((i, self._event(self._mark_stream)))
             except Exception as exc:  # runs in the user's `finally`: must not replace their error
                 self._turn_off(exc)
-            now = perf_counter_ns()
+            after = perf_counter_ns()
+            self.own(after - now)
+            now = after
         self._prev = now
 
     def _poll(self) -> None:
@@ -389,4 +392,11 @@ def new_clock(statements: list[Statement], run: Any, warmup: int | None) -> Line
     def api() -> Any:
         return sync_stalls.torch_cuda_api(getattr(run, "cuda_device", None))
 
-    return CudaLineClock(statements, None, on_gpu, until, api_for=api)
+    def own(ns: int) -> None:
+        watch = getattr(run, "gpu_watch", None)
+        if watch is not None and watch.syncs is not None:
+            watch.own_time(ns)
+
+    clock = CudaLineClock(statements, None, on_gpu, until, api_for=api)
+    clock.own = own
+    return clock

@@ -74,6 +74,7 @@ class Capture:
         self.graphs = cuda_graphs.GraphWatch(self.thread, self._graph_replayed)
         self.work = gpu_activity.WorkSeen(lambda ds: busy_devices(ds), lambda: current_device(), self.thread)
         self._bytes_before: dict[int, tuple[int, int]] = {}
+        self._own_ns = 0  # our GPU bookkeeping's host time in the open step (the GPU watch sums it)
 
     # -- the located loop -------------------------------------------------------------------
     def loop(self, iterable: Iterable[Any]) -> Iterator[Any]:
@@ -177,20 +178,24 @@ class Capture:
     def _fetch_begin(self) -> None:
         model = self.model
         if self.cuda is not None and not model._stack and not cuda_graphs.capturing():
+            t_in = perf_counter_ns()
             try:
                 self.cuda.before_fetch(model.recorder.n_steps)
             except Exception as exc:
                 self._gpu_failed(exc)
+            self._own_ns += perf_counter_ns() - t_in
         model.fetch_begin()
 
     def _fetch_end(self, t0: int, t1: int, source: Source | None, pass_: Pass | None, batch: bool) -> None:
         model = self.model
         model.fetch_end(t0, t1, source, pass_, batch)
         if self.cuda is not None and not model._stack and not cuda_graphs.capturing():
+            t_in = perf_counter_ns()
             try:
                 self.cuda.after_fetch(model.fetch_serial - 1)
             except Exception as exc:
                 self._gpu_failed(exc)
+            self._own_ns += perf_counter_ns() - t_in
 
     def fetch(self, site: int, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """A fetch call in the loop body (`next(it)`, `get_batch()`): its time is data wait."""
@@ -282,19 +287,19 @@ class Capture:
             self.optimizer_name = type_name(optimizer)
         elif level == BACKWARD:
             self.backward_seen = True
-        if _CAPTURES.active and self.graphs.held(level):
+        if _CAPTURES.active and self.graphs.held(level, optimizer):
             return  # recorded into a CUDA graph, not run: it ends no step (its replays do)
         if self._deciding:
             self.work.look("work queued when a training event ended")
         self.model.training_event(level, t, optimizer)
 
-    def _graph_replayed(self, level: int | None) -> None:
+    def _graph_replayed(self, level: int | None, optimizer: Any) -> None:
         """A CUDA graph replayed on the loop's thread: work launched on the current device, and
         the training event its capture held (an optimizer step: a step ends)."""
         if self._deciding:
             self.work.saw(current_device(), "a CUDA graph replay")
         if level is not None and self.active:
-            self.training_event(level)
+            self.training_event(level, optimizer)
 
     # -- steps ------------------------------------------------------------------------------------
     def _step_closed(self, t: int, next_serial: int) -> None:
@@ -321,6 +326,16 @@ class Capture:
         model.notify_from = self.run._next_tick
 
     def _gpu_step_closed(self, index: int, t: int, next_serial: int) -> None:
+        t_in = perf_counter_ns()
+        self._gpu_bookkeeping(index, t, next_serial)
+        # Our host time in the step that closed goes to the GPU watch (it is taken out of the
+        # host's issue time); this bookkeeping's own lands in the next step.
+        watch = self.run.gpu_watch
+        if self.cuda is not None and watch is not None and watch.syncs is not None:
+            watch.own_at(index, self._own_ns)
+        self._own_ns = perf_counter_ns() - t_in
+
+    def _gpu_bookkeeping(self, index: int, t: int, next_serial: int) -> None:
         if cuda_graphs.notice_foreign_capture():  # no CUDA call of ours inside a graph capture
             if self.cuda is not None:
                 self.cuda.step_captured(index, next_serial)
@@ -478,6 +493,8 @@ def _graphs_read(run: Run, capture: Capture) -> None:
     """The cell's CUDA graphs on the run (None: it used none), with the report's note."""
     graphs = capture.graphs
     run.cuda_graphs = graphs.summary(int(run.recorder.n_steps))
+    if run.cuda_graphs is not None:
+        run.watch_summary["cuda_graphs_used"] = True
     note = cuda_graphs.graph_note(run.cuda_graphs)
     if note:
         run.notes.append(note)
