@@ -22,8 +22,8 @@ from __future__ import annotations
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import ExitStack
 from typing import Any
 
 from .cuda_graphs import capturing
@@ -162,12 +162,3 @@ class WorkSeen:
         if probes is not None:
             probes.close()
 
-
-@contextmanager
-def probing(work: WorkSeen, tensor_type: Any, methods: Iterable[str], sync_points: Iterable[tuple[Any, str, str]]) -> Iterator[WorkSeen]:
-    """`work.probe_waits(...)` for the duration at most (the capture stops it once decided)."""
-    work.probe_waits(tensor_type, methods, sync_points)
-    try:
-        yield work
-    finally:
-        work.stop_probing()
