@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fake_gpu import CudaError, FakeGpu, FakeTensor, HostClock, install_fake_cuda, reduce_overhead
+from fake_gpu import CudaError, FakeGpu, FakeGraph, FakeTensor, HostClock, install_fake_cuda, reduce_overhead
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
@@ -288,3 +288,45 @@ def test_nothing_of_ours_stays_patched_on_the_graph_class(ip: Any, gpu: FakeGpu)
     traced(ip, "for i in range(3):  # traceml: loop\n    static_input.work(1.0)\n")
     assert {n: cls.__dict__.get(n) for n in before} == before
     assert cuda_graphs._STATE.active == 0
+
+
+def test_steps_closed_inside_a_capture_have_no_gpu_timings_and_break_nothing(ip: Any, gpu: FakeGpu) -> None:
+    """A located loop whose iterations run inside one capture: each step closes while the
+    capture is under way (no event may be recorded): unknown GPU timings, the capture intact."""
+    run = traced(
+        ip,
+        """\
+        g = cuda.CUDAGraph()
+        with cuda.graph(g):
+            for i in range(4):  # traceml: loop
+                static_input.work(1.0)
+        for i in range(3):
+            g.replay()
+        """,
+    )
+    assert ip.user_ns["g"].ready and gpu.graphs_captured == 1
+    assert run.n_steps == 4 and run.clock == "cpu"  # no GPU timing for a step that ran nothing
+
+
+def test_a_capture_begun_outside_cudagraph_is_seen_once_a_step(ip: Any, gpu: FakeGpu) -> None:
+    """A capture begun without torch.cuda.CUDAGraph (the C++ API, another library): the step's
+    close asks `is_current_stream_capturing()`, and every later check of the cell asks it too."""
+    ip.user_ns["raw"] = FakeGraph(gpu)
+    run = traced(
+        ip,
+        """\
+        side = cuda.Stream()
+        for i in range(12):  # traceml: loop
+            if i == 6:
+                cuda.set_stream(side)
+                gpu.begin_capture(raw, "global")
+            x = FakeTensor(4_000, pinned=True).to("cuda", non_blocking=True)
+            x.work(1.0)
+            if i == 8:
+                gpu.end_capture(raw)
+                cuda.set_stream(cuda.default_stream())
+        """,
+    )
+    assert ip.user_ns["raw"].ready  # not invalidated by anything of ours
+    assert run.cuda_graphs is not None and run.cuda_graphs["capture_outside_cudagraph"]
+    assert cuda_graphs._STATE.foreign is False  # reset for the next cell

@@ -314,7 +314,7 @@ def test_our_own_host_time_is_measured_and_taken_out_of_the_hosts_issue_time(ip:
     s = run.summary
     assert s["own_host_ms"] > 20 * 2 * 0.05  # at least the copies' two records each
     host = float(np.median(run.steps["compute_ms"][5:]))
-    assert s["host_issue_ms"] == pytest.approx(host - s["own_host_ms"], rel=0.25)
+    assert s["host_issue_ms"] < host - 20 * 2 * 0.05  # ours is out of the host's issue time
     assert s["host_issue_ms"] > 3.0 + 20 * 0.05  # the user's sleep and their own copies stay
     assert "own_host_ms" in run.to_dict()["steps"]
     if run.verdict == "HOST-BOUND":

@@ -8,7 +8,8 @@ call fails with cudaErrorStreamCaptureUnsupported and invalidates the user's cap
 capture cannot be queried at all (cudaErrorCapturedEvent). So nothing of ours touches CUDA
 while a capture is under way: every GPU watch asks `capturing()` first (an attribute read: the
 capture is known from `CUDAGraph.capture_begin/capture_end`, patched for the cell; once a step,
-`torch.cuda.is_current_stream_capturing()` also catches a capture begun another way).
+and before each timed copy, backlog probe or line's events, `torch.cuda.is_current_stream_capturing()`
+also catches a capture begun another way).
 
 A captured step did no work (it was recorded): the training events inside a capture end no
 step. Its replay does: `g.replay()` of a graph whose capture held `optimizer.step()` (or
@@ -74,10 +75,12 @@ def stream_capturing() -> bool:
         return False
 
 
-def capturing() -> bool:
-    """A CUDA graph capture is under way: no event record, query, poll or wait of ours now."""
+def capturing(ask_cuda: bool = False) -> bool:
+    """A CUDA graph capture is under way: no event record, query, poll or wait of ours now.
+    `ask_cuda`: also ask `is_current_stream_capturing()` (about a µs on a GPU: for the calls
+    that cost several anyway, a timed copy, a backlog probe, a line's events)."""
     state = _STATE
-    if state.active > 0 or (state.foreign and stream_capturing()):
+    if state.active > 0 or ((ask_cuda or state.foreign) and stream_capturing()):
         state.skipped += 1
         return True
     return False
@@ -148,7 +151,7 @@ class GraphWatch:
     def summary(self, n_steps: int) -> dict[str, Any] | None:
         """What the report says of the cell's graphs; None when it used none."""
         skipped = _STATE.skipped - self._skipped_before
-        if not (self.captures or self.replays or self._stack):
+        if not (self.captures or self.replays or self._stack or _STATE.foreign):
             return None
         return {
             "captures": self.captures,
@@ -180,6 +183,8 @@ def graph_note(graphs: dict[str, Any] | None) -> str | None:
         )
     if graphs["invalidated"]:
         parts.append(f"{graphs['invalidated']} capture(s) failed in your code")
+    if graphs["capture_outside_cudagraph"]:
+        parts.append("a capture begun outside torch.cuda.CUDAGraph (its steps have no GPU timings)")
     text = "CUDA graphs in use: " + "; ".join(parts) + "."
     if graphs["calls_skipped_during_capture"]:
         text += " Nothing of traceml touched CUDA while a capture was under way."

@@ -102,7 +102,7 @@ class WorkSeen:
 
     def look(self, kind: str, devices: Iterable[int] | None = None) -> None:
         """Queued work now on `devices` (the current device if None) counts for each."""
-        if capturing():
+        if capturing(True):
             return
         try:
             if devices is None:

@@ -516,7 +516,7 @@ def copies_timed(
         if device is None:
             return to(self, *args, **kwargs)
         step = watch.current_step()
-        if step is None or compiling() or capturing():  # a copy into a CUDA graph runs at replay
+        if step is None or compiling() or capturing(True):  # a copy into a CUDA graph runs at replay
             return to(self, *args, **kwargs)
         return timed(to, self, args, kwargs, step, device)
 
@@ -524,7 +524,7 @@ def copies_timed(
         if watch.off is not None or get_ident() != watch.thread or self.is_cuda:
             return cuda(self, *args, **kwargs)
         step = watch.current_step()
-        if step is None or compiling() or capturing():
+        if step is None or compiling() or capturing(True):
             return cuda(self, *args, **kwargs)
         target = _device_arg(args, kwargs)
         device = CURRENT if target is None or isinstance(target, bool) else cuda_index(target)
@@ -536,7 +536,7 @@ def copies_timed(
     in_wait_stream = [False]  # torch's wait_stream is wait_event(stream.record_event()): seen once
 
     def watched_wait_stream(self: Any, stream: Any) -> Any:
-        if watch.off is None and get_ident() == watch.thread and not capturing():
+        if watch.off is None and get_ident() == watch.thread and not capturing(True):
             try:
                 watch.stream_waits(self, stream)
             except Exception as exc:  # ours: the wait itself still runs
@@ -551,7 +551,7 @@ def copies_timed(
     event_wait: Any = getattr(event_type, "wait", None)
 
     def watched_record(self: Any, stream: Any = None) -> Any:
-        if watch.side_pending and watch.off is None and get_ident() == watch.thread and not capturing():
+        if watch.side_pending and watch.off is None and get_ident() == watch.thread and not capturing(True):
             try:
                 watch.event_recorded(self, stream)
             except Exception as exc:
@@ -564,7 +564,7 @@ def copies_timed(
             and not in_wait_stream[0]
             and watch.off is None
             and get_ident() == watch.thread
-            and not capturing()
+            and not capturing(True)
         ):
             try:
                 waiter = stream

@@ -239,12 +239,12 @@ class CudaLineClock(LineClock):
             self._marks = None
             self._poll()
         super().start()
-        if self.gpu_off is not None or not self._on_gpu() or capturing():  # the CPU path ends here
+        if self.gpu_off is not None or not self._on_gpu():  # the CPU path ends here
             return
         k = self.timed - 1
         step = step_of_sample(k, self.full, self.every)
         due = step >= self.full or step % GPU_EARLY_EVERY == 0
-        if due and step > self.warmup_until:
+        if due and step > self.warmup_until and not capturing(True):
             try:
                 if not self._ready():
                     return
@@ -263,7 +263,7 @@ class CudaLineClock(LineClock):
         self.ns[i] += now - self._prev
         self.runs[i] += 1
         marks = self._marks
-        if marks is not None and capturing():  # no event inside a CUDA graph capture: drop the step's
+        if marks is not None and capturing(True):  # no event inside a CUDA graph capture: drop the step's
             self._free.extend(ev for _, ev in marks)
             self._marks = marks = None
         if marks is not None:

@@ -591,10 +591,10 @@ class GpuWatch:
 
     def step_ended(self, t_ns: int | None = None, step: int | None = None) -> None:
         """Step `step` (the one that just closed) ended at host time `t_ns`. Never raises."""
-        if self._last is None or self.backlog_off is not None or capturing():
+        if self._last is None or self.backlog_off is not None:
             return
         self._steps_seen += 1
-        if self._steps_seen % BACKLOG_EVERY:
+        if self._steps_seen % BACKLOG_EVERY or capturing(True):
             return
         try:
             if step is None:
