@@ -723,25 +723,34 @@ def side_streams(ctx: Context) -> list[Check]:
     checks.append(check)
 
     check = Check("G2 side-stream copy waited for at once", "the wait is step time: h2d_ms ~ the copy", "F10b")
+    checks.append(waited_side_copy(ctx, check, "", "torch.cuda.current_stream().wait_stream(side)"))
+    return checks
+
+
+def waited_side_copy(ctx: Context, check: Check, recorded: str, join: str) -> Check:
+    """64 MiB copied on a side stream (then `recorded`, inside the stream's block) that the
+    loop's stream waits for at once (`join`), in a loop that syncs every step: the wait is
+    step time (G2 with wait_stream; the second pass's G2e with wait_event)."""
+    torch = ctx.torch
     big = [torch.ones(16 * 2**20).pin_memory() for _ in range(2)]  # 64 MiB
-    cell = """
+    inside = f"\n            {recorded}" if recorded else ""
+    cell = f"""
     for i in range(30):  # traceml: loop
         with torch.cuda.stream(side):
-            x = big[i % 2].to("cuda", non_blocking=True)
-        torch.cuda.current_stream().wait_stream(side)
+            x = big[i % 2].to("cuda", non_blocking=True){inside}
+        {join}
         x.record_stream(torch.cuda.current_stream())
         torch.cuda._sleep(CYCLES)
         loss = (x * 2).sum().item()
     """
-    run = ctx.traced("G2-waited", cell, {"big": big, "side": torch.cuda.Stream(), "torch": torch, "CYCLES": ctx.cycles(1)})
+    run = ctx.traced(check.scenario.split()[0], cell, {"big": big, "side": torch.cuda.Stream(), "torch": torch, "CYCLES": ctx.cycles(1)})
     describe(check, run)
     site = ((run.h2d or {}).get("sites") or [{}])[0]
     copy_ms, waited_ms = site.get("ms_per_step") or 0.0, site.get("waited_ms_per_step") or 0.0
     check.numbers["copy/waited ms per step"] = f"{copy_ms:.3f}/{waited_ms:.3f}"
     check.expect(copy_ms > 0 and waited_ms >= 0.8 * copy_ms, f"waited {waited_ms} of a {copy_ms} ms copy, want most")
     check.expect((run.summary.get("h2d_ms") or 0.0) >= 0.8 * copy_ms, f"h2d_ms {run.summary.get('h2d_ms')}")
-    checks.append(check)
-    return checks
+    return check
 
 
 def pageable_non_blocking(ctx: Context) -> list[Check]:

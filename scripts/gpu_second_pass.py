@@ -33,7 +33,16 @@ import time
 import warnings
 from typing import Any
 
-from gpu_check import ROOT, Check, Context, Scenario, _no_nvml, describe, new_shell
+from gpu_check import (
+    ROOT,
+    Check,
+    Context,
+    Scenario,
+    _no_nvml,
+    describe,
+    new_shell,
+    waited_side_copy,
+)
 
 SECOND_BUDGET_S = 60.0  # groups of the second pass not started by then are reported as not run
 CHILD_MARK = "SECOND-PASS-CHILD: "
@@ -550,26 +559,8 @@ def empty_cache_loop(ctx: Context) -> list[Check]:
 def wait_event_prefetch(ctx: Context) -> list[Check]:
     """G2e: gpu_check's G2 with `record_event` + `wait_event` instead of `wait_stream`: the
     waited copy is step time."""
-    torch = ctx.torch
     check = Check("G2e side-stream copy, wait_event", "h2d_ms ~ the copy; waited")
-    big = [torch.ones(16 * 2**20).pin_memory() for _ in range(2)]
-    cell = """
-    for i in range(30):  # traceml: loop
-        with torch.cuda.stream(side):
-            x = big[i % 2].to("cuda", non_blocking=True)
-            ev = side.record_event()
-        torch.cuda.current_stream().wait_event(ev)
-        x.record_stream(torch.cuda.current_stream())
-        torch.cuda._sleep(CYCLES)
-        loss = (x * 2).sum().item()
-    """
-    run = ctx.traced("G2e-wait-event", cell, {"big": big, "side": torch.cuda.Stream(), "torch": torch, "CYCLES": ctx.cycles(1)})
-    describe(check, run)
-    site = ((run.h2d or {}).get("sites") or [{}])[0]
-    copy_ms, waited_ms = site.get("ms_per_step") or 0.0, site.get("waited_ms_per_step") or 0.0
-    check.numbers["copy/waited ms per step"] = f"{copy_ms:.3f}/{waited_ms:.3f}"
-    check.expect(copy_ms > 0 and waited_ms >= 0.8 * copy_ms, f"waited {waited_ms} of a {copy_ms} ms copy")
-    return [check]
+    return [waited_side_copy(ctx, check, "ev = side.record_event()", "torch.cuda.current_stream().wait_event(ev)")]
 
 
 # -- our own cost ---------------------------------------------------------------------------------

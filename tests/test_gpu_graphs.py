@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fake_gpu import CudaError, FakeGpu, FakeGraph, FakeTensor, HostClock, install_fake_cuda, reduce_overhead
+from fake_gpu import CudaError, FakeGpu, FakeGraph, FakeTensor, HostClock, reduce_overhead
 from IPython.utils.capture import capture_output
+from stand_in_cells import stand_in_shell, traced
 
-import traceml_jupyter
 from traceml_jupyter.capture import cuda_graphs
 from traceml_jupyter.capture.cuda_clock import CudaSteps, Marks
 from traceml_jupyter.capture.recorder import Recorder
@@ -121,16 +121,6 @@ def _catch(errors: list[BaseException], call: Any) -> None:
 # -- through the magic --------------------------------------------------------------------------
 
 SETUP = """
-import time, torch
-from torch.utils.data import DataLoader, Dataset
-class Slow(Dataset):
-    def __init__(self, n, ms):
-        self.n, self.ms = n, ms
-    def __len__(self):
-        return self.n
-    def __getitem__(self, i):
-        time.sleep(self.ms / 1000)
-        return FakeTensor(4_000, pinned=True)
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 static_input = FakeTensor(4_000, device="cuda")
@@ -145,22 +135,8 @@ def train_step(x, gpu_ms):
 
 @pytest.fixture()
 def gpu(ip: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
-    machine = FakeGpu(HostClock())
-    install_fake_cuda(monkeypatch, machine)
-    ip.user_ns.update(FakeTensor=FakeTensor, gpu=machine, cuda=machine.module)
-    with capture_output():
-        assert ip.run_cell(textwrap.dedent(SETUP)).error_in_exec is None
-    yield machine
+    yield stand_in_shell(ip, monkeypatch, SETUP)
     FakeTensor.gpu = None
-
-
-def traced(ip: Any, cell: str, options: str = "--no-live") -> Any:
-    with capture_output() as out:
-        result = ip.run_cell(f"%%traceml {options}\n" + textwrap.dedent(cell))
-    assert result.error_in_exec is None, out.stdout + out.stderr + repr(result.error_in_exec)
-    run = traceml_jupyter.last()
-    assert run is not None
-    return run
 
 
 WHOLE_NETWORK = """\

@@ -5,17 +5,16 @@ new behaviours, each against the rule it models (tests/fake_gpu.py cites the doc
 
 from __future__ import annotations
 
-import textwrap
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from fake_gpu import FakeGpu, FakeTensor, HostClock, allocator_stats, hidden_sync, install_fake_cuda
-from IPython.utils.capture import capture_output
+from fake_gpu import FakeGpu, FakeTensor, HostClock, allocator_stats, hidden_sync
+from stand_in_cells import stand_in_shell
+from stand_in_cells import traced as stand_in_traced
 
-import traceml_jupyter
 from traceml_jupyter.capture import hidden_waits
 from traceml_jupyter.capture.sync_stalls import SYNC_MESSAGE
 
@@ -120,17 +119,6 @@ def test_stream_wait_event_is_event_wait_as_in_torch() -> None:
 # -- through the magic ----------------------------------------------------------------------
 
 SETUP = """
-import time, torch
-from torch.utils.data import DataLoader, Dataset
-from fake_gpu import FakeTensor, hidden_sync, implicit_sync
-class Slow(Dataset):
-    def __init__(self, n, ms, nbytes=400_000):
-        self.n, self.ms, self.nbytes = n, ms, nbytes
-    def __len__(self):
-        return self.n
-    def __getitem__(self, i):
-        time.sleep(self.ms / 1000)
-        return FakeTensor(self.nbytes, pinned=True)
 tiny = torch.nn.Linear(2, 1)
 tiny_opt = torch.optim.SGD(tiny.parameters(), lr=0.1)
 """
@@ -138,22 +126,12 @@ tiny_opt = torch.optim.SGD(tiny.parameters(), lr=0.1)
 
 @pytest.fixture()
 def gpu(ip: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
-    machine = FakeGpu(HostClock(), devices=2)
-    install_fake_cuda(monkeypatch, machine)
-    ip.user_ns.update(FakeTensor=FakeTensor, gpu=machine, cuda=machine.module)
-    with capture_output():
-        assert ip.run_cell(textwrap.dedent(SETUP)).error_in_exec is None
-    yield machine
+    yield stand_in_shell(ip, monkeypatch, SETUP, devices=2)
     FakeTensor.gpu = None
 
 
 def traced(ip: Any, cell: str, options: str = "--no-live --lines off") -> Any:
-    with capture_output() as out:
-        result = ip.run_cell(f"%%traceml {options}\n" + textwrap.dedent(cell))
-    assert result.error_in_exec is None, out.stdout + out.stderr + repr(result.error_in_exec)
-    run = traceml_jupyter.last()
-    assert run is not None
-    return run
+    return stand_in_traced(ip, cell, options)
 
 
 def test_under_cuda_malloc_async_a_training_loop_is_still_a_gpu_loop(ip: Any, gpu: FakeGpu) -> None:

@@ -180,30 +180,27 @@ class CudaSteps:
 
     def step_closed(self, index: int, next_serial: int) -> None:
         """Step `index` ended now; fetches from `next_serial` on belong to the next step."""
-        end = self._mark()
-        cur = self.current
-        later: list[tuple[int, Any, Any]] = []
-        if cur is not None and cur.index == index:
-            later = [f for f in cur.fetches if f[0] >= next_serial]
-            cur.fetches = [f for f in cur.fetches if f[0] < next_serial]
-            cur.end = end
-            self.pending.append(cur)
+        self._close(index, next_serial, self._mark())
         self._stream = self.marks.stream()
-        self.current = StepEvents(index + 1, end, fetches=later)
         self.poll()
 
     def step_captured(self, index: int, next_serial: int) -> None:
         """Step `index` ended while a CUDA graph capture was under way, when no event may be
         recorded (cuda_graphs.py): its GPU timings are unknown, and the next step starts at its
         first fetch."""
+        self._close(index, next_serial, None)
+
+    def _close(self, index: int, next_serial: int, end: Any) -> None:
+        """The open step `index` ends at event `end` (None: unknown) and goes to the pending."""
         cur = self.current
         later: list[tuple[int, Any, Any]] = []
         if cur is not None and cur.index == index:
             later = [f for f in cur.fetches if f[0] >= next_serial]
             cur.fetches = [f for f in cur.fetches if f[0] < next_serial]
-            cur.valid = False
+            cur.end = end
+            cur.valid = cur.valid and end is not None
             self.pending.append(cur)
-        self.current = StepEvents(index + 1, None, fetches=later)
+        self.current = StepEvents(index + 1, end, fetches=later)
 
     def merged(self, n: int) -> None:
         """The last n closed steps were merged into the open one: its GPU timings are unknown."""
