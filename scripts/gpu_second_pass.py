@@ -41,6 +41,7 @@ from gpu_check import (
     _no_nvml,
     describe,
     new_shell,
+    replay_ms,
     waited_side_copy,
 )
 
@@ -224,20 +225,12 @@ def graph_capture(ctx: Context) -> list[Check]:
     run = ctx.traced("G1-graph", cell, {"model": model, "opt": opt, "static_x": static_x, "inputs": inputs, "torch": torch})
     describe(check, run)
     graphs = run.cuda_graphs or {}
-    g = ctx.shell.user_ns["g"]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        g.replay()
-    end.record()
-    end.synchronize()
-    replay = float(start.elapsed_time(end)) / 10
+    replay = replay_ms(torch, ctx.shell.user_ns["g"], 10)
     check.numbers.update({"replay ms": replay, "replays": graphs.get("replays"), "steps": run.n_steps})
     check.expect(graphs.get("captures") == 1 and graphs.get("invalidated") == 0, f"graphs {graphs}")
     check.expect(run.n_steps == 3 + 40, f"{run.n_steps} steps, want 3 warm-up + 40 replays")
     check.near("GPU compute", run.summary["compute_ms"], replay, 0.15)
     checks.append(check)
-    del g, start, end
 
     check = Check("G2c pinned copy inside a capture", "no exception; the copy left to the replay")
     pinned = torch.ones(4 * 2**20).pin_memory()

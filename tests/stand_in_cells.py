@@ -28,6 +28,13 @@ class Slow(Dataset):
 """
 
 
+def machine(**kw: Any) -> FakeGpu:
+    """A stand-in machine on a fake host clock (the test moves time), its tensors' machine."""
+    gpu = FakeGpu(HostClock(fake=True), **kw)
+    FakeTensor.gpu = gpu
+    return gpu
+
+
 def stand_in_shell(ip: Any, monkeypatch: Any, setup: str = "", **machine: Any) -> FakeGpu:
     """A stand-in machine as torch.cuda for traced cells, with `gpu`, `cuda` and `FakeTensor`
     in the namespace and SLOW_DATASET then `setup` run. The caller resets FakeTensor.gpu."""

@@ -13,21 +13,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fake_gpu import CudaError, FakeGpu, FakeGraph, FakeTensor, HostClock, reduce_overhead
+from fake_gpu import CudaError, FakeGpu, FakeGraph, FakeTensor, reduce_overhead
 from IPython.utils.capture import capture_output
-from stand_in_cells import stand_in_shell, traced
+from stand_in_cells import machine, stand_in_shell, traced
 
 from traceml_jupyter.capture import cuda_graphs
 from traceml_jupyter.capture.cuda_clock import CudaSteps, Marks
 from traceml_jupyter.capture.recorder import Recorder
 
 # -- the stand-in's capture rules -------------------------------------------------------------
-
-
-def machine() -> FakeGpu:
-    gpu = FakeGpu(HostClock(fake=True))
-    FakeTensor.gpu = gpu
-    return gpu
 
 
 @pytest.fixture(autouse=True)

@@ -11,20 +11,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fake_gpu import FakeGpu, FakeTensor, HostClock, allocator_stats, hidden_sync
-from stand_in_cells import stand_in_shell
+from fake_gpu import FakeGpu, FakeTensor, allocator_stats, hidden_sync
+from stand_in_cells import machine, stand_in_shell
 from stand_in_cells import traced as stand_in_traced
 
 from traceml_jupyter.capture import hidden_waits
 from traceml_jupyter.capture.sync_stalls import SYNC_MESSAGE
 
 # -- the stand-in, closer to CUDA ------------------------------------------------------------
-
-
-def machine(**kw: Any) -> FakeGpu:
-    gpu = FakeGpu(HostClock(fake=True), **kw)
-    FakeTensor.gpu = gpu
-    return gpu
 
 
 @pytest.fixture(autouse=True)
