@@ -194,6 +194,7 @@ class Run:
         self.h2d: dict[str, Any] | None = None  # host-to-device copies by line (h2d.py)
         self.sync_stalls: dict[str, Any] | None = None  # synchronising calls by line
         self.line_costs: dict[str, Any] | None = None  # ms per step of each body line
+        self.cuda_graphs: dict[str, Any] | None = None  # CUDA graphs captured/replayed (cuda_graphs.py)
         self._gpu_samples: dict[str, Any] | None = None
         self.gpu_note: str | None = None  # why GPU figures are missing (nvml.py), else None
         self.gpu_device: str | None = None  # e.g. "NVIDIA H200, 0000:17:00.0, 143771 MiB"
@@ -456,6 +457,7 @@ class Run:
             "h2d": _jsonable(self.h2d),
             "sync_stalls": _jsonable(self.sync_stalls),
             "line_costs": _jsonable(self.line_costs),
+            "cuda_graphs": _jsonable(self.cuda_graphs),
             "ranks": _jsonable(self.ranks),
             "straggler": _jsonable(self.straggler),
             # What a run read back needs to be shown and compared as it was (saved.py):
