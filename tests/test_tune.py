@@ -215,7 +215,7 @@ def test_the_predicted_speedup_is_within_15_percent_of_the_rerun(
     shell: Any, no_processes_left: Any, case: Case
 ) -> None:
     out = run_case(shell, case, budget=8)
-    assert out.best.get("num_workers", 0) >= 2 and out.measured is not None
+    assert out.best.get("num_workers", 0) >= 1 and out.measured is not None
     assert out.predicted == pytest.approx(out.measured, rel=0.15), (out.rows, out.predicted_ms, out.rerun_ms)
     taken = [r["take_ms"] for r in out.rows if r["settings"]["num_workers"] and r["take_ms"] is not None]
     assert taken and all(t > 0 for t in taken)  # measured, and counted in the step
