@@ -534,10 +534,11 @@ def test_the_step_counts_taking_batches_and_the_workers_cpu() -> None:
 
 def test_the_models_cpu_share_is_the_runs_cpu_less_its_loading() -> None:
     # 20 steps of 10 ms compute and 16 ms wait; the process used 150 ms of CPU.
-    assert model_cpu_share(150.0, 320.0, 200.0, 0.05) == pytest.approx((150 - 16) / 200)  # sleeps
-    assert model_cpu_share(150.0, 320.0, 200.0, 0.9) == 0.0  # the loading took it all
-    assert model_cpu_share(900.0, 320.0, 200.0, None) == 1.0  # one core at most
-    assert model_cpu_share(None, 320.0, 200.0, 0.5) is None
+    assert model_cpu_share(150.0, 200.0, 20, 0.8, 320.0) == pytest.approx((150 - 16) / 200)  # sleeps
+    assert model_cpu_share(150.0, 200.0, 20, 15.0, 320.0) == 0.0  # the loading took it all
+    assert model_cpu_share(400.0, 200.0, 20, None, 320.0) == pytest.approx(0.4)  # wait as CPU
+    assert model_cpu_share(900.0, 200.0, 20, 0.8, 320.0) == 1.0  # one core at most
+    assert model_cpu_share(None, 200.0, 20, 0.8, 320.0) is None
     model = ModelRate(compute_ms=10.0, step_ms=30.0, cpu_share=0.2)
     unslowed = Row(Setting(2, True), batches_per_s=100.0, take_ms=1.0, worker_cpu_ms=30.0)
     assert predicted_step_ms(unslowed, model, cpus=2, model_on_cpu=True) == pytest.approx((2 + 1 + 30) / 2)

@@ -583,7 +583,7 @@ class Paced:
 
 
 def paced(
-    fetch: Callable[[], bool], pace_s: float, burn: float, until: float, most: int = 40
+    fetch: Callable[[], bool], pace_s: float, burn: float, until: float, most: int = 400
 ) -> Paced:
     """The training loop's side with this candidate, the model stood in for: `pace_s` of the
     model's compute per batch (its CPU share `burn` as CPU time burnt, the rest a sleep, as a
@@ -1516,11 +1516,15 @@ def _burn_share(run: Any, model: ModelRate | None, split: Split | None, on_cpu: 
         import numpy as np
 
         steps = run.steps
+        loading = None
+        if split is not None and split.cpu_share is not None:
+            loading = split.cpu_share * split.batch_ms  # CPU ms a batch at num_workers=0
         share = model_cpu_share(
             run.process_cpu_ms,
-            float(np.nansum(steps["data_wait_ms"])),
             float(np.nansum(steps["compute_ms"])),
-            split.cpu_share if split is not None else None,
+            len(steps["compute_ms"]) * model.batches_per_step,
+            loading,
+            float(np.nansum(steps["data_wait_ms"])),
         )
     except Exception:
         share = None

@@ -300,17 +300,19 @@ def step_parts(row: Row, model: ModelRate, step: float) -> str:
 
 def model_cpu_share(
     process_cpu_ms: float | None,
-    wait_ms: float,
     compute_ms: float,
-    loading_cpu_share: float | None,
+    batches: float,
+    loading_cpu_ms: float | None,
+    wait_ms: float,
 ) -> float | None:
     """The share of a run's compute that was CPU work of the training process (0: it waited, on
-    a GPU or a sleep; 1: one core busy), from the process's CPU time over the run less what its
-    loading took (`loading_cpu_share` of the data wait: tune's num_workers=0 split; unknown,
-    all of it). `wait_ms` and `compute_ms` are the run's totals. None when not measured."""
+    a GPU or a sleep; 1: one core busy): the process's CPU time over the run less what loading
+    its `batches` took (`loading_cpu_ms` a batch: tune's num_workers=0 split, CPU time, so a busy
+    machine does not change it; unknown: all of the run's data wait, `wait_ms`), over the run's
+    `compute_ms` (totals). None when not measured."""
     if process_cpu_ms is None or compute_ms <= 0:
         return None
-    loading = wait_ms * (1.0 if loading_cpu_share is None else loading_cpu_share)
+    loading = wait_ms if loading_cpu_ms is None else batches * loading_cpu_ms
     return min(1.0, max(0.0, (process_cpu_ms - loading) / compute_ms))
 
 
