@@ -44,6 +44,7 @@ from traceml_jupyter.analysis.tune_plan import (
     required_rate,
     split_sentence,
     sweep_done,
+    with_pace_figures,
     worker_counts,
 )
 from traceml_jupyter.tune import batch_length, one_line, paced, steady_rate, workers_cpu_s
@@ -566,6 +567,22 @@ def test_when_nothing_keeps_up_the_quickest_predicted_step_is_chosen() -> None:
         "Predicted step 14.0 ms (12.0 ms compute, 1.20x slower beside the workers + 2.0 ms to "
         "take each batch from the workers): 3.2x faster"
     )
+
+
+def test_a_row_without_figures_at_the_models_pace_borrows_them() -> None:
+    rows = [
+        Row(Setting(0), batches_per_s=60.0),
+        Row(Setting(2, True), batches_per_s=100.0, take_ms=2.0, compute_slowdown=1.5),
+        Row(Setting(2, True, 4), batches_per_s=110.0),  # a deeper queue, measured in a hurry
+    ]
+    filled = with_pace_figures(rows)
+    assert filled[0] == rows[0] and filled[1] == rows[1]
+    assert (filled[2].take_ms, filled[2].compute_slowdown) == (2.0, 1.5)
+    model = ModelRate(compute_ms=10.0, step_ms=27.0)
+    # Free batches would make the deeper queue look 10 ms a step; borrowed, it is no better.
+    c = conclude(rows, model, {"num_workers": 0}, cpus=2, model_on_cpu=True)
+    assert c.best is not None and c.best.setting.prefetch_factor is None
+    assert c.predicted_step_ms == pytest.approx(17.0)
 
 
 def test_the_loader_as_it_is_is_predicted_as_the_run_measured_it() -> None:

@@ -84,6 +84,15 @@ class Outcome:
     predicted: float | None  # speed-up
     tune_s: float
     rows: list[dict[str, Any]]
+    baseline_again_ms: float | None = None  # the first run repeated after the rerun (again=True)
+
+    @property
+    def noise(self) -> float | None:
+        """How far the first run's time per step moved when repeated: what the machine's own
+        drift does to a measured speed-up."""
+        if self.baseline_again_ms is None:
+            return None
+        return abs(self.baseline_again_ms / self.baseline_ms - 1)
 
     @property
     def measured(self) -> float | None:
@@ -111,8 +120,9 @@ def per_step(run: Any) -> float:
     return float(run.summary["stats"]["step_ms"]["mean"])
 
 
-def run_case(shell: Any, case: Case, budget: float = 20.0) -> Outcome:
-    """Train with num_workers=0, tune, train again with `tuned.best` (see the module docstring)."""
+def run_case(shell: Any, case: Case, budget: float = 20.0, again: bool = False) -> Outcome:
+    """Train with num_workers=0, tune, train again with `tuned.best` (see the module docstring);
+    `again`: then the first run once more, to see how much the machine drifted meanwhile."""
     import traceml_jupyter
 
     _run(shell, SETUP)
@@ -147,6 +157,13 @@ def run_case(shell: Any, case: Case, budget: float = 20.0) -> Outcome:
         after = traceml_jupyter.last()
         assert after is not None
         rerun_ms = per_step(after)
+    baseline_again_ms = None
+    if again:
+        _run(shell, f"family_loader = DataLoader(family_set, batch_size={case.batch})")
+        _run(shell, TRAIN.format(name="family_again", compute=compute))
+        repeated = traceml_jupyter.last()
+        assert repeated is not None
+        baseline_again_ms = per_step(repeated)
     return Outcome(
         case,
         best,
@@ -156,6 +173,7 @@ def run_case(shell: Any, case: Case, budget: float = 20.0) -> Outcome:
         tuned.predicted_speedup,
         tuned.elapsed_s,
         list(tuned.rows),
+        baseline_again_ms,
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .figures import ms as _ms
@@ -338,6 +338,24 @@ def choose(rows: Sequence[Row], model_batches_per_s: float | None) -> tuple[Row 
     return fastest, False
 
 
+def with_pace_figures(rows: Sequence[Row]) -> list[Row]:
+    """Rows whose figures at the model's pace were not measured (a deeper queue measured in
+    what was left of the budget, a candidate cut short) borrow them from the measured row with
+    the most similar worker count, so that a missing figure never reads as a free batch."""
+    measured = [r for r in rows if r.setting.num_workers and r.take_ms is not None]
+    out = []
+    for row in rows:
+        if row.setting.num_workers and row.take_ms is None and row.batches_per_s and measured:
+            near = min(measured, key=lambda m: (abs(m.setting.num_workers - row.setting.num_workers), m.setting.size()))
+            row = replace(
+                row,
+                take_ms=near.take_ms,
+                compute_slowdown=row.compute_slowdown or near.compute_slowdown,
+            )
+        out.append(row)
+    return out
+
+
 def quickest(
     rows: Sequence[Row], model: ModelRate, cpus: int | None, model_on_cpu: bool
 ) -> Row | None:
@@ -508,6 +526,7 @@ def conclude(
 ) -> Conclusion:
     """The best setting, the kwargs to change, the predicted step and speed-up, and the advice."""
     model_rate = model.batches_per_s if model is not None else None
+    rows = with_pace_figures(rows)
     best, fed = choose(rows, model_rate)
     if best is not None and not fed and model is not None:
         best = quickest(rows, model, cpus, model_on_cpu) or best
