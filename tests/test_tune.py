@@ -25,6 +25,7 @@ from IPython.utils.capture import capture_output
 from tune_family import FAMILY, Case, per_step, run_case
 
 import traceml_jupyter
+from traceml_jupyter.analysis import tune_plan
 from traceml_jupyter.analysis.checklist import FIX, OK, Facts, num_workers_item
 from traceml_jupyter.analysis.tune_plan import (
     KEEP_FED,
@@ -37,7 +38,7 @@ from traceml_jupyter.analysis.tune_plan import (
     code_line,
     conclude,
     loader_expression,
-    model_cpu_share,
+    model_cpu,
     optimistic_note,
     parse_workers,
     predicted_step_ms,
@@ -520,10 +521,10 @@ def test_the_step_counts_taking_batches_and_the_workers_cpu() -> None:
     short = Row(Setting(1, True), batches_per_s=50.0, take_ms=1.5, worker_cpu_ms=2.0)
     assert predicted_step_ms(short, model) == pytest.approx(20.0)  # the workers' pace
     # CPU-bound samples: 2 workers burn 30 ms a batch, the model's compute on the CPU beside
-    # them was measured 2.5x slower: (6 x 2.5 + 1.5) ms.
-    burning = Row(Setting(2, True), batches_per_s=66.0, take_ms=1.5, worker_cpu_ms=30.0, compute_slowdown=2.5)
+    # them was measured 2.5x as long: (6 x 2.5 + 1.5) ms.
+    burning = Row(Setting(2, True), batches_per_s=66.0, take_ms=1.5, worker_cpu_ms=30.0, compute_ratio=2.5)
     assert predicted_step_ms(burning, model, cpus=2, model_on_cpu=True) == pytest.approx(16.5)
-    # Without the slowdown: the two cores hold (6 + 1.5 + 30) ms of work a step.
+    # Without that figure: the two cores hold (6 + 1.5 + 30) ms of work a step.
     unslowed = Row(Setting(2, True), batches_per_s=66.0, take_ms=1.5, worker_cpu_ms=30.0)
     assert predicted_step_ms(unslowed, model, cpus=2, model_on_cpu=True) == pytest.approx(18.75)
     assert predicted_step_ms(unslowed, model, cpus=2) == pytest.approx(15.75)  # a GPU model
@@ -533,13 +534,18 @@ def test_the_step_counts_taking_batches_and_the_workers_cpu() -> None:
     assert predicted_step_ms(plenty, accumulate) == pytest.approx(12.0)  # 4 batches taken a step
 
 
-def test_the_models_cpu_share_is_the_runs_cpu_less_its_loading() -> None:
+def test_the_models_cpu_work_is_the_runs_cpu_less_its_loading_and_its_waits() -> None:
     # 20 steps of 10 ms compute and 16 ms wait; the process used 150 ms of CPU.
-    assert model_cpu_share(150.0, 200.0, 20, 0.8, 320.0) == pytest.approx((150 - 16) / 200)  # sleeps
-    assert model_cpu_share(150.0, 200.0, 20, 15.0, 320.0) == 0.0  # the loading took it all
-    assert model_cpu_share(400.0, 200.0, 20, None, 320.0) == pytest.approx(0.4)  # wait as CPU
-    assert model_cpu_share(900.0, 200.0, 20, 0.8, 320.0) == 1.0  # one core at most
-    assert model_cpu_share(None, 200.0, 20, 0.8, 320.0) is None
+    got = model_cpu(150.0, 200.0, 20, 0.8, 320.0)
+    assert got is not None and got.share == pytest.approx((150 - 16) / 200) and got.scale == 1.0
+    assert model_cpu(150.0, 200.0, 20, 15.0, 320.0) == tune_plan.ModelCpu(0.0, 1.0)  # loading took it
+    wall_as_cpu = model_cpu(400.0, 200.0, 20, None, 320.0)  # the split unknown: wait as CPU
+    assert wall_as_cpu is not None and wall_as_cpu.share == pytest.approx(0.4)
+    assert model_cpu(None, 200.0, 20, 0.8, 320.0) is None
+    # A model on the CPU timed on a busy machine: 200 ms of compute, 100 of them waiting for a
+    # core (the thread's 150 ms of CPU waited 150 ms; 100 of its CPU ms were the model's).
+    busy = model_cpu(116.0, 200.0, 20, 0.8, 320.0, thread_cpu_ms=150.0, thread_wait_ms=150.0)
+    assert busy is not None and busy.share == pytest.approx(1.0) and busy.scale == pytest.approx(0.5)
     model = ModelRate(compute_ms=10.0, step_ms=30.0, cpu_share=0.2)
     unslowed = Row(Setting(2, True), batches_per_s=100.0, take_ms=1.0, worker_cpu_ms=30.0)
     assert predicted_step_ms(unslowed, model, cpus=2, model_on_cpu=True) == pytest.approx((2 + 1 + 30) / 2)
@@ -560,24 +566,24 @@ def test_when_nothing_keeps_up_the_quickest_predicted_step_is_chosen() -> None:
     assert c.predicted_speedup == pytest.approx(45 / 23.5)
     assert "predicted step 23.5 ms (the CPU work the cores share)" in c.advice[1]
     fed = conclude(
-        [Row(Setting(2, True), batches_per_s=400.0, take_ms=2.0, worker_cpu_ms=3.0, compute_slowdown=1.2)],
+        [Row(Setting(2, True), batches_per_s=400.0, take_ms=2.0, worker_cpu_ms=3.0, compute_ratio=1.2)],
         model, {"num_workers": 0}, cpus=2, model_on_cpu=True,
     )
     assert fed.keeps_up and fed.advice[1].startswith(
-        "Predicted step 14.0 ms (12.0 ms compute, 1.20x slower beside the workers + 2.0 ms to "
-        "take each batch from the workers): 3.2x faster"
+        "Predicted step 14.0 ms (12.0 ms compute beside the workers + 2.0 ms to take each batch "
+        "from the workers): 3.2x faster"
     )
 
 
 def test_a_row_without_figures_at_the_models_pace_borrows_them() -> None:
     rows = [
         Row(Setting(0), batches_per_s=60.0),
-        Row(Setting(2, True), batches_per_s=100.0, take_ms=2.0, compute_slowdown=1.5),
+        Row(Setting(2, True), batches_per_s=100.0, take_ms=2.0, compute_ratio=1.5),
         Row(Setting(2, True, 4), batches_per_s=110.0),  # a deeper queue, measured in a hurry
     ]
     filled = with_pace_figures(rows)
     assert filled[0] == rows[0] and filled[1] == rows[1]
-    assert (filled[2].take_ms, filled[2].compute_slowdown) == (2.0, 1.5)
+    assert (filled[2].take_ms, filled[2].compute_ratio) == (2.0, 1.5)
     model = ModelRate(compute_ms=10.0, step_ms=27.0)
     # Free batches would make the deeper queue look 10 ms a step; borrowed, it is no better.
     c = conclude(rows, model, {"num_workers": 0}, cpus=2, model_on_cpu=True)
@@ -689,9 +695,11 @@ def test_at_the_models_pace_taking_batches_and_the_slowed_compute_are_timed() ->
     ready = Ready()
     got = paced(ready, 0.002, 0.0, time.perf_counter() + 5, most=30)
     assert ready.n == 30 and got.take_ms == pytest.approx(2.0, abs=1.5)  # the mean of the last 2/3
-    assert got.slowdown is None  # a sleeping model: nothing to slow
-    burnt = paced(Ready(), 0.002, 1.0, time.perf_counter() + 5, most=30)
-    assert burnt.slowdown is not None and burnt.slowdown >= 1.0
+    assert got.compute_ratio is None  # no reference: the loader alone, paced by its rate
+    # The stand-in replays half a 4 ms compute as CPU work and sleeps the rest: against the
+    # run's 4 ms, about 1 (more when the cores are crowded).
+    burnt = paced(Ready(), 0.004, 0.5, time.perf_counter() + 5, reference_s=0.004, most=30)
+    assert burnt.compute_ratio is not None and burnt.compute_ratio >= 0.95
     assert paced(Ready(), 0.05, 0.0, time.perf_counter() + 0.5) == tune_module.Paced(None, None)
 
     class Worker:

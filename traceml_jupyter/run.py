@@ -175,6 +175,8 @@ class Run:
         self.phases: list[dict[str, Any]] = []  # passes kept out of the steps (validation...)
         self.wall_ms: float | None = None  # the whole capture (the cell), for phase shares
         self.process_cpu_ms: float | None = None  # the process's CPU time (all threads) meanwhile
+        self.thread_cpu_ms: float | None = None  # the training thread's CPU time (Linux)
+        self.thread_wait_ms: float | None = None  # ... and its time ready but waiting for a core
         self.notes: list[str] = []
         self.error: str | None = None
         self.error_before_first_step = False
@@ -454,7 +456,11 @@ class Run:
             "verdict": self.verdict_detail.to_dict(),
             "summary": _jsonable(self.summary),
             "loop": {"line": self.loop_line, "where": self.loop_where},
-            "process_cpu_ms": self.process_cpu_ms,
+            "cpu": {
+                "process_ms": self.process_cpu_ms,
+                "thread_ms": self.thread_cpu_ms,
+                "thread_wait_ms": self.thread_wait_ms,
+            },
             "step": {"kind": self.step_kind, "definition": self.step_definition},
             "loader": _jsonable(self.loader_info),
             "sources": _jsonable(self.sources),

@@ -38,6 +38,7 @@ from .analysis.tune_plan import (
     OK,
     STOPPED,
     TIMEOUT,
+    ModelCpu,
     ModelRate,
     Row,
     Setting,
@@ -45,7 +46,7 @@ from .analysis.tune_plan import (
     code_line,
     conclude,
     is_waiting,
-    model_cpu_share,
+    model_cpu,
     rate_text,
     sweep_done,
     worker_counts,
@@ -67,8 +68,6 @@ PACE_OVER_RATE = 1.25
 PACED_SHARE = 0.4
 TAKE_S = 2.0
 TAKE_SAMPLES = 12
-# Below this CPU share of the model's compute, its stand-in mostly sleeps: no slowdown measured.
-MIN_BURN = 0.25
 
 Progress = Callable[[Mapping[str, Any]], None]
 
@@ -575,15 +574,20 @@ def burn_cpu(seconds: float) -> None:
 
 @dataclass(frozen=True)
 class Paced:
-    """The candidate at the model's pace (paced()): ms to take a batch, and the model's compute
-    slowed by the workers' CPU (wall over CPU time of its stand-in); None: not measured."""
+    """The candidate at the model's pace (paced()): ms to take a batch, and the model's stand-in
+    compute over the run's; None: not measured."""
 
     take_ms: float | None
-    slowdown: float | None
+    compute_ratio: float | None
 
 
 def paced(
-    fetch: Callable[[], bool], pace_s: float, burn: float, until: float, most: int = 400
+    fetch: Callable[[], bool],
+    pace_s: float,
+    burn: float,
+    until: float,
+    reference_s: float | None = None,
+    most: int = 400,
 ) -> Paced:
     """The training loop's side with this candidate, the model stood in for: `pace_s` of the
     model's compute per batch (its CPU share `burn` as CPU time burnt, the rest a sleep, as a
@@ -592,8 +596,9 @@ def paced(
     Taking a batch holds unpickling, the shared-memory handles each worker hands over (a worker
     busy in Python answers late), the queue and the next index sent, and the wait the workers
     leave at that pace; the burnt compute takes longer when the workers' CPU work crowds the
-    usable cores. Means over the calls after the first third (the queue settles to the pace);
-    None below TAKE_SAMPLES calls (a loader too slow for a mean of its waits)."""
+    usable cores (its ratio to `reference_s`, the run's compute per batch). Means over the calls
+    after the first third (the queue settles to the pace); None below TAKE_SAMPLES calls (a
+    loader too slow for a mean of its waits)."""
     takes: list[float] = []
     walls: list[float] = []
     for _ in range(most):
@@ -612,10 +617,8 @@ def paced(
         return Paced(None, None)
     first = len(takes) // 3
     take = 1000.0 * sum(takes[first:]) / len(takes[first:])
-    # A sleep is not slowed by the workers: only the burnt part measures the crowding.
     wall = sum(walls[first:]) / len(walls[first:])
-    slowdown = wall / pace_s if burn >= MIN_BURN and pace_s > 0 else None
-    return Paced(take, max(1.0, slowdown) if slowdown is not None else None)
+    return Paced(take, wall / reference_s if reference_s else None)
 
 
 @dataclass
@@ -632,7 +635,7 @@ def measure(
     hard_end: float,
     split: bool = False,
     pace_ms: float | None = None,
-    burn: float = 0.0,
+    cpu: ModelCpu | None = None,
 ) -> Measured:
     """Iterate one candidate until its share of the budget is spent (or its rate is steady):
     start-up (iter() to the first batch) apart from the steady batches a second."""
@@ -725,10 +728,13 @@ def measure(
                 return True
 
             if rate_now:
-                pace_s = (pace_ms or 0.0) / 1000.0 or PACE_OVER_RATE / rate_now
                 now = time.perf_counter()
                 until = min(max(soft_end, now + 0.2), now + TAKE_S)
-                at_pace = paced(fetch, pace_s, burn if pace_ms else 0.0, until)
+                if pace_ms:  # the model's compute per batch, as the stand-in replays it
+                    share, scale = (cpu.share, cpu.scale) if cpu is not None else (0.0, 1.0)
+                    at_pace = paced(fetch, scale * pace_ms / 1000, share, until, pace_ms / 1000)
+                else:
+                    at_pace = paced(fetch, PACE_OVER_RATE / rate_now, 0.0, until)
     except _OutOfTime:
         status = TIMEOUT if arrivals else NO_START
         message = (
@@ -765,15 +771,15 @@ def measure(
         seconds,
         message,
         take_ms=at_pace.take_ms,
-        compute_slowdown=at_pace.slowdown,
+        compute_ratio=at_pace.compute_ratio,
         worker_cpu_ms=1000.0 * cpu_span[0] / cpu_span[1] if cpu_span and cpu_span[1] else None,
     )
     result = Measured(row)
     if probe is not None and rate:
         k = min(1, len(arrivals) - 1)
         wall = arrivals[-1] - arrivals[k]
-        cpu = cpu_marks[-1] - cpu_marks[k]
-        result.split = probe.split(1000.0 / rate, cpu / wall if wall > 0 else None)
+        used = cpu_marks[-1] - cpu_marks[k]
+        result.split = probe.split(1000.0 / rate, used / wall if wall > 0 else None)
     return result
 
 
@@ -1397,7 +1403,7 @@ def _tune(
     )
     rows: list[Row] = []
     split: Split | None = None
-    burn = _burn_share(run, model, None, model_on_cpu)  # refined once num_workers=0 is measured
+    cpu = _model_cpu(run, model, None, model_on_cpu)  # refined once num_workers=0 is measured
     stopped = False
     error: str | None = None
     explicit = sorted(set(workers)) if workers is not None else None
@@ -1431,7 +1437,7 @@ def _tune(
                     hard_end,
                     split=setting.num_workers == 0,
                     pace_ms=model.compute_ms / model.batches_per_step if model else None,
-                    burn=burn,
+                    cpu=cpu,
                 )
                 rows.append(got.row)
                 split = got.split or split
@@ -1443,7 +1449,7 @@ def _tune(
                     error = f"{setting.label()}: {got.row.message}"
                     break
                 if phase == "first":
-                    burn = _burn_share(run, model, split, model_on_cpu)
+                    cpu = _model_cpu(run, model, split, model_on_cpu)
                     waiting = is_waiting(split.cpu_share if split is not None else None)
                     queue = [
                         Setting(n, True, None, on_cuda) for n in worker_counts(cpus, waiting)[1:]
@@ -1462,7 +1468,7 @@ def _tune(
     rows_out = rows
     current = recipe.current
     if model is not None:
-        model = replace(model, cpu_share=burn)
+        model = replace(model, cpu_share=cpu.share)
     verdict = conclude(rows_out, model, current, cpus, split, model_on_cpu)
     dataset_name = _name_of(recipe.dataset, names) or (
         f"{loader_name}.dataset" if loader_name else "dataset"
@@ -1499,38 +1505,37 @@ def _tune(
         budget_s=budget,
         elapsed_s=time.perf_counter() - started,
         cpus=cpus,
-        model_cpu_share=burn if model is not None else None,
+        model_cpu_share=cpu.share if model is not None else None,
     )
     views.finish(result)
     _remember(loader, result)
     return result
 
 
-def _burn_share(run: Any, model: ModelRate | None, split: Split | None, on_cpu: bool) -> float:
-    """How much of the model's compute its stand-in burns as CPU time (the rest sleeps): the
-    run's measured CPU share of its compute (model_cpu_share), else all of it on the CPU clock
-    and none on a GPU."""
-    if model is None or not model.source.startswith("run") or run is None:
-        return 1.0 if on_cpu else 0.0
-    try:
-        import numpy as np
+def _model_cpu(run: Any, model: ModelRate | None, split: Split | None, on_cpu: bool) -> ModelCpu:
+    """How the model's stand-in replays its compute (paced()): the run's measured CPU work
+    (model_cpu), else all of it burnt on the CPU clock and all of it slept on a GPU."""
+    found = None
+    if model is not None and model.source.startswith("run") and run is not None:
+        try:
+            import numpy as np
 
-        steps = run.steps
-        loading = None
-        if split is not None and split.cpu_share is not None:
-            loading = split.cpu_share * split.batch_ms  # CPU ms a batch at num_workers=0
-        share = model_cpu_share(
-            run.process_cpu_ms,
-            float(np.nansum(steps["compute_ms"])),
-            len(steps["compute_ms"]) * model.batches_per_step,
-            loading,
-            float(np.nansum(steps["data_wait_ms"])),
-        )
-    except Exception:
-        share = None
-    if share is None:
-        return 1.0 if on_cpu else 0.0
-    return share
+            steps = run.steps
+            loading = None
+            if split is not None and split.cpu_share is not None:
+                loading = split.cpu_share * split.batch_ms  # CPU ms a batch at num_workers=0
+            found = model_cpu(
+                run.process_cpu_ms,
+                float(np.nansum(steps["compute_ms"])),
+                len(steps["compute_ms"]) * model.batches_per_step,
+                loading,
+                float(np.nansum(steps["data_wait_ms"])),
+                run.thread_cpu_ms,
+                run.thread_wait_ms,
+            )
+        except Exception:
+            found = None
+    return found if found is not None else ModelCpu(1.0 if on_cpu else 0.0)
 
 
 def _deeper_queue(rows: Sequence[Row], model: float | None, on_cuda: bool) -> list[Setting]:

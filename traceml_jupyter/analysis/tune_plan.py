@@ -98,9 +98,10 @@ class Row:
     # the workers are ahead), and the workers' CPU time per batch (ms). None: not measured.
     take_ms: float | None = None
     worker_cpu_ms: float | None = None
-    # The model's compute beside these workers over alone (>= 1): a stand-in for it, run at the
-    # model's pace with this candidate, took this much longer for the same CPU work.
-    compute_slowdown: float | None = None
+    # The model's compute beside these workers over what the run measured: a stand-in for it (its
+    # CPU work burnt, its waits slept), run at the model's pace with this candidate, took this
+    # many times the run's compute (above 1: the workers' CPU work crowds the cores).
+    compute_ratio: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -115,7 +116,7 @@ class Row:
             "message": self.message,
             "take_ms": self.take_ms,
             "worker_cpu_ms": self.worker_cpu_ms,
-            "compute_slowdown": self.compute_slowdown,
+            "compute_ratio": self.compute_ratio,
         }
 
 
@@ -128,8 +129,8 @@ class ModelRate:
     batches_per_step: float = 1.0
     source: str = "compute_ms"
     step_ms: float | None = None  # the run's time per step: the base of the predicted speed-up
-    # The share of the compute that is the training process's CPU work (model_cpu_share); None:
-    # not known (then all of it on the CPU clock, none on a GPU).
+    # The share of the compute that is the training process's CPU work (model_cpu); None: not
+    # known (then all of it on the CPU clock, none on a GPU).
     cpu_share: float | None = None
 
     @property
@@ -263,7 +264,7 @@ def predicted_step_ms(
     """The step with this setting. Without workers, loading adds to compute. With workers,
     loading overlaps compute and the step is the slower of the training process's own chain
     (its compute, slowed by the workers' CPU work, plus taking each batch from the workers, both
-    measured at the model's pace) and the workers' rate measured alone. Where the slowdown was
+    measured at the model's pace) and the workers' rate measured alone. Where the compute was
     not measured, the CPU that the training process (its compute too, when the model runs on
     the CPU) and the workers need per step, shared by the usable `cpus`, bounds it instead."""
     if row.batches_per_s is None or row.batches_per_s <= 0:
@@ -273,8 +274,8 @@ def predicted_step_ms(
     if row.setting.num_workers == 0:
         return model.compute_ms + load_ms
     take = batches * (row.take_ms or 0.0)
-    step = max(model.compute_ms * (row.compute_slowdown or 1.0) + take, load_ms)
-    if row.compute_slowdown is None and cpus and row.worker_cpu_ms is not None:
+    step = max(model.compute_ms * (row.compute_ratio or 1.0) + take, load_ms)
+    if row.compute_ratio is None and cpus and row.worker_cpu_ms is not None:
         share = model.cpu_share if model.cpu_share is not None else float(model_on_cpu)
         own = model.compute_ms * share
         step = max(step, (own + take + batches * row.worker_cpu_ms) / cpus)
@@ -288,32 +289,50 @@ def step_parts(row: Row, model: ModelRate, step: float) -> str:
     if row.setting.num_workers == 0 or row.take_ms is None or not row.batches_per_s:
         return ""
     take = model.batches_per_step * row.take_ms
-    compute = model.compute_ms * (row.compute_slowdown or 1.0)
+    compute = model.compute_ms * (row.compute_ratio or 1.0)
     if step > compute + take + 1e-6:
         load = model.batches_per_step * 1000.0 / row.batches_per_s
         return " (the workers' pace)" if step <= load + 1e-6 else " (the CPU work the cores share)"
-    slowed = ""
-    if row.compute_slowdown is not None and row.compute_slowdown >= 1.05:
-        slowed = f", {row.compute_slowdown:.2f}x slower beside the workers"
-    return f" ({_ms(compute)} compute{slowed} + {_ms(take)} to take each batch from the workers)"
+    beside = " beside the workers" if row.compute_ratio is not None else ""
+    return f" ({_ms(compute)} compute{beside} + {_ms(take)} to take each batch from the workers)"
 
 
-def model_cpu_share(
+@dataclass(frozen=True)
+class ModelCpu:
+    """A run's compute as work of the training process: `share` of it (uncontended) burns its
+    CPU, the rest waits (a GPU, a sleep); `scale`: that uncontended time over the measured one
+    (below 1 when the run's thread waited for a core other programs held)."""
+
+    share: float
+    scale: float = 1.0
+
+
+def model_cpu(
     process_cpu_ms: float | None,
     compute_ms: float,
     batches: float,
     loading_cpu_ms: float | None,
     wait_ms: float,
-) -> float | None:
-    """The share of a run's compute that was CPU work of the training process (0: it waited, on
-    a GPU or a sleep; 1: one core busy): the process's CPU time over the run less what loading
-    its `batches` took (`loading_cpu_ms` a batch: tune's num_workers=0 split, CPU time, so a busy
-    machine does not change it; unknown: all of the run's data wait, `wait_ms`), over the run's
-    `compute_ms` (totals). None when not measured."""
+    thread_cpu_ms: float | None = None,
+    thread_wait_ms: float | None = None,
+) -> ModelCpu | None:
+    """The model's CPU work, from a run's totals: the process's CPU time less what loading its
+    `batches` took (`loading_cpu_ms` a batch: tune's num_workers=0 split, CPU time, which a busy
+    machine does not change; unknown: all of the run's data wait, `wait_ms`), within the run's
+    `compute_ms`. The training thread's wait for a core (`thread_wait_ms` over `thread_cpu_ms`,
+    Linux) is taken out of the compute in the share of its CPU time that was the model's, so a
+    stand-in replays the model's work, not the run's crowding. None when not measured."""
     if process_cpu_ms is None or compute_ms <= 0:
         return None
     loading = wait_ms if loading_cpu_ms is None else batches * loading_cpu_ms
-    return min(1.0, max(0.0, (process_cpu_ms - loading) / compute_ms))
+    cpu = min(compute_ms, max(0.0, process_cpu_ms - loading))
+    waited = 0.0
+    if thread_wait_ms and thread_cpu_ms and thread_cpu_ms > 0:
+        waited = thread_wait_ms * min(1.0, cpu / thread_cpu_ms)
+    uncontended = max(cpu, compute_ms - waited)
+    if uncontended <= 0:
+        return ModelCpu(0.0)
+    return ModelCpu(cpu / uncontended, uncontended / compute_ms)
 
 
 def choose(rows: Sequence[Row], model_batches_per_s: float | None) -> tuple[Row | None, bool]:
@@ -350,7 +369,7 @@ def with_pace_figures(rows: Sequence[Row]) -> list[Row]:
             row = replace(
                 row,
                 take_ms=near.take_ms,
-                compute_slowdown=row.compute_slowdown or near.compute_slowdown,
+                compute_ratio=row.compute_ratio or near.compute_ratio,
             )
         out.append(row)
     return out
@@ -577,7 +596,7 @@ def conclude(
             "that is paid once, not at every epoch."
         )
     note = optimistic_note(split, best.setting.num_workers, cpus, model_on_cpu)
-    if note is not None and model is not None and best.compute_slowdown is None:
+    if note is not None and model is not None and best.compute_ratio is None:
         notes.append(note)
     return Conclusion(best, changes, fed, step, speedup, advice, notes)
 
