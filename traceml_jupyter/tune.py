@@ -61,12 +61,12 @@ RESERVE_S = 0.3
 # A candidate may overrun its share by this much (one slow batch) before it is stopped hard.
 GRACE_SHARE = 0.25
 MIN_SHARE_S = 0.5
-# The candidate at the model's pace (paced()): the last PACED_SHARE of a candidate's share, at
-# most TAKE_S seconds, means of at least TAKE_SAMPLES calls; without the model's rate, pauses of
-# this many times a batch's time at the measured rate, so the workers are ahead.
+# The candidate at the model's pace (paced()): the last PACED_SHARE of a candidate's share (more
+# for a slow model), at most TAKE_S seconds, means of at least TAKE_SAMPLES calls; without the
+# model's rate, pauses of this many times a batch's time at the measured rate (workers ahead).
 PACE_OVER_RATE = 1.25
 PACED_SHARE = 0.4
-TAKE_S = 2.0
+TAKE_S = 3.0
 TAKE_SAMPLES = 12
 
 Progress = Callable[[Mapping[str, Any]], None]
@@ -650,9 +650,13 @@ def measure(
         setting.pin_memory and not pin_here,
     )
     skip = max(1, setting.num_workers)
-    # With workers, the last part of the share runs the candidate at the model's pace (paced()).
+    # With workers, the last part of the share runs the candidate at the model's pace (paced()):
+    # PACED_SHARE of it, more for a slow model (room for TAKE_SAMPLES and a few), at most 60 %.
     share = soft_end - time.perf_counter()
-    steady_end = soft_end - (PACED_SHARE * share if setting.num_workers else 0.0)
+    paced_s = PACED_SHARE * share
+    if pace_ms:
+        paced_s = min(0.6 * share, max(paced_s, (TAKE_SAMPLES + 4) * pace_ms / 1000))
+    steady_end = soft_end - (paced_s if setting.num_workers else 0.0)
     cpu_start: float | None = None
     cpu_span: tuple[float, int] | None = None  # workers' CPU seconds over steady batches
     at_pace = Paced(None, None)
