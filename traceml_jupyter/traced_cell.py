@@ -41,6 +41,7 @@ from .capture.locate import (
 )
 from .capture.recording import Capture
 from .capture.rewrite import instrument_loop
+from .processes import children
 from .run import _RUNS, Run
 
 NO_LOOP = (
@@ -292,6 +293,7 @@ def recording(cell: TracedCell) -> Iterator[None]:
             from .capture.sync_stalls import gpu_watched
 
             stack.enter_context(gpu_watched(run))
+            stack.enter_context(children.followed(run))  # processes the cell starts: traced
             stack.enter_context(ranks.followed(run, capture))  # the capture, across processes
             stack.enter_context(swapped_code(cell.func_loop))
             if capture.lines is not None:
@@ -308,7 +310,7 @@ def recording(cell: TracedCell) -> Iterator[None]:
                 restore_definitions(cell.shell.user_ns, cell.code, plain)
             except Exception as exc:
                 run.notes.append(f"The cell's functions keep their traced code: {type(exc).__name__}: {exc}")
-        _finish(run, error, cell.opts, views[0] if views else None)
+        _finish(run, error, cell.opts, views[0] if views else None, children.started_commands(cell.tree))
 
 
 def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -> Any:
@@ -366,7 +368,7 @@ def _live_view_starter(run: Run, opts: CellOptions, views: list[Any]) -> Any:
     return start
 
 
-def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any) -> None:
+def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any, commands: list[str] | None = None) -> None:
     """Show the report, or one line when there is nothing to report; never mask the user's error."""
     from .views.display import show_report
 
@@ -382,7 +384,7 @@ def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any)
                 )
             elif run.step_kind == "none" and run.loop_line is None:
                 _RUNS.remove(run)
-                print(NO_LOOP)
+                print(children.no_training_line(run, commands or []) or NO_LOOP)
             else:
                 print(f"traceml: {run.name}: no step ran ({_why_no_step(run)}).")
             return
