@@ -138,8 +138,9 @@ def split_site(site: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict
 
 
 def _user_code(filename: str) -> bool:
-    """A file of the user's (not torch, not ours, not the standard library or a library)."""
-    if filename.startswith("<") or filename.startswith(PACKAGE_DIR):
+    """A file of the user's, or a notebook cell (`<ipython-input-3-...>`): not torch, not ours,
+    not the standard library or a library."""
+    if filename.startswith("<frozen") or filename.startswith(PACKAGE_DIR):
         return False
     paths = sysconfig.get_paths()
     roots = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
