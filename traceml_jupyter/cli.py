@@ -125,10 +125,12 @@ def _drain_s() -> float:
 def report(run: Run, command: Sequence[str]) -> None:
     """The text box (and the checklist's fixes) on stdout, or one line when nothing trained."""
     from .processes import children
+    from .processes.startup_hook import command_line
     from .views.display import show_report
 
     if run.n_steps == 0:
-        print(children.no_training_line(run, [" ".join(command)]) or "traceml: no step ran.", flush=True)
+        line = children.no_training_line(run, [command_line(command)], "the command")
+        print(line or "traceml: no step ran.", flush=True)
         return
     show_report(run)  # the text box; the checklist is kept on the run
     for line in checklist_lines(run.checklist or []):

@@ -9,11 +9,14 @@ to main), run by the tests as a child process: `python train.py --sleep-ms 2 --s
 --forever     train until stopped (the stop button)
 --workers N   DataLoader num_workers
 --done FILE   write "done" to FILE at the end (the child finished normally)
+--quit N      open the loader, then sys.exit(N) before the first batch (a child that exits early)
+--truth FILE  time each fetch and step by hand and write them to FILE as JSON (ground truth)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -34,6 +37,19 @@ class SlowSamples(Dataset):
         return torch.randn(32), i % 2
 
 
+def timed(loader, waits: list) -> object:
+    """The loader's batches, the time blocked in each next() appended to `waits` (ms)."""
+    it = iter(loader)
+    while True:
+        began = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        waits.append((time.perf_counter() - began) * 1e3)
+        yield batch
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sleep-ms", type=float, default=0.0)
@@ -46,16 +62,23 @@ def main() -> None:
     parser.add_argument("--forever", action="store_true")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--done", default=None)
+    parser.add_argument("--truth", default=None)
+    parser.add_argument("--quit", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(SlowSamples(args.steps * args.batch, args.sleep_ms / 1000), batch_size=args.batch, num_workers=args.workers)
+    if args.quit is not None:
+        iter(loader)
+        sys.exit(args.quit)
     heavy = torch.randn(256, 256)
     step = 0
+    waits: list[float] = []
+    ends = [time.perf_counter()]
     while True:
-        for x, y in loader:
+        for x, y in timed(loader, waits) if args.truth else loader:
             if step == args.crash_at:
                 raise RuntimeError(f"corrupt batch at step {step}")
             for _ in range(args.work):
@@ -64,9 +87,14 @@ def main() -> None:
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             step += 1
+            ends.append(time.perf_counter())
         if not args.forever:
             break
     print(f"trained {step} steps", flush=True)
+    if args.truth:
+        steps = [(b - a) * 1e3 for a, b in zip(ends, ends[1:], strict=False)]
+        with open(args.truth, "w") as fh:
+            json.dump({"wait_ms": waits, "step_ms": steps}, fh)
     time.sleep(args.linger)
     if args.done:
         with open(args.done, "w") as fh:

@@ -294,9 +294,10 @@ def adopt_children(run: Run, collector: ChildCollector, drain_s: float) -> None:
     trained = [s for s in children if s.recorder.n_steps]
     if not trained:
         return
-    if collector.own_recorder.n_steps:
+    if collector.own_recorder.n_steps:  # the live chart may have shown a child's meanwhile
+        run.recorder = collector.own_recorder
         for stream in trained:
-            run.notes.append(f"{collector.describe(stream)}, a child process, trained too: {stream.recorder.n_steps} steps, not shown.")
+            run.notes.append(f"{collector.describe(stream)}, a child process, trained too ({steps(stream)}); its steps are not shown.")
         run.notes.append("The steps shown are the kernel's own.")
         return
     job = sorted((s for s in trained if s.distributed), key=lambda s: s.label)
@@ -312,9 +313,13 @@ def adopt_children(run: Run, collector: ChildCollector, drain_s: float) -> None:
         run.notes.append(f"The steps are those of {collector.describe(main)}, a child process.")
     for stream in trained:
         if stream is not main and stream not in job:
-            n = stream.recorder.n_steps
-            run.notes.append(f"{collector.describe(stream)} trained too ({n} steps); its steps are not shown.")
+            run.notes.append(f"{collector.describe(stream)} trained too ({steps(stream)}); its steps are not shown.")
     become(run, main, ranked=len(job) >= 2)
+
+
+def steps(stream: ranks.Stream) -> str:
+    n = stream.recorder.n_steps
+    return f"{n} step" + ("" if n == 1 else "s")
 
 
 def become(run: Run, stream: ChildStream, ranked: bool) -> None:
@@ -422,8 +427,9 @@ def started_commands(tree: ast.AST) -> list[str]:
     return found
 
 
-def no_training_line(run: Run, commands: list[str]) -> str | None:
-    """The one line for a cell whose processes ran no step (None when it started none)."""
+def no_training_line(run: Run, commands: list[str], started_by: str = "this cell") -> str | None:
+    """The one line for a cell (or a command: `started_by`) whose processes ran no step (None
+    when it started none)."""
     processes = run.processes or []
     if not processes and not commands:
         return None
@@ -432,6 +438,6 @@ def no_training_line(run: Run, commands: list[str]) -> str | None:
         return "traceml: no step ran: " + " ".join(reasons)
     started = ", ".join(f"`{c}`" for c in commands[:3])
     return (
-        f"traceml: no step ran: no process this cell started ({started}) trained. A child process is "
+        f"traceml: no step ran: no process {started_by} started ({started}) trained. A child process is "
         "traced when it is Python and trains with torch (a DataLoader, backward(), an optimizer step)."
     )

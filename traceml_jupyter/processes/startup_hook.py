@@ -85,7 +85,7 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     args = list(argv if argv is not None else getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
     if args:
         args[0] = os.path.basename(args[0])
-    text = " ".join(args)
+    text = " ".join(" ".join(args).split())
     return text if len(text) <= 80 else text[:77] + "..."
 
 
