@@ -28,7 +28,7 @@ from IPython.utils.capture import capture_output
 import traceml_jupyter
 from traceml_jupyter import ranks
 from traceml_jupyter.processes import children
-from traceml_jupyter.processes.child import exit_status
+from traceml_jupyter.processes.child_run import exit_status
 from traceml_jupyter.processes.startup_hook import CHANNEL, NOTE, TOKEN, pack
 from traceml_jupyter.run import _KEPT_LOADER, Run
 
@@ -300,7 +300,7 @@ def test_subprocess_run_and_os_system_of_a_balanced_script_and_one_that_exits_ea
     source = (
         "%%traceml --no-live\n"
         "import os, subprocess, sys\n"
-        f"subprocess.run([sys.executable, {str(TRAIN)!r}, '--work', '30', '--steps', '16', '--workers', '1'], check=True)\n"
+        f"subprocess.run([sys.executable, {str(TRAIN)!r}, '--work', '60', '--steps', '16', '--workers', '1'], check=True)\n"
         f"status = os.system({f'{PYTHON} {TRAIN} --quit 2'!r})\n"
     )
     result, run, out = cell(ip, source)

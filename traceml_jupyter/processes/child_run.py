@@ -1,16 +1,18 @@
-"""A child process's recording once it trains (child.py starts it at the first training event):
-the capture of `%%traceml` on the thread that trains, and its sender (ranks.Sender): its HELLO
-says who it is, its steps go at the run's ticks, its END says how it ended, what fed its steps
-and where its loader was built."""
+"""A child process's recording once it trains (the start-up hook's tripwires start it at the
+process's first training event): the capture of `%%traceml` on the thread that trains, and its
+sender (ranks.Sender): its HELLO says who it is, its steps go at the run's ticks, its END says
+how it ended, what fed its steps and where its loader was built."""
 
 from __future__ import annotations
 
 import atexit
 import sys
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import ranks
+from ..capture import hooks
 from ..capture.dataloaders import split_site
 from ..capture.patches import patched
 from ..capture.recording import Capture, capturing
@@ -19,7 +21,7 @@ from ..run import Run, _jsonable
 from .startup_hook import command_line
 
 if TYPE_CHECKING:
-    from .child import Tripwires
+    from .startup_hook import Tripwires
 
 
 class ChildSender(ranks.Sender):
@@ -69,7 +71,31 @@ class ChildSender(ranks.Sender):
         return end
 
 
-def record(tripwires: Tripwires, sock: Any) -> None:
+@dataclass
+class Recording:
+    """A started child: its capture (undone by `stack`) and its sender."""
+
+    stack: ExitStack
+    sender: ChildSender
+
+    def finish(self, exit_code: Any, exit_error: str | None) -> None:
+        """At exit: close the capture (it classifies what is still open), send the last steps
+        and the end."""
+        try:
+            self.stack.close()
+        except Exception:
+            pass
+        self.sender.status, self.sender.error = exit_status(exit_code, exit_error)
+        self.sender.finish()
+
+    def forget_in_child(self) -> None:
+        """In a process forked from this one: the parent's capture records nothing here and its
+        connection is let go."""
+        hooks.active = None
+        self.sender.forget_in_child()
+
+
+def record(tripwires: Tripwires, sock: Any) -> Recording:
     """Start recording this process on the calling thread, streaming to the kernel over `sock`
     (connected, token sent); at exit, tripwires.finish sends the end."""
     run = Run(command_line())
@@ -88,7 +114,6 @@ def record(tripwires: Tripwires, sock: Any) -> None:
     run._next_tick = 0
     capture.listen()
     ranks._in_rank = True  # forks from here start no rank channel: one that trains connects itself
-    tripwires.stack, tripwires.sender, tripwires.run, tripwires.capture = stack, sender, run, capture
     original_exit = sys.exit
 
     def exit(status: Any = None) -> Any:  # how the process says it ends
@@ -103,3 +128,22 @@ def record(tripwires: Tripwires, sock: Any) -> None:
 
         multiprocessing.util.Finalize(tripwires, tripwires.finish, exitpriority=100)
     sender.hello()
+    return Recording(stack, sender)
+
+
+def exit_status(code: Any, handled: str | None) -> tuple[int | None, str | None]:
+    """(exit status, error) of a process at its exit: an uncaught exception (status 1; the
+    KeyboardInterrupt of the stop button, 130), what sys.exit() was given, else 0."""
+    uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if isinstance(uncaught, BaseException):
+        status = 130 if isinstance(uncaught, KeyboardInterrupt) else 1
+        return status, ranks.describe_error(uncaught)
+    if code is None or code is True or code is False:
+        status = int(bool(code)) if code is not None else 0
+    elif isinstance(code, int):
+        status = code & 0xFF
+    else:
+        status = 1  # sys.exit("message") prints it and exits 1
+    if status == 0:
+        return 0, None
+    return status, handled or (str(code) if not isinstance(code, int) else f"exit status {status}")

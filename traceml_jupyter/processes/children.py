@@ -57,8 +57,7 @@ class Channel:
         self.dir = tempfile.mkdtemp(prefix="traceml-")  # mode 0700: only this user gets in
         self.token = os.urandom(16).hex()
         try:
-            source = Path(startup_hook.__file__).read_text(encoding="utf-8")
-            Path(self.dir, HOOK_FILE).write_text(source, encoding="utf-8")
+            write_hook(self.dir)
             if tcp or not hasattr(socket, "AF_UNIX"):
                 self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 self.listener.bind(("127.0.0.1", 0))  # this machine's loopback only
@@ -91,6 +90,29 @@ class Channel:
         except OSError:
             pass
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_HOOK_PYC: list[bytes] = []  # the hook's bytecode, compiled once per kernel
+
+
+def write_hook(directory: str) -> None:
+    """The start-up hook as `sitecustomize.py`, with its bytecode beside it (children load it
+    without compiling, also where PYTHONDONTWRITEBYTECODE keeps them from writing it)."""
+    import importlib.util
+    import py_compile
+
+    source = Path(directory, HOOK_FILE)
+    source.write_text(Path(startup_hook.__file__).read_text(encoding="utf-8"), encoding="utf-8")
+    cached = Path(importlib.util.cache_from_source(str(source)))
+    try:
+        if not _HOOK_PYC:  # unchecked: valid for every copy of the same source
+            py_compile.compile(str(source), str(cached), doraise=True, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+            _HOOK_PYC.append(cached.read_bytes())
+        else:
+            cached.parent.mkdir(exist_ok=True)
+            cached.write_bytes(_HOOK_PYC[0])
+    except (OSError, py_compile.PyCompileError):
+        pass  # the child compiles it
 
 
 @contextmanager
