@@ -410,6 +410,20 @@ def test_percent_run_traces_in_process_and_tune_finds_the_scripts_loader(ip: Any
     assert not _KEPT_LOADER  # kept until the next run or clear()
 
 
+def test_loop_file_line_steps_a_script_without_training_events(ip: Any, untouched: None) -> None:
+    """A script whose loop reads a generator and trains nothing (no torch): `--loop FILE:LINE`
+    makes its iterations the steps, the script run as Python runs it."""
+    script = SCRIPTS / "generator_loop.py"
+    line = line_of(script, "for batch in batches(")
+    result, run, out = cell(ip, f"%%traceml --no-live --loop {script}:{line}\n!{PYTHON} {script} 20")
+    assert result.error_in_exec is None and run is not None, out
+    assert run.n_steps == 20 and run.step_kind == "iteration" and run.verdict == "INPUT-BOUND"
+    assert run.loop_line == line and run.loop_where == "generator_loop.py"
+    assert f"loop on line {line} of generator_loop.py" in run.text()
+    result, run, out = cell(ip, "%%traceml --loop nowhere/train.py:3\n!echo hi")
+    assert run is None and "--loop nowhere/train.py:3: there is no file nowhere/train.py" in out
+
+
 def test_torchrun_in_a_cell_names_the_rank_that_holds_the_others_back(ip: Any, untouched: None) -> None:
     port = free_port()
     command = (f"!OMP_NUM_THREADS=1 {PYTHON} -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 "

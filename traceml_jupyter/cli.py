@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .run import Run
 
-USAGE = "traceml-jupyter run [--name NAME] [--warmup N] [--save PATH] -- COMMAND [ARGS...]"
+USAGE = "traceml-jupyter run [--name NAME] [--warmup N] [--loop FILE:LINE] [--save PATH] -- COMMAND [ARGS...]"
 
 
 def save_json(run: Run, path: str) -> None:
@@ -51,6 +51,12 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--name", default=None, help="label of the run (default: the command)")
     run.add_argument("--warmup", type=int, default=None, metavar="N", help="steps kept out of the verdict (default: a few)")
     run.add_argument(
+        "--loop",
+        default=None,
+        metavar="FILE:LINE",
+        help="the loop whose iterations are steps, where the training has no optimizer step or backward()",
+    )
+    run.add_argument(
         "--save",
         default=None,
         metavar="PATH",
@@ -68,6 +74,14 @@ def _command(args: argparse.Namespace, top: argparse.ArgumentParser) -> list[str
         top.error(f"no command to run: {USAGE}")
     if args.warmup is not None and args.warmup < 0:
         top.error("--warmup must be 0 or more")
+    if args.loop is not None:
+        from .processes.children import script_loop
+
+        try:
+            if script_loop(args.loop) is None:
+                top.error(f"--loop {args.loop}: give FILE:LINE (--loop train.py:57)")
+        except ValueError as exc:
+            top.error(str(exc))
     if args.save is not None and os.path.splitext(args.save)[1].lower() not in WRITERS:
         top.error(f"--save {args.save}: the file name must end in " + " or ".join(sorted(WRITERS)))
     return command
@@ -78,14 +92,16 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def run_command(command: Sequence[str], name: str | None = None, warmup: int | None = None) -> tuple[int, Run]:
+def run_command(
+    command: Sequence[str], name: str | None = None, warmup: int | None = None, loop: str | None = None
+) -> tuple[int, Run]:
     """Run `command` with the channel in its environment; its status and the run."""
     from .processes import children
     from .processes.startup_hook import command_line
     from .run import Run
 
     run = Run(name or command_line(command), warmup)
-    channel = children.Channel()
+    channel = children.Channel(loop=children.script_loop(loop))
     collector = children.ChildCollector(run, channel)
     run.rank_feed = collector
     returncode = 127
@@ -156,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = _command(args, top)
     if hasattr(signal, "SIGINT"):
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    status, run = run_command(command, args.name, args.warmup)
+    status, run = run_command(command, args.name, args.warmup, args.loop)
     try:
         report(run, command)
     except Exception as exc:  # the command's status is what matters to a script

@@ -164,6 +164,11 @@ def _locate(
     """The loop the cell trains in: --loop; a marked loop (in the cell, then in the functions it
     calls); a training loop (same order); the innermost non-range loop (same order)."""
     if opts.loop is not None:
+        try:
+            if children.script_loop(opts.loop) is not None:  # FILE:LINE: a script the cell runs
+                return None, None
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         return _loop_option(shell, tree, opts)
     functions = called_cell_functions(tree, shell.user_ns)
     finders: list[Any] = [find_marked_loop, find_training_loop, lambda node, _lines: find_innermost_loop(node)]
@@ -293,7 +298,7 @@ def recording(cell: TracedCell) -> Iterator[None]:
             from .capture.sync_stalls import gpu_watched
 
             stack.enter_context(gpu_watched(run))
-            stack.enter_context(children.followed(run))  # processes the cell starts: traced
+            stack.enter_context(children.followed(run, loop=children.script_loop(cell.opts.loop)))  # its processes
             stack.enter_context(ranks.followed(run, capture))  # the capture, across processes
             stack.enter_context(swapped_code(cell.func_loop))
             if capture.lines is not None:

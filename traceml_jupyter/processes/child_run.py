@@ -5,7 +5,10 @@ how it ended, what fed its steps and where its loader was built."""
 
 from __future__ import annotations
 
+import ast
 import atexit
+import builtins
+import os
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -14,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 from .. import ranks
 from ..capture import hooks
 from ..capture.dataloaders import split_site
+from ..capture.locate import loop_at_line
 from ..capture.patches import patched
-from ..capture.recording import Capture, capturing
+from ..capture.recording import Capture, capturing, new_token
+from ..capture.rewrite import instrument_loop
 from ..capture.sources import training_source
 from ..run import Run, _jsonable
 from .startup_hook import command_line
@@ -65,6 +70,8 @@ class ChildSender(ranks.Sender):
                 notes=list(run.notes),
                 wall_ms=run.wall_ms,
                 batch_kind=run.batch_kind,
+                loop_line=run.loop_line,
+                loop_where=run.loop_where,
             )
         except Exception as exc:
             end["note"] = f"what fed its steps could not be read: {type(exc).__name__}: {exc}"
@@ -99,7 +106,10 @@ def record(tripwires: Tripwires, sock: Any) -> Recording:
     """Start recording this process on the calling thread, streaming to the kernel over `sock`
     (connected, token sent); at exit, tripwires.finish sends the end."""
     run = Run(command_line())
-    capture = Capture(run)
+    loop = tripwires.loop  # --loop FILE:LINE: (path, line, token)
+    capture = Capture(run, token=loop[2] if loop else None)
+    if loop:
+        run.loop_line, run.loop_where = loop[1], os.path.basename(loop[0])
     stack = ExitStack()
     stack.enter_context(capturing(run, capture))
     timer = None
@@ -147,3 +157,111 @@ def exit_status(code: Any, handled: str | None) -> tuple[int | None, str | None]
     if status == 0:
         return 0, None
     return status, handled or (str(code) if not isinstance(code, int) else f"exit status {status}")
+
+
+# -- --loop FILE:LINE: a loop in a script whose iterations are steps -----------------------------------
+class LoopModuleFinder:
+    """On sys.meta_path: the module whose file is `path` is compiled with the loop on `line`
+    rewritten (capture/rewrite.py), as a traced cell's loop is."""
+
+    def __init__(self, path: str, line: int, token: int) -> None:
+        self.path, self.line, self.token = path, line, token
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        origin = getattr(spec, "origin", None)
+        if spec is None or origin is None or os.path.abspath(origin) != self.path:
+            return None
+        loader = spec.loader
+        if not isinstance(loader, importlib.machinery.SourceFileLoader):
+            return None
+        finder = self
+
+        class Rewriting(importlib.machinery.SourceFileLoader):
+            def get_code(self, fullname: str) -> Any:
+                return compile(finder.rewritten(), finder.path, "exec", dont_inherit=True)
+
+        spec.loader = Rewriting(loader.name, loader.path)
+        sys.meta_path.remove(self)
+        return spec
+
+    def rewritten(self) -> ast.Module:
+        with open(self.path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), self.path)
+        choice = loop_at_line(tree, self.line)
+        if choice is None:
+            raise SyntaxError(f"--loop {self.path}:{self.line}: no for loop on that line")
+        new, _ = instrument_loop(tree, choice, self.token)
+        return new
+
+
+def follow_loop(tripwires: Tripwires, where: str) -> None:
+    """--loop FILE:LINE in a child, at its start-up: the loop is rewritten when its file is
+    compiled — an imported module at import, the script itself run here as Python would run it
+    (this then never returns) — and its first iteration starts the capture like any other
+    training event."""
+    path, _, line_text = where.rpartition(":")
+    token = new_token()
+    tripwires.loop = (path, int(line_text), token)
+    hooks.install()
+
+    def loop(iterable: Any, token: int) -> Any:  # the first pass of the loop trips the wire
+        tripwires.trip()
+        return hooks.loop(iterable, token)
+
+    def aloop(iterable: Any, token: int) -> Any:
+        tripwires.trip()
+        return hooks.aloop(iterable, token)
+
+    setattr(builtins, hooks.LOOP, loop)  # until the capture installs the plain ones
+    setattr(builtins, hooks.ALOOP, aloop)
+    finder = LoopModuleFinder(path, int(line_text), token)
+    main = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None
+    if main != path:
+        sys.meta_path.insert(0, finder)
+        return
+    run_script(path, finder)
+
+
+def run_script(path: str, finder: LoopModuleFinder) -> None:
+    """Run the script `path` as `__main__` with its loop rewritten, then end the process as
+    Python ends it (threads joined, atexit, the exit status, the traceback of an uncaught
+    exception)."""
+    import atexit as exits
+    import threading
+    import traceback
+
+    status = 0
+    try:
+        code = compile(finder.rewritten(), path, "exec", dont_inherit=True)
+    except (OSError, SyntaxError) as exc:
+        from .startup_hook import tell_kernel
+
+        tell_kernel(f"--loop: {exc}")
+        return  # Python runs the script as it is
+    main = sys.modules["__main__"]
+    main.__dict__.update(__file__=path, __cached__=None)
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path.insert(0, os.path.dirname(path))  # as Python does for a script, after site
+    try:
+        exec(code, main.__dict__)
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException as exc:
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None)
+        status = 130 if isinstance(exc, KeyboardInterrupt) else 1
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    exits._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(status & 0xFF)

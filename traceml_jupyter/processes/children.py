@@ -40,7 +40,7 @@ from ..analysis.rank_verdict import compare_ranks
 from ..analysis.verdict import WARN_SHARE
 from ..capture.probes import plain_count
 from . import startup_hook
-from .startup_hook import CHANNEL, NOTE, PACKAGE, TOKEN
+from .startup_hook import CHANNEL, LOOP, NOTE, PACKAGE, TOKEN
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -53,9 +53,10 @@ MAX_KNOCKS = 64  # connections waiting to give the token
 class Channel:
     """A private directory with the start-up hook and a listening socket; the token."""
 
-    def __init__(self, tcp: bool = False) -> None:
+    def __init__(self, tcp: bool = False, loop: str | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="traceml-")  # mode 0700: only this user gets in
         self.token = os.urandom(16).hex()
+        self.loop = loop  # --loop FILE:LINE for the children (script_loop)
         try:
             write_hook(self.dir)
             if tcp or not hasattr(socket, "AF_UNIX"):
@@ -77,12 +78,15 @@ class Channel:
         """What the children's environment gets: the channel, the token, the hook's directory
         first on PYTHONPATH (before what `environ` has there)."""
         path = environ.get("PYTHONPATH")
-        return {
+        env = {
             CHANNEL: self.address,
             TOKEN: self.token,
             PACKAGE: os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # traceml_jupyter/
             "PYTHONPATH": self.dir + (os.pathsep + path if path else ""),
         }
+        if self.loop:
+            env[LOOP] = self.loop
+        return env
 
     def close(self) -> None:
         try:
@@ -349,6 +353,8 @@ def become(run: Run, stream: ChildStream, ranked: bool) -> None:
     the loader and where it was built, the passes kept out, its notes, and how it ended."""
     run.recorder = stream.recorder
     end = stream.end or {}
+    if plain_count(end.get("loop_line")) is not None and isinstance(end.get("loop_where"), str):
+        run.loop_line, run.loop_where = plain_count(end["loop_line"]), end["loop_where"]  # --loop FILE:LINE
     kind, definition = end.get("step_kind"), end.get("step_definition")
     if isinstance(kind, str) and isinstance(definition, str):
         run.step_kind = kind
@@ -406,12 +412,28 @@ def no_step_line(who: str, stream: ChildStream) -> str | None:
 
 
 # -- the cell --------------------------------------------------------------------------------------------
+def script_loop(value: Any) -> str | None:
+    """`--loop FILE:LINE` for a loop in a script the cell (or the command) runs, as
+    "ABSOLUTE_PATH:LINE"; None when `value` is a loop of the cell (LINE, FUNCTION:LINE).
+    ValueError when the file is not there."""
+    if value is None:
+        return None
+    text = str(value)
+    name, _, line = text.rpartition(":")
+    if not name or not line.strip().isdigit() or not (name.endswith(".py") or "/" in name or os.sep in name):
+        return None
+    path = os.path.abspath(os.path.expanduser(name))
+    if not os.path.isfile(path):
+        raise ValueError(f"--loop {text}: there is no file {name}")
+    return f"{path}:{int(line)}"
+
+
 @contextmanager
-def followed(run: Run, tcp: bool = False) -> Iterator[ChildCollector]:
+def followed(run: Run, tcp: bool = False, loop: str | None = None) -> Iterator[ChildCollector]:
     """For a traced cell: the channel open and in the environment while it runs; its children's
     streams go to the run's collector (the forked ranks' too). After it, nothing is left:
     the environment as before, no socket, no file, no thread."""
-    channel = Channel(tcp)
+    channel = Channel(tcp, loop)
     collector: ChildCollector | None = None
     try:
         collector = ChildCollector(run, channel)

@@ -190,11 +190,14 @@ class Tripwires:
         self.exit_error: str | None = None  # the exception being handled when it was called
         self.recording: Any = None  # child_run.Recording once started
         self.pre_hook: Any = None
+        self.loop: tuple[str, int, int] | None = None  # --loop: (file, line, its code's token)
+        self.installed = False
         self.finished = False
 
     def install(self) -> None:
         import functools
 
+        self.installed = True
         import torch
         from torch.utils.data import DataLoader
 
@@ -305,15 +308,20 @@ class Tripwires:
 _tripwires: Tripwires | None = None
 
 
+def tripwires() -> Tripwires:
+    """This process's tripwires, made once."""
+    global _tripwires
+    if _tripwires is None:
+        _tripwires = Tripwires()
+        os.register_at_fork(after_in_child=_tripwires.forked)
+    return _tripwires
+
+
 def arm() -> None:
     """Set the tripwires in this process (once, after `import torch`)."""
-    global _tripwires
-    if _tripwires is not None:
-        return
-    tripwires = Tripwires()
-    tripwires.install()
-    _tripwires = tripwires
-    os.register_at_fork(after_in_child=tripwires.forked)
+    wires = tripwires()
+    if not wires.installed:
+        wires.install()
 
 
 def current() -> Tripwires | None:
@@ -341,8 +349,15 @@ def start(here: str) -> None:
         chain(here)
     except Exception as exc:  # as site reports an error in sitecustomize
         print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}", file=sys.stderr)
-    if os.environ.get(CHANNEL) and os.environ.get(TOKEN) and "torch" not in sys.modules:
+    if not (os.environ.get(CHANNEL) and os.environ.get(TOKEN)):
+        return
+    if "torch" not in sys.modules:
         sys.meta_path.insert(0, TorchWatcher(arm_when_torch_is_imported))
+    if os.environ.get(LOOP):  # --loop FILE:LINE (the script itself then runs from here)
+        try:
+            package("traceml_jupyter.processes.child_run").follow_loop(tripwires(), os.environ[LOOP])
+        except Exception as exc:
+            tell_kernel(f"--loop could not be followed: {type(exc).__name__}: {exc}")
 
 
 if __name__ == "sitecustomize":
