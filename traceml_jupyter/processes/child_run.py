@@ -52,6 +52,12 @@ class ChildSender(ranks.Sender):
         self.tripwires.tidy()
         super().__call__(run)
 
+    def _put_steps(self, who: dict[str, Any], rows: Any) -> None:
+        feed = self.run.rank_feed
+        if rows is not None and isinstance(feed, ranks.LocalRank):  # for the gather of a job over nodes
+            feed.add(rows)
+        super()._put_steps(who, rows)
+
     def _end(self) -> dict[str, Any]:
         end: dict[str, Any] = super()._end()
         run = self.run
@@ -72,6 +78,7 @@ class ChildSender(ranks.Sender):
                 batch_kind=run.batch_kind,
                 loop_line=run.loop_line,
                 loop_where=run.loop_where,
+                job_ranks=_jsonable(run.ranks),
             )
         except Exception as exc:
             end["note"] = f"what fed its steps could not be read: {type(exc).__name__}: {exc}"
@@ -132,6 +139,8 @@ def record(tripwires: Tripwires, sock: Any) -> Recording:
         return original_exit(status)
 
     sys.exit = exit
+    if multi_node():
+        gather_before_the_group_goes(run)
     atexit.register(tripwires.finish)
     if "multiprocessing" in sys.modules:  # multiprocessing children leave through os._exit
         import multiprocessing.util
@@ -139,6 +148,37 @@ def record(tripwires: Tripwires, sock: Any) -> Recording:
         multiprocessing.util.Finalize(tripwires, tripwires.finish, exitpriority=100)
     sender.hello()
     return Recording(stack, sender)
+
+
+def multi_node() -> bool:
+    """One rank of a torchrun job over several nodes (more ranks than this node starts)."""
+    try:
+        return int(os.environ["WORLD_SIZE"]) > int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return False
+
+
+def gather_before_the_group_goes(run: Run) -> None:
+    """A job over several nodes: when the script destroys its process group (every rank does,
+    at its end), every rank's summary is gathered over it first (ranks.gather, as at the end
+    of trace()), so the kernel or command line of each node sees the whole job's ranks."""
+    dist: Any = sys.modules.get("torch.distributed")
+    original = getattr(dist, "destroy_process_group", None)
+    if original is None:
+        return
+    run.rank_feed = ranks.LocalRank()
+    done: list[bool] = []
+
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        if not done:
+            done.append(True)
+            try:
+                ranks.gather(run, None)
+            except Exception:
+                pass
+        return original(*args, **kwargs)
+
+    dist.destroy_process_group = destroy_process_group
 
 
 def exit_status(code: Any, handled: str | None) -> tuple[int | None, str | None]:

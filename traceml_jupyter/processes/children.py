@@ -327,8 +327,11 @@ def adopt_children(run: Run, collector: ChildCollector, drain_s: float) -> None:
         run.notes.append("The steps shown are the kernel's own.")
         return
     job = sorted((s for s in trained if s.distributed), key=lambda s: s.label)
-    if len(job) >= 2:
-        run.ranks = [s.summary(run.warmup) for s in job]
+    gathered = next((g for g in (job_ranks(s) for s in job) if g), None)  # a job over several nodes
+    if len(job) >= 2 or gathered:
+        run.ranks = gathered or [s.summary(run.warmup) for s in job]
+        if gathered:
+            run.notes.append(f"Every node's ranks were gathered over the process group at its end ({len(job)} of {len(gathered)} run on this node).")
         found = compare_ranks(run.ranks)
         late = next((s for s in job if found and found["score"] >= WARN_SHARE and s.label == found["rank"]), None)
         main = late or job[0]
@@ -340,7 +343,15 @@ def adopt_children(run: Run, collector: ChildCollector, drain_s: float) -> None:
     for stream in trained:
         if stream is not main and stream not in job:
             run.notes.append(f"{collector.describe(stream)} trained too ({steps(stream)}); its steps are not shown.")
-    become(run, main, ranked=len(job) >= 2)
+    become(run, main, ranked=bool(run.ranks))
+
+
+def job_ranks(stream: ChildStream) -> list[dict[str, Any]] | None:
+    """Every rank's summary of a job over several nodes, as one of its ranks gathered them."""
+    found = (stream.end or {}).get("job_ranks")
+    if not isinstance(found, list) or len(found) < 2 or not all(isinstance(r, dict) for r in found):
+        return None
+    return [dict(r) for r in found]
 
 
 def steps(stream: ranks.Stream) -> str:
