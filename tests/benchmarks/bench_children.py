@@ -3,7 +3,7 @@ what the start-up hook costs a Python child that does not train.
 
     .venv/bin/python tests/benchmarks/bench_children.py [--repeats 5]
 
-Per step: the same training loop (DataLoader, backward, optimizer step of a small MLP) run in a
+Per step: the same training loop (DataLoader, backward, optimizer step of a tiny model) run in a
 fresh Python process three ways — plain; recorded in that process as `%%traceml` records the
 kernel (`capturing`, the in-kernel figure); and as a child of a traced cell (no code of ours in
 the script: the start-up hook arms the child, its first DataLoader pass starts the capture, the
@@ -31,20 +31,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tables import Table, noise_of, show  # noqa: E402
 
-SHORT, LONG = 200, 1500
+SHORT, LONG = 500, 4000
 VARIANTS = ("plain", "in-kernel capture", "child of a traced cell")
 CHILD = "child"
 
 
 def loop(n: int) -> float:
-    """CPU seconds of n training steps of a small MLP (DataLoader, backward, optimizer step)."""
+    """CPU seconds of n training steps of a tiny model (DataLoader, backward, optimizer step):
+    short steps (tens of µs), so that a few µs of ours per step show above the noise."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    data = DataLoader(TensorDataset(torch.randn(n * 16, 32), torch.randn(n * 16, 1)), batch_size=16)
+    data = DataLoader(TensorDataset(torch.randn(n * 4, 4), torch.randn(n * 4, 1)), batch_size=4)
     loss_fn = torch.nn.MSELoss()
     began = time.process_time()
     for x, y in data:
@@ -131,6 +132,24 @@ def per_step(repeats: int) -> Table:
             "The child runs the plain loop (no code of ours in it): the start-up hook armed it, its first "
             "DataLoader pass started the capture, its steps went to this process at the ticks.",
             "± noise: half the spread of the plain loop's per-repeat slopes; an overhead below twice it is not resolved.",
+        ],
+    )
+
+
+def added() -> Table:
+    from bench_ranks import tick_us
+
+    tick = tick_us(25)
+    return Table(
+        "What a child of a traced cell adds to the in-kernel per-step path",
+        ["what", "cost", "per step at a 10 ms step", "at a 1 ms step"],
+        [["one tick: steps handed out and sent (4 a second)", f"{tick:.0f} µs (25 steps)", f"{tick / 25:.2f} µs", f"{tick_us(250) / 250:.2f} µs"]],
+        notes=[
+            "Everything else on a child's per-step path is the in-kernel capture itself (recording.capturing, the "
+            "same code): the tripwires are taken out before the capture starts, and the tick replaces the live "
+            "view's refresh of an in-kernel run. A child that is one rank of several also times backward() (as a "
+            "forked rank: bench_ranks.py).",
+            "Measured in this process (median of 300 ticks), so it resolves on a busy machine where the table above cannot.",
         ],
     )
 
@@ -240,7 +259,7 @@ def startup(runs: int) -> Table:
 
 
 def measure(repeats: int = 5) -> list[Table]:
-    return [per_step(repeats), startup(60)]
+    return [per_step(repeats), added(), startup(60)]
 
 
 def main() -> int:

@@ -192,6 +192,7 @@ class Tripwires:
         self.pre_hook: Any = None
         self.loop: tuple[str, int, int] | None = None  # --loop: (file, line, its code's token)
         self.installed = False
+        self.patches: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, ours)
         self.finished = False
 
     def install(self) -> None:
@@ -221,8 +222,8 @@ class Tripwires:
                 return DataLoader.__iter__(loader)
             return original_iter(loader)
 
-        DataLoader.__init__ = __init__  # type: ignore[method-assign,assignment]
-        DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+        self._patch(DataLoader, "__init__", __init__)
+        self._patch(DataLoader, "__iter__", __iter__)
         autograd = torch.autograd
         original_backward = autograd.__dict__.get("backward")
         if original_backward is not None:
@@ -234,7 +235,7 @@ class Tripwires:
                     return autograd.backward(*args, **kwargs)
                 return original_backward(*args, **kwargs)
 
-            autograd.backward = backward
+            self._patch(autograd, "backward", backward)
         try:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
         except Exception:  # torch < 2.0: backward() and DataLoaders start it
@@ -245,6 +246,19 @@ class Tripwires:
 
         self.pre_hook = register_optimizer_step_pre_hook(before_step)
 
+    def _patch(self, owner: Any, name: str, ours: Any) -> None:
+        self.patches.append((owner, name, owner.__dict__[name], ours))
+        setattr(owner, name, ours)
+
+    def uninstall(self) -> None:
+        """The tripwires go (where nothing was put over them since): once the capture starts, a
+        child's per-step path is the in-kernel one, nothing more; untraced, it is untouched."""
+        for owner, name, original, ours in reversed(self.patches):
+            if owner.__dict__.get(name) is ours:
+                setattr(owner, name, original)
+        self.patches.clear()
+        self.installed = False
+
     def trip(self) -> bool:
         """True once, when this call started the capture (the caller then goes through it)."""
         if self.state is not ARMED:
@@ -252,6 +266,7 @@ class Tripwires:
         with self.lock:
             if self.state is not ARMED or os.getpid() != self.pid:
                 return False
+            self.uninstall()
             try:
                 started = self._start()
             except Exception as exc:
@@ -300,8 +315,9 @@ class Tripwires:
         if self.state is STARTED:
             try:
                 self.recording.forget_in_child()
+                self.install()  # over the parent's capture, which passes through here
             except Exception:
-                pass
+                return
             self.state, self.finished, self.recording = ARMED, False, None
 
 
