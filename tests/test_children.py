@@ -427,7 +427,7 @@ def test_loop_file_line_steps_a_script_without_training_events(ip: Any, untouche
 def test_torchrun_in_a_cell_names_the_rank_that_holds_the_others_back(ip: Any, untouched: None) -> None:
     port = free_port()
     command = (f"!OMP_NUM_THREADS=1 {PYTHON} -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 "
-               f"--master_port {port} {SCRIPTS / 'ddp_train.py'}")
+               f"--master_port {port} {HERE / 'ranks_scripts' / 'ddp_trace.py'} --plain")
     result, run, out = cell(ip, "%%traceml --no-live\n" + command)
     assert result.error_in_exec is None and run is not None, out
     assert run.verdict == "RANK STRAGGLER", run.text()

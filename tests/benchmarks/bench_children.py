@@ -39,37 +39,18 @@ CHILD = "child"
 def loop(n: int) -> float:
     """CPU seconds of n training steps of a tiny model (DataLoader, backward, optimizer step):
     short steps (tens of µs), so that a few µs of ours per step show above the noise."""
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
+    from bench_ranks import loop as training
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    data = DataLoader(TensorDataset(torch.randn(n * 4, 4), torch.randn(n * 4, 1)), batch_size=4)
-    loss_fn = torch.nn.MSELoss()
-    began = time.process_time()
-    for x, y in data:
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-    return time.process_time() - began
+    return training(n, tiny=True)
 
 
 def child_main(n: int, variant: str) -> None:
     """In the measured process: the loop, and its CPU seconds on stdout."""
     import torch
+    from bench_ranks import recorded
 
     torch.set_num_threads(1)
-    if variant == "in-kernel capture":
-        from traceml_jupyter.capture.recording import capturing
-        from traceml_jupyter.run import Run
-
-        run = Run("bench")
-        with capturing(run):
-            seconds = loop(n)
-        assert run.n_steps == n, run.n_steps
-    else:
-        seconds = loop(n)
+    seconds = recorded(n, loop) if variant == "in-kernel capture" else loop(n)
     print(json.dumps({"seconds": seconds}), flush=True)
 
 
