@@ -36,6 +36,8 @@ class ChildSender(ranks.Sender):
         super().__init__(sock, tap, run, 0)
         self.tripwires = tripwires
         self.status: int | None = None
+        # The script's file, while it runs (Python takes __file__ off __main__ when it ends).
+        self.main_file: str | None = getattr(sys.modules.get("__main__"), "__file__", None)
 
     def hello(self) -> None:
         meta = {
@@ -61,6 +63,8 @@ class ChildSender(ranks.Sender):
     def _end(self) -> dict[str, Any]:
         end: dict[str, Any] = super()._end()
         run = self.run
+        if isinstance(end.get("loader_info"), dict):
+            end["loader_info"] = script_loader_info(end["loader_info"], self.main_file)
         end["status"] = self.status
         end["command"] = command_line()
         try:
@@ -107,6 +111,23 @@ class Recording:
         connection is let go."""
         hooks.active = None
         self.sender.forget_in_child()
+
+
+def script_loader_info(info: dict[str, Any], main_file: str | None) -> dict[str, Any]:
+    """The loader's settings as the kernel's checklist should read them for a script: a Dataset
+    of the script itself is in `__main__` like one of a notebook cell, but workers can import it
+    (as `__mp_main__`), so it is named by its file; the start method is the script's own when it
+    chose one."""
+    info = dict(info)
+    if info.get("dataset_module") == "__main__" and isinstance(main_file, str):
+        info["dataset_module"] = os.path.basename(main_file)
+    mp = sys.modules.get("multiprocessing")
+    if info.get("multiprocessing_context") is None and mp is not None:
+        try:
+            info["multiprocessing_context"] = mp.get_start_method(allow_none=True)
+        except Exception:
+            pass
+    return info
 
 
 def record(tripwires: Tripwires, sock: Any) -> Recording:

@@ -167,10 +167,9 @@ class ChildStream(ranks.Stream):
         command = meta.get("command")
         if isinstance(command, str) and command:
             self.command = command[:200]
-        if kind == NOTE:  # it trains, but could not be traced
+        if kind == NOTE:  # it trains, but could not be traced (then it closes the connection)
             self.pid = plain_count(meta.get("pid")) or self.pid
             self.note = str(meta.get("note"))[:500]
-            self.eof = True
             return
         if kind == ranks.HELLO:
             self.said_hello = True

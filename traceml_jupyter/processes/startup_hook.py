@@ -329,7 +329,8 @@ def tripwires() -> Tripwires:
     global _tripwires
     if _tripwires is None:
         _tripwires = Tripwires()
-        os.register_at_fork(after_in_child=_tripwires.forked)
+        if hasattr(os, "register_at_fork"):  # not on Windows (no fork there)
+            os.register_at_fork(after_in_child=_tripwires.forked)
     return _tripwires
 
 
