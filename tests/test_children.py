@@ -228,6 +228,10 @@ def test_who_trained_decides_what_the_run_shows(untouched: None) -> None:
         helpless = knock(address, token + pack(NOTE, {"pid": 4, "command": "python3.9 d.py", "note": "no numpy"}))
         killed = knock(address, token + ranks.frame(ranks.HELLO, {"pid": 5, "command": "python e.py"}))
         until(lambda: sum(s.said_hello or bool(s.note) for s in collector.streams) == 5)
+        until(lambda: sum(s.recorder.n_steps for s in collector.streams) == 25)
+        live = collector.live(300)  # the live chart: one line per process, none held up by another
+        assert live is not None and live["text"] == "2 processes" and live["slowest"] is None
+        assert sorted(len(series["step"]) for series in live["series"]) == [5, 20]
         for sock in (short, long, early, helpless, killed):
             sock.close()
     run.finish()
