@@ -12,9 +12,11 @@ Thresholds, and why:
   keeps variable-length batches out. CREEP: the growth is large enough that a run 10x as long
   (a traced cell is often a slice of the training) would use up the memory the peak leaves free
   (critical: one more run as long would).
-- CPU SATURATED: the cores busy on the CPUs this process may use (every process's; without that,
-  the process and its workers') are >= 90 % of the usable cores, and the process and its workers
-  use >= 25 % of them themselves (a machine busy with other work is not ours to fix by workers).
+- CPU SATURATED: the process and its workers keep >= 90 % of the usable cores busy; or every
+  usable core is busy (>= 90 %, other processes counted) while the process and its workers use
+  >= 10 % of them and its workers compute: found running or waiting for a CPU (not sleeping) in
+  half the samples. No idle core is left for another worker. Workers that wait (I/O, sleep) are
+  found sleeping: more of them overlap more waiting, whatever else runs on the machine.
 - Worker memory growth: a worker's private memory (USS) grew by >= 64 MiB from its first read to
   its last (prefetched batches live in shared memory once sent; 64 MiB is above a worker's own
   steady buffers), and the dataset holds a Python list/dict of many objects (or it grew >= 256 MiB).
@@ -41,7 +43,8 @@ RISE_SHARE = 0.005
 CREEP_RUNS = 10.0  # a run this many times as long would use up the free memory: CREEP
 MIN_STEPS_FOR_TREND = 6
 SATURATED_SHARE = 0.90
-OWN_SHARE = 0.25
+OWN_SHARE = 0.10
+RUNNING_WORKERS = 0.5  # workers found running (or waiting for a CPU) in half the samples compute
 WORKER_GROWTH_MIB = 64.0
 WORKER_GROWTH_ALONE_MIB = 256.0
 HOST_RISE_MIB = 64.0
@@ -269,14 +272,31 @@ def cpu_summary(facts: ResourceFacts) -> tuple[dict[str, Any], list[Finding]]:
     )
     busy_all = machine[ok & np.isfinite(machine)]
     out["cpu_machine_cores"] = float(np.median(busy_all)) if len(busy_all) >= 2 else None
+    n_workers = np.asarray(samples.get("workers", np.zeros(len(t))), dtype=np.float64)[inside][ok]
+    running = np.asarray(samples.get("workers_running", np.zeros(len(t))), dtype=np.float64)[inside][ok]
+    out["cpu_workers"] = float(np.median(n_workers)) if len(n_workers) else None
+    out["cpu_workers_running"] = float(running.sum() / n_workers.sum()) if n_workers.sum() > 0 else None
     if not usable:
         return out, []
-    busy = out["cpu_machine_cores"] if out["cpu_machine_cores"] is not None else out["cpu_cores"]
-    saturated = busy >= SATURATED_SHARE * usable and out["cpu_cores"] >= OWN_SHARE * usable
-    out["cpu_saturated"] = bool(saturated)
+    saturated = saturated_cpu(out, usable)
+    out["cpu_saturated"] = saturated
     if not saturated:
         return out, []
     return out, [Finding(Label.CPU_SATURATED, "warn", cpu_sentence(out), SATURATED_NEXT)]
+
+
+def saturated_cpu(s: Mapping[str, Any], usable: float) -> bool:
+    """The process and its workers use (nearly) every usable core; or every usable core is busy
+    (other processes too) while the process and its workers use a good part of them and its
+    workers compute rather than wait (found running or waiting for a CPU, not sleeping, in half
+    the samples): then no idle core is left for another worker."""
+    family, machine = float(s["cpu_cores"]), s.get("cpu_machine_cores")
+    if family >= SATURATED_SHARE * usable:
+        return True
+    if machine is None or machine < SATURATED_SHARE * usable or family < OWN_SHARE * usable:
+        return False
+    running = s.get("cpu_workers_running")
+    return running is not None and running >= RUNNING_WORKERS
 
 
 SATURATED_NEXT = (
@@ -451,10 +471,10 @@ def oom_finding(facts: ResourceFacts) -> Finding | None:
     oom = facts.oom
     if not oom:
         return None
-    step = oom.get("step")
+    step, done = oom.get("step"), oom.get("completed_steps")
     where = f"in step {step}" if step is not None else "in the cell"
-    if step is not None:
-        where += f" (after {step} completed step{'s' if step != 1 else ''})"
+    if done is not None:
+        where += f" (after {done} completed step{'s' if done != 1 else ''})"
     device = oom.get("device")
     text = f"CUDA ran out of memory {where}"
     if oom.get("requested_mib") is not None:
@@ -500,6 +520,8 @@ RESOURCE_KEYS = (
     "cpu_process_cores",
     "cpu_workers_cores",
     "cpu_machine_cores",  # median cores busy on the usable CPUs, every process
+    "cpu_workers",  # median live DataLoader workers during the loop
+    "cpu_workers_running",  # share of the workers' samples found running or waiting for a CPU
     "cpu_saturated",  # True / False; None when not measured
     "host_rss_mib",  # the process's largest RSS
     "host_rss_growth_mib",  # RSS in the loop: last third's median - first third's

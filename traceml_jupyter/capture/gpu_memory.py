@@ -79,7 +79,7 @@ class GpuMemory:
     after each step, and `merged(first)` when it merges steps. Never raises: an error turns the
     watch off with a note."""
 
-    def __init__(self, resets: bool = True, cuda: Callable[[], Any] = cuda_module) -> None:
+    def __init__(self, resets: bool = True, cuda: Callable[[], Any] | None = None) -> None:
         self.resets = resets
         self._cuda_of = cuda
         self.device: int | None = None
@@ -95,7 +95,7 @@ class GpuMemory:
         if self._stats is not None or self.off is not None:
             return
         try:
-            cuda = self._cuda_of()
+            cuda = self._cuda_of() if self._cuda_of is not None else cuda_module()
             if not cuda_initialised(cuda):
                 self.off = "GPU memory was not read: CUDA is not initialised."
                 return
@@ -357,8 +357,8 @@ def held_before(
 
 # -- out of memory ----------------------------------------------------------------------------
 
-_UNITS = {"B": 1 / MIB, "KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0, "TiB": 1024.0**2}
-_SIZE = r"([0-9.]+) (B|KiB|MiB|GiB|TiB)"
+_UNITS = {"bytes": 1 / MIB, "B": 1 / MIB, "KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0, "TiB": 1024.0**2}
+_SIZE = r"([0-9.]+) (bytes|B|KiB|MiB|GiB|TiB)"
 
 
 def is_cuda_oom(error: BaseException | None) -> bool:

@@ -14,7 +14,8 @@ CPU: the process's own time (all its threads), plus its reaped children's (psuti
 children_user/children_system: workers of a finished epoch), plus the live workers' own time;
 cores busy = the growth of that sum over the wall time between two samples. The machine's busy
 cores on the CPUs this process may use (every process's, from the per-CPU times) say whether a
-core was left idle. Memory: RSS of the process; RSS and USS of each worker (after fork a worker's
+core was left idle; each worker's state (running or waiting for a CPU, against sleeping) says
+whether it computes or waits, whatever share of a core the other processes leave it. Memory: RSS of the process; RSS and USS of each worker (after fork a worker's
 RSS counts the parent's pages it maps and barely moves, while the pages that reading Python
 objects copies show in its USS).
 """
@@ -48,6 +49,7 @@ HOST_COLUMNS = (
     "workers_rss_mib",  # the live workers' RSS, summed
     "workers_uss_mib",  # the live workers' private memory (USS, latest read of each), summed
     "workers",  # live workers
+    "workers_running",  # of them, those running or waiting for a CPU (not sleeping) right now
 )
 
 
@@ -307,7 +309,7 @@ class HostSampler:
         own = times.user + times.system
         children = getattr(times, "children_user", 0.0) + getattr(times, "children_system", 0.0)
         others = children
-        live = 0
+        live = running = 0
         workers_rss = workers_uss = 0.0
         any_uss = False
         due = uss and run_s >= self._uss_at
@@ -319,6 +321,7 @@ class HostSampler:
                 with worker.proc.oneshot():
                     t = worker.proc.cpu_times()
                     w_rss = worker.proc.memory_info().rss / MIB
+                    runnable = worker.proc.status() == psutil.STATUS_RUNNING
                 cpu = t.user + t.system
                 if due or not worker.uss:
                     began = time.perf_counter()
@@ -333,6 +336,7 @@ class HostSampler:
                 self._denied(worker.pid)
                 continue
             live += 1
+            running += runnable
             others += cpu
             if worker.cpu_last is not None:
                 worker.cpu_s += max(0.0, cpu - worker.cpu_last)
@@ -375,6 +379,7 @@ class HostSampler:
                 workers_rss if live else 0.0,
                 workers_uss if any_uss else float("nan"),
                 float(live),
+                float(running),
             )
         )
 

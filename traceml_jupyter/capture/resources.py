@@ -59,7 +59,8 @@ class ResourceWatch:
         if is_cuda_oom(error):
             try:
                 self.oom = oom_facts(error, self.run.cuda_device)
-                self.oom["step"] = self.run.recorder.n_steps  # the step it happened in
+                done = int(self.run.recorder.n_steps)
+                self.oom.update(step=done + 1, completed_steps=done)  # the step it happened in
             except Exception as exc:
                 self.notes.append(f"The out-of-memory error was not read: {type(exc).__name__}: {exc}")
 
