@@ -705,8 +705,8 @@ def install_fake_cuda(monkeypatch: Any, gpu: FakeGpu) -> None:
 # - memory_stats_as_nested_dict(): {"allocated_bytes": {"all": {"current", "peak", "allocated",
 #   "freed"}}, "reserved_bytes": {...}, ...}; memory_stats() is its flattened form;
 # - get_device_properties(d).total_memory: the device's memory; mem_get_info(d): (free, total).
-# The stand-in ignores fragmentation (a cached block of the right pool is reused when the pool's
-# cached bytes suffice) and the CUDA context's own memory.
+# The stand-in ignores fragmentation inside a segment (a segment of the right pool with enough
+# free bytes takes the block) and the CUDA context's own memory.
 
 MIB = 2**20
 SMALL_SIZE, SMALL_SEGMENT = MIB, 2 * MIB
@@ -725,13 +725,17 @@ def _format_size(nbytes: float) -> str:
     return f"{nbytes / 1024**3:.2f} GiB"
 
 
+class _Segment:
+    def __init__(self, pool: str, size: int) -> None:
+        self.pool, self.size, self.used = pool, size, 0
+
+
 class _DeviceMemory:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.allocated = self.peak = self.reserved = self.reserved_peak = 0
         self.total_allocated = self.total_freed = 0
-        self.cached = {"small": 0, "large": 0}  # free bytes in reserved segments, per pool
-        self.segments = {"small": 0, "large": 0}  # reserved bytes per pool
+        self.segments: list[_Segment] = []
 
     def stat(self, current: int, peak: int, allocated: int = 0, freed: int = 0) -> dict[str, dict[str, int]]:
         return {"all": {"current": current, "peak": peak, "allocated": allocated, "freed": freed}}
@@ -756,43 +760,42 @@ class FakeAllocator:
             return "large", LARGE_SEGMENT
         return "large", -(-size // ROUND_LARGE) * ROUND_LARGE
 
-    def malloc(self, device: int, nbytes: int) -> int:
-        """Allocate `nbytes` on `device`; the rounded size. Raises torch.cuda.OutOfMemoryError."""
+    def malloc(self, device: int, nbytes: int) -> tuple[int, _Segment]:
+        """Allocate `nbytes` on `device`: the rounded size and its segment. Raises
+        torch.cuda.OutOfMemoryError."""
         self.gpu.check()
         m = self.memory[device]
         size = max(MIN_BLOCK, -(-int(nbytes) // MIN_BLOCK) * MIN_BLOCK)
-        pool, segment = self._pool(size)
-        if m.cached[pool] < size:
-            if m.reserved + segment > m.capacity:
+        pool, segment_size = self._pool(size)
+        segment = next((g for g in m.segments if g.pool == pool and g.size - g.used >= size), None)
+        if segment is None:
+            if m.reserved + segment_size > m.capacity:
                 self.empty_cache(device)  # the allocator frees its cached segments and retries
-            if m.reserved + segment > m.capacity:
+            if m.reserved + segment_size > m.capacity:
                 raise self._oom(device, size)
-            m.reserved += segment
-            m.segments[pool] += segment
-            m.cached[pool] += segment
+            segment = _Segment(pool, segment_size)
+            m.segments.append(segment)
+            m.reserved += segment_size
             m.reserved_peak = max(m.reserved_peak, m.reserved)
-        m.cached[pool] -= size
+        segment.used += size
         m.allocated += size
         m.total_allocated += size
         m.peak = max(m.peak, m.allocated)
-        return size
+        return size, segment
 
-    def free(self, device: int, size: int) -> None:
+    def free(self, device: int, size: int, segment: _Segment) -> None:
         m = self.memory[device]
         m.allocated -= size
         m.total_freed += size
-        m.cached[self._pool(size)[0]] += size
+        segment.used -= size  # the block stays cached in its segment
 
     def empty_cache(self, device: int | None = None) -> None:
-        """Release wholly free segments (the stand-in: every cached byte of a pool with no
-        allocation left, and the cached bytes beyond a pool's allocations otherwise)."""
+        """Release the segments with no allocation left (empty_cache())."""
         for d in range(len(self.memory)) if device is None else [device]:
             m = self.memory[d]
-            for pool in ("small", "large"):
-                release = m.cached[pool]
-                m.cached[pool] -= release
-                m.segments[pool] -= release
-                m.reserved -= release
+            free = [g for g in m.segments if g.used == 0]
+            m.segments = [g for g in m.segments if g.used > 0]
+            m.reserved -= sum(g.size for g in free)
 
     def _oom(self, device: int, size: int) -> BaseException:
         import torch
@@ -865,12 +868,12 @@ class _Storage:
     _next_ptr = 0x7F0000000000
 
     def __init__(self, allocator: FakeAllocator, device: int, nbytes: int) -> None:
-        self.size = allocator.malloc(device, nbytes)
+        self.size, segment = allocator.malloc(device, nbytes)
         self._nbytes = int(nbytes)
         self.device = device
         _Storage._next_ptr += self.size
         self.ptr = _Storage._next_ptr
-        weakref.finalize(self, allocator.free, device, self.size)
+        weakref.finalize(self, allocator.free, device, self.size, segment)
 
     def data_ptr(self) -> int:
         return self.ptr

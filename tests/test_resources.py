@@ -9,10 +9,14 @@ import json
 import textwrap
 from typing import Any
 
+import numpy as np
 import pytest
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
+from traceml_jupyter.analysis.kept_graph import kept_graphs
+from traceml_jupyter.analysis.resources import ResourceFacts, resource_summary
+from traceml_jupyter.capture.host import cgroup_quota
 
 SETUP = '''
 import time, torch
@@ -173,3 +177,217 @@ def test_a_loss_kept_with_its_graph_grows_the_process_and_names_the_line(shell: 
     assert doc["summary"]["kept_graphs"][0]["line"] == 5
     del got
     shell.user_ns.pop("total", None)  # free the kept graphs
+
+
+# -- the pure parts -------------------------------------------------------------------------------
+
+LOOP = """\
+%%traceml
+total_loss, losses, history, seen = 0, [], [], []
+for x, y in loader:
+    x, y = x.to(device), y.to(device)
+    out = model(x)
+    loss = criterion(out, y)
+    loss.backward()
+    total_loss += loss
+    total = total + loss
+    losses.append(loss)
+    history.append(out)
+    seen.append(x)
+    running += loss.item()
+    losses.append(loss.detach())
+    acc = (out.argmax(1) == y).float().mean()
+    history.append(float(loss))
+    with torch.no_grad():
+        val = model(x)
+        history.append(val)
+"""
+
+
+def test_the_statements_that_keep_a_steps_graph_are_read_off_the_loop() -> None:
+    kept = kept_graphs(LOOP, 3)
+    assert [(k.line, k.text, k.value, k.holder, k.accumulates) for k in kept] == [
+        (8, "total_loss += loss", "loss", "total_loss", True),
+        (9, "total = total + loss", "loss", "total", True),
+        (10, "losses.append(loss)", "loss", "losses", False),
+        (11, "history.append(out)", "out", "history", False),
+    ]
+    assert kept[0].sentence() == (
+        "line 8 keeps every step's graph (`total_loss += loss`): use `loss.item()` (or `loss.detach()`)"
+    )
+    assert "use `out.detach()`" in kept[3].sentence()
+
+
+def test_kept_graphs_follow_what_the_names_hold() -> None:
+    hf = "for batch in loader:\n    outputs = model(**batch)\n    loss = outputs.loss\n    log.append(loss)\n"
+    assert [k.line for k in kept_graphs(hf, 1)] == [4]
+    # a name that was .item()-ed, a module called by another name (known from the namespace)
+    clean = "for x in data:\n    loss = f(x).item()\n    total += loss\n"
+    assert kept_graphs(clean, 1) == []
+    custom = "for x in data:\n    z = mlp(x)\n    keep.append(z)\n"
+    assert kept_graphs(custom, 1) == [] and [k.line for k in kept_graphs(custom, 1, ["mlp"])] == [3]
+    assert kept_graphs("for x in data:\n    pass\n", 7) == [] and kept_graphs(None, 1) == []
+    assert kept_graphs("for x in (:\n", 1) == []
+
+
+def columns(alloc: list[float], peak: float | None = None, step_ms: float = 10.0) -> dict[str, np.ndarray]:
+    n = len(alloc)
+    a = np.asarray(alloc, dtype=float)
+    return {
+        "step": np.arange(n),
+        "time_s": np.arange(n) * step_ms / 1e3,
+        "step_ms": np.full(n, step_ms),
+        "gpu_mem_allocated_mib": a,
+        "gpu_mem_peak_mib": a + (peak if peak is not None else 100.0),
+        "gpu_mem_reserved_mib": a + 200.0,
+    }
+
+
+def labels(s: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(f["label"], f["severity"]) for f in s["resource_findings"]]
+
+
+def test_high_pressure_from_92_percent_critical_from_97() -> None:
+    def at(share: float) -> list[tuple[str, str]]:
+        cols = columns([1000.0] * 30, peak=share * 10_000 - 1000)
+        return labels(resource_summary(ResourceFacts(cols, 0, {"capacity_mib": 10_000})))
+
+    assert at(0.919) == [] and at(0.92) == [("HIGH PRESSURE", "warn")]
+    assert at(0.969) == [("HIGH PRESSURE", "warn")] and at(0.97) == [("HIGH PRESSURE", "critical")]
+
+
+def test_memory_rising_then_creep_by_what_the_free_memory_allows() -> None:
+    gpu = {"capacity_mib": 10_000}
+    flat = resource_summary(ResourceFacts(columns([1000.0] * 30), 0, gpu))
+    assert labels(flat) == [] and flat["gpu_mem_growth_mib"] == 0
+    noise = resource_summary(ResourceFacts(columns([1000.0, 1000.5] * 15), 0, gpu))
+    assert labels(noise) == []  # half a MiB: variable shapes, not a leak
+    # +2 MiB a step over 30 steps (40 MiB between the thirds): RISING; the free 8.9 GiB last long.
+    rising = resource_summary(ResourceFacts(columns([1000.0 + 2 * i for i in range(30)]), 0, gpu))
+    assert labels(rising) == [("MEMORY RISING", "info")]
+    assert rising["gpu_mem_growth_per_step_mib"] == pytest.approx(2.0)
+    # +100 MiB a step: 10 runs this long would fill what the peak leaves free: CREEP.
+    creep = resource_summary(ResourceFacts(columns([1000.0 + 100 * i for i in range(30)]), 0, gpu))
+    assert labels(creep)[0] == ("MEMORY CREEP", "warn")
+    kept = [{"line": 7, "sentence": "line 7 keeps every step's graph (`total_loss += loss`): use `loss.item()`"}]
+    named = resource_summary(ResourceFacts(columns([1000.0 + 100 * i for i in range(30)]), 0, gpu, kept=kept))
+    found = named["resource_findings"][0]
+    assert found["line"] == 7 and "Likely cause: line 7 keeps every step's graph" in found["text"]
+
+
+def test_a_kept_graph_without_measured_growth_is_still_said_once() -> None:
+    kept = [{"line": 7, "sentence": "line 7 keeps every step's graph (`x`): use `y`"}]
+    s = resource_summary(ResourceFacts(columns([1000.0] * 30), 0, {"capacity_mib": 10_000}, kept=kept))
+    assert labels(s) == [("KEPT GRAPH", "info")] and s["resource_findings"][0]["line"] == 7
+
+
+def host(cores: tuple[float, float], machine: float, running: float, workers: int = 2, n: int = 12) -> dict[str, Any]:
+    t = np.arange(1, n + 1) * 0.25
+    return {
+        "usable_cores": 2.0,
+        "samples": {
+            "time_s": t,
+            "process_cores": np.full(n, cores[0]),
+            "workers_cores": np.full(n, cores[1]),
+            "machine_cores": np.full(n, machine),
+            "process_rss_mib": np.full(n, 500.0),
+            "workers_rss_mib": np.full(n, 300.0),
+            "workers_uss_mib": np.full(n, 20.0),
+            "workers": np.full(n, float(workers)),
+            "workers_running": np.full(n, running * workers),
+        },
+        "workers": [],
+    }
+
+
+def cpu(h: dict[str, Any]) -> dict[str, Any]:
+    return resource_summary(ResourceFacts(columns([1.0] * 400, step_ms=10.0), 0, None, h))
+
+
+def test_cpu_saturated_when_the_process_and_its_workers_use_every_core() -> None:
+    assert cpu(host((0.2, 1.6), 1.85, 0.9))["cpu_saturated"] is True
+    assert cpu(host((0.2, 1.5), 1.75, 0.9))["cpu_saturated"] is False  # 1.7 of 2: a core's room
+    # A machine busy with others: our computing workers get their share, no idle core is left.
+    loaded = cpu(host((0.3, 0.6), 2.0, 0.9))
+    assert loaded["cpu_saturated"] is True and ("CPU SATURATED", "warn") in labels(loaded)
+    assert "0.9 of the 2 usable cores" in loaded["resource_findings"][0]["text"]
+    # ... but workers that sleep (I/O) leave the CPU to others: more of them overlap more waiting.
+    assert cpu(host((0.3, 0.05), 2.0, 0.1))["cpu_saturated"] is False
+    assert cpu(host((0.05, 0.0), 2.0, 0.0, workers=0))["cpu_saturated"] is False
+
+
+def test_cgroup_quotas_v1_and_v2_cap_the_usable_cores() -> None:
+    files = {
+        "/sys/fs/cgroup/cpu.max": "150000 100000\n",
+        "/sys/fs/cgroup/kube/pod/cpu.max": "max 100000\n",
+    }
+    assert cgroup_quota("0::/kube/pod\n", files.get) == 1.5  # the root's quota (a container's)
+    v1 = {"/sys/fs/cgroup/cpu,cpuacct/docker/c/cpu.cfs_quota_us": "200000", "/sys/fs/cgroup/cpu,cpuacct/docker/c/cpu.cfs_period_us": "100000"}
+    assert cgroup_quota("4:cpu,cpuacct:/docker/c\n3:memory:/docker/c\n", v1.get) == 2.0
+    assert cgroup_quota("4:cpu,cpuacct:/\n", {"/sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1", "/sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000"}.get) is None
+    assert cgroup_quota("", files.get) is None
+
+
+def test_one_usable_cpus_for_every_caller() -> None:
+    import sys
+
+    from traceml_jupyter import demo
+    from traceml_jupyter.capture import host as host_module
+    from traceml_jupyter.views import code_facts
+
+    one = host_module.usable_cpus
+    for name in ("traceml_jupyter.run", "traceml_jupyter.tune"):  # modules (the package's
+        assert sys.modules[name].usable_cpus is one  # `tune` is the function)
+    assert demo.usable_cpus is one and code_facts.cpu_count is one
+
+
+def test_a_datasets_python_objects_are_named() -> None:
+    from torch.utils.data import Subset
+
+    from traceml_jupyter.capture.dataloaders import python_objects
+
+    class Records:
+        def __init__(self) -> None:
+            self.rows = [{"x": i} for i in range(20_000)]
+            self.small = list(range(10))
+            self.index = {i: str(i) for i in range(12_000)}
+
+    found = python_objects(Subset(Records(), [0, 1]))  # type: ignore[arg-type]
+    assert found == [
+        {"attribute": "dataset.rows", "kind": "list", "length": 20_000, "items": "dict"},
+        {"attribute": "dataset.index", "kind": "dict", "length": 12_000, "items": "str"},
+    ]
+    assert python_objects(object()) == []
+
+
+def test_the_live_header_reads_what_capture_sampled() -> None:
+    import types
+
+    from traceml_jupyter.capture.resources import ResourceWatch
+    from traceml_jupyter.run import _RUNS, Run
+    from traceml_jupyter.views.live import resources_text
+
+    run = Run("header")
+    try:
+        watch = ResourceWatch(run, types.SimpleNamespace(memory=None, on_workers=None))
+        run.resource_watch = watch
+        watch.host.samples.add_row((0.5, 0.3, 1.5, 2.0, 1536.0, 800.0, 40.0, 2.0, 2.0))
+        watch.memory.capacity_mib, watch.memory.last = 81920.0, {"allocated_mib": 10444.8}
+        text = resources_text(run)
+        assert "GPU mem 10.2 / 80 GiB" in text and f"CPU 1.8 / {watch.host.usable_cores:g} cores" in text
+        assert "RSS 1.5 GiB" in text
+    finally:
+        run.resource_watch = None
+        _RUNS.remove(run)
+
+
+def test_compare_puts_memory_and_cpu_side_by_side() -> None:
+    from traceml_jupyter.analysis.compare import resource_rows
+
+    a = {"cpu_cores": 1.9, "cpu_usable_cores": 2.0, "cpu_saturated": True, "host_rss_mib": 1024.0, "gpu_mem_peak_mib": None}
+    b = {"cpu_cores": 1.0, "cpu_usable_cores": 2.0, "cpu_saturated": False, "host_rss_mib": 512.0}
+    rows = resource_rows(a, b)
+    assert rows == [
+        ("CPU cores busy (process + workers)", "1.9 of 2 (saturated)", "1.0 of 2", "-0.9 cores (-47 %)"),
+        ("Host memory (RSS, max)", "1.00 GiB", "512 MiB", "-512 MiB (-50 %)"),
+    ]

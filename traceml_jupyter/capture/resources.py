@@ -19,6 +19,7 @@ from .gpu_memory import GpuMemory, cuda_initialised, held_before, is_cuda_oom, o
 from .host import HostSampler
 from .nvml import GpuSampler
 from .probes import user_namespace
+from .step_model import ITERATION
 
 
 class ResourceWatch:
@@ -56,13 +57,18 @@ class ResourceWatch:
 
     def failed(self, error: BaseException) -> None:
         """The cell raised: an out-of-memory error's facts are read now, while they hold."""
-        if is_cuda_oom(error):
-            try:
-                self.oom = oom_facts(error, self.run.cuda_device)
-                done = int(self.run.recorder.n_steps)
-                self.oom.update(step=done + 1, completed_steps=done)  # the step it happened in
-            except Exception as exc:
-                self.notes.append(f"The out-of-memory error was not read: {type(exc).__name__}: {exc}")
+        try:
+            if not is_cuda_oom(error):
+                return
+            self.oom = oom_facts(error, self.run.cuda_device)
+            # The step it happened in: where iterations are the steps, the located loop closed
+            # the failing one as the error left it (a partial step); else it is still open.
+            recorded = int(self.run.recorder.n_steps)
+            closed = self.capture.model.level == ITERATION and recorded > 0
+            step = recorded if closed else recorded + 1
+            self.oom.update(step=step, completed_steps=step - 1)
+        except Exception as exc:
+            self.notes.append(f"The out-of-memory error was not read: {type(exc).__name__}: {exc}")
 
     def stop(self) -> None:
         """Stop every sampler (threads joined) and leave what they saw on the run."""
