@@ -5,8 +5,11 @@ out-of-memory error.
 
 The allocator's statistics are host-side counters (`torch.cuda.memory_stats_as_nested_dict`,
 `reset_peak_memory_stats`): reading them never waits for the GPU. Two calls a step, on the CUDA
-path only (the CPU path never comes here). Nothing here initialises CUDA: the watch starts when
-the capture has seen the loop run on a device (CUDA is then initialised by the user's code).
+path only (the CPU path never comes here); `memory_stats_as_nested_dict` builds a dict of every
+statistic, so where a read costs more than READ_BUDGET of a step, the reads are spaced (every
+k-th step; each read's peak then covers the steps since the previous one). Nothing here
+initialises CUDA: the watch starts when the capture has seen the loop run on a device (CUDA is
+then initialised by the user's code).
 
 Resetting the peak each step changes what `torch.cuda.max_memory_allocated()` returns after the
 cell (the last step's peak): when the traced code itself reads or resets the peak, it is left
@@ -15,11 +18,13 @@ alone and the per-step peak column is the allocator's running peak instead.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from time import perf_counter_ns
 from typing import Any
 
 from .step_tally import StepTally
@@ -31,6 +36,8 @@ READS_PEAK = re.compile(
     r"max_memory_allocated|max_memory_reserved|max_memory_cached|reset_peak_memory_stats|"
     r"reset_max_memory|memory_summary|memory_stats"
 )
+READ_BUDGET = 0.01  # the allocator reads take at most 1 % of the steps' time
+READ_EVERY_MAX = 1024
 SCAN_BUDGET_S = 0.05  # the scan of the namespace for what earlier cells hold stops after this
 SCAN_MAX_ITEMS = 10_000  # elements of one list, tuple, set or dict looked at
 TOP_HOLDERS = 5
@@ -88,6 +95,10 @@ class GpuMemory:
         self.tallies = {name: StepTally(dense=False) for name in MEMORY_COLUMNS}
         self.last: dict[str, float] | None = None  # the newest step's figures (the live header)
         self.steps_read = 0
+        self.read_every = 1  # steps between two reads (see READ_BUDGET)
+        self.read_ns = 0.0  # the last read's host cost
+        self._skipped = 0
+        self._last_t: int | None = None
         self._stats: Callable[[int], Any] | None = None
         self._reset: Callable[[int], Any] | None = None
 
@@ -108,10 +119,17 @@ class GpuMemory:
         except Exception as exc:
             self._failed(exc)
 
-    def step_ended(self, index: int) -> None:
+    def step_ended(self, index: int, t_ns: int | None = None) -> None:
+        """Step `index` ended at host time `t_ns` (perf_counter_ns): read its figures, or skip
+        it while reads are spaced."""
         stats, device = self._stats, self.device
         if stats is None or device is None:
             return
+        self._skipped += 1
+        if self._skipped < self.read_every:
+            return
+        steps, self._skipped = self._skipped, 0
+        began = perf_counter_ns()
         try:
             s = stats(device)
             peak = _stat(s, "allocated_bytes", "peak")
@@ -125,12 +143,22 @@ class GpuMemory:
         if peak == allocated == reserved == 0.0:  # no statistics (cudaMallocAsync's are zero)
             self._failed(None)
             return
+        self._pace(perf_counter_ns() - began, t_ns, steps)
         t = self.tallies
         t["gpu_mem_peak_mib"].add(index, peak)
         t["gpu_mem_allocated_mib"].add(index, allocated)
         t["gpu_mem_reserved_mib"].add(index, reserved)
         self.last = {"peak_mib": peak, "allocated_mib": allocated, "reserved_mib": reserved}
         self.steps_read += 1
+
+    def _pace(self, cost_ns: int, t_ns: int | None, steps: int) -> None:
+        """Space the reads so that they take at most READ_BUDGET of the steps' time."""
+        self.read_ns = float(cost_ns)
+        if t_ns is not None and self._last_t is not None and t_ns > self._last_t:
+            step_ns = (t_ns - self._last_t) / steps
+            every = math.ceil(cost_ns / (READ_BUDGET * step_ns)) if step_ns > 0 else 1
+            self.read_every = max(1, min(READ_EVERY_MAX, every))
+        self._last_t = t_ns
 
     def merged(self, first: int) -> None:
         """Steps from `first` on became one step: their figures are dropped (the merged step
@@ -157,6 +185,8 @@ class GpuMemory:
             "capacity_mib": self.capacity_mib,
             "peak_reset_each_step": self.resets,
             "steps_read": self.steps_read,
+            "read_every": self.read_every,
+            "read_us": self.read_ns / 1e3,
             "note": self.off,
         }
 

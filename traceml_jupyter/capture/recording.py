@@ -327,7 +327,7 @@ class Capture:
             except Exception as exc:
                 self._gpu_failed(exc)
             if self.memory is not None:  # the allocator's figures of the step (never raises)
-                self.memory.step_ended(index)
+                self.memory.step_ended(index, t)
         if self._deciding:
             if index - self._first_step < DECIDE_STEPS:
                 self._decide_device(index)
