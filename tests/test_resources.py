@@ -109,6 +109,15 @@ def test_workers_that_burn_every_core_saturate_the_cpu_and_get_no_more_workers(s
     item = checklist_item(got, "num_workers")
     assert item["to_try"] is None and item["status"] != "fix"
     assert "More workers won't help" in item["reason"]
+    # The report's Resources part: the figures, the finding, CPU and memory plots, the workers.
+    from traceml_jupyter.views.report import render_html
+
+    page = render_html(got)
+    part = page[page.index('class="tml-resources"'):]
+    assert "CPU SATURATED" in part and "usable cores busy (saturated)" in part
+    assert part.count('<svg class="tml-resource-plot"') == 2  # CPU per second, host memory
+    assert "CPU cores busy" in part and 'class="tml-workers"' in part
+    assert "<style" not in page and "<script" not in page
 
 
 def test_workers_that_sleep_leave_the_cpu_idle_and_more_workers_are_advised(shell: Any) -> None:

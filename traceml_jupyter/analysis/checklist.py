@@ -458,9 +458,8 @@ def num_workers_item(f: Facts) -> Item:
         return Item(
             "num_workers", title, FIX, str(n), str(max(2 * n, want)), f.loader_site,
             f"The {n} worker(s) kept {busy:.1f} core(s) busy while the loop waited for data: they "
-            "wait (disk, network, sleep) more than they compute, and the CPU has room"
-            + (f": {f.cpu_sentence.rstrip('.')}" if f.cpu_sentence else "")
-            + "; more workers overlap more of the waiting." + TUNE_HINT,
+            "wait (disk, network, sleep) more than they compute, so more workers overlap more of "
+            "the waiting, beyond the number of cores." + TUNE_HINT,
             bears,
         )
     if f.tuned is not None:

@@ -310,18 +310,21 @@ def _cores(value: float) -> str:
 
 
 def cpu_sentence(summary: Mapping[str, Any]) -> str:
-    """"the training process and its DataLoader workers use 1.9 of the 2 cores it may use
-    (process 0.3, workers 1.6; 2.0 busy counting every process)."."""
+    """"the training process and its DataLoader workers keep 1.9 of the 2 usable cores busy (the
+    process 0.3, the workers 1.6)."; when other processes fill the rest, says so."""
     usable = float(summary["cpu_usable_cores"])
-    text = (
+    ours = (
         f"the training process and its DataLoader workers keep {_cores(summary['cpu_cores'])} of the "
         f"{usable:g} usable cores busy (the process {_cores(summary['cpu_process_cores'])}, the "
-        f"workers {_cores(summary['cpu_workers_cores'])}"
+        f"workers {_cores(summary['cpu_workers_cores'])})"
     )
-    machine = summary.get("cpu_machine_cores")
-    if machine is not None:
-        text += f"; {_cores(machine)} busy counting every process"
-    return text + ")."
+    machine, running = summary.get("cpu_machine_cores"), summary.get("cpu_workers_running")
+    if machine is None or float(summary["cpu_cores"]) >= SATURATED_SHARE * usable:
+        return ours + "."
+    text = ours + f"; counting other processes, {_cores(machine)} are busy"
+    if running is not None:
+        text += f", and the workers compute (running or waiting for a core in {pct(running, 0)} of the samples)"
+    return text + "."
 
 
 # -- the host: memory --------------------------------------------------------------------------------
