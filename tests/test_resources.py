@@ -400,3 +400,68 @@ def test_compare_puts_memory_and_cpu_side_by_side() -> None:
         ("CPU cores busy (process + workers)", "1.9 of 2 (saturated)", "1.0 of 2", "-0.9 cores (-47 %)"),
         ("Host memory (RSS, max)", "1.00 GiB", "512 MiB", "-512 MiB (-50 %)"),
     ]
+
+
+# -- bad cases: a note, never an error of ours ---------------------------------------------------
+
+
+def test_a_worker_that_exits_between_samples_is_marked_not_raised() -> None:
+    import subprocess
+    import sys
+
+    from traceml_jupyter.capture.host import HostSampler
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    sampler = HostSampler()
+    try:
+        assert sampler.start()
+        sampler.add_workers([child.pid], 1)
+        sampler.sample_once()
+        assert not sampler.workers[child.pid].exited
+        child.wait()
+        sampler.sample_once()  # gone (and reaped): no error, its CPU moved to the children's
+        assert sampler.workers[child.pid].exited and not sampler.notes
+    finally:
+        sampler.stop()
+    assert not sampler.running and sampler.workers[child.pid].proc is None
+
+
+def test_a_worker_that_cannot_be_read_is_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    from traceml_jupyter.capture.host import HostSampler
+
+    class Denied:
+        def __init__(self, pid: int) -> None:
+            raise psutil.AccessDenied(pid)
+
+    sampler = HostSampler()
+    sampler._psutil, sampler._me = psutil, psutil.Process()
+    monkeypatch.setattr(psutil, "Process", Denied)
+    sampler.add_workers([1], 1)
+    sampler.sample_once()
+    assert sampler.workers[1].exited and "access denied" in sampler.notes[0]
+
+
+def test_without_psutil_a_note_and_the_run_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from traceml_jupyter.capture.host import HostSampler
+
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    sampler = HostSampler()
+    assert sampler.start() is False and "psutil is not installed" in sampler.notes[0]
+    sampler.stop()
+    assert sampler.result()["samples"]["time_s"].size == 0
+
+
+def test_host_samples_are_bounded_for_any_run_length() -> None:
+    from traceml_jupyter.capture.host import CAPACITY, HOST_COLUMNS
+    from traceml_jupyter.capture.samples import SampleBuffer
+
+    buffer = SampleBuffer(HOST_COLUMNS, CAPACITY)
+    for i in range(10 * CAPACITY):  # 20 000 samples: hours at 4 a second
+        buffer.add_row([float(i)] * len(HOST_COLUMNS))
+    assert len(buffer) <= CAPACITY and buffer.decimations >= 3
+    t = buffer.columns()["time_s"]
+    assert t[0] == 0.0 and np.all(np.diff(t) > 0)
