@@ -47,11 +47,15 @@ def allocator(gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> FakeAllocator:
 
 @pytest.fixture(autouse=True)
 def names_forgotten(ip: Any) -> Iterator[None]:
-    """What a test's cells defined goes (the stand-in's tensors with it)."""
-    before = set(ip.user_ns)
+    """What a test's cells defined goes, what they rebound comes back (the stand-in's tensors go
+    with them)."""
+    before = dict(ip.user_ns)
     yield
-    for name in set(ip.user_ns) - before:
+    for name in set(ip.user_ns) - set(before):
         ip.user_ns.pop(name, None)
+    for name, value in before.items():
+        if ip.user_ns.get(name, value) is not value:
+            ip.user_ns[name] = value
 
 
 def traced(ip: Any, cell: str, names: dict[str, Any]) -> tuple[Any, Any, str]:
@@ -114,14 +118,15 @@ def test_high_pressure_from_the_per_step_peak_checked_against_the_allocator(ip: 
     s = run.summary
     cols = run.steps
     peak = cols["gpu_mem_peak_mib"]
-    assert np.isnan(peak[0]) and np.isfinite(peak[-1])  # read from the step the device is known
+    read = np.isfinite(peak)
+    assert np.isnan(peak[0]) and read.sum() >= 10  # read from the step the device is known
     # The allocator's own figure for one step, measured by hand as its docs say.
     cuda = gpu.module
     cuda.reset_peak_memory_stats(0)
     out = model(batches()[0])
     out.mean().backward()
     del out
-    assert peak[-1] == cuda.max_memory_allocated(0) / MIB
+    assert peak[read][-1] == cuda.max_memory_allocated(0) / MIB
     assert s["gpu_mem_peak_mib"] == pytest.approx(6000 + 1600, abs=0.1)
     assert s["gpu_mem_capacity_mib"] == 8192
     assert s["gpu_mem_peak_share"] == pytest.approx(7600 / 8192, abs=1e-3)
@@ -187,9 +192,8 @@ def test_memory_held_by_earlier_cells_is_named_biggest_first(ip: Any, gpu: FakeG
     )
     held = run.held_before["devices"][0]
     assert held["allocated_mib"] == pytest.approx(before)
-    assert [(h["name"], round(h["mib"])) for h in held["holders"]] == [
-        ("old_opt", 2400), ("old_model", 1200), ("outputs", 800), ("model", 10)
-    ]
+    mine = [(h["name"], round(h["mib"])) for h in held["holders"] if h["name"] in names]
+    assert mine == [("old_opt", 2400), ("old_model", 1200), ("outputs", 800), ("model", 10)]
     found = next(f for f in run.summary["resource_findings"] if f["label"] == "HELD BY EARLIER CELLS")
     assert "the biggest holders: old_opt 2.34 GiB, old_model 1.17 GiB, outputs 800 MiB" in found["text"]
     assert "`del old_opt, old_model, outputs`" in found["next"]

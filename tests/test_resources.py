@@ -139,8 +139,13 @@ def test_workers_that_sleep_leave_the_cpu_idle_and_more_workers_are_advised(shel
 def test_a_python_list_read_by_forked_workers_grows_their_private_memory(shell: Any) -> None:
     # 1.6 million (float, int) tuples, read in chunks by 2 forked workers: reading them writes
     # their reference counts, so each worker copies the pages it reads (copy-on-read); RSS
-    # barely moves, the workers' private memory (USS) grows.
-    run(shell, "records = Records(1_600_000, 2_000)\nloader = DataLoader(records, batch_size=1, num_workers=2, shuffle=True)")
+    # barely moves, the workers' private memory (USS) grows. Persistent workers are still
+    # alive when the cell ends: their last read covers the whole epoch.
+    run(
+        shell,
+        "records = Records(1_600_000, 2_000)\n"
+        "loader = DataLoader(records, batch_size=1, num_workers=2, shuffle=True, persistent_workers=True)",
+    )
     run(shell, TRAIN.format(name="records"))
     got = traceml_jupyter.last()
     assert got is not None
@@ -152,6 +157,7 @@ def test_a_python_list_read_by_forked_workers_grows_their_private_memory(shell: 
     assert "`loader.dataset.records` holds a list of 1,600,000 tuple objects" in found["text"]
     assert "numpy arrays" in found["next"]
     assert "copy-on-read" in found["text"]
+    shell.user_ns.pop("loader", None)  # its persistent workers end with it
 
 
 def test_a_loss_kept_with_its_graph_grows_the_process_and_names_the_line(shell: Any) -> None:
@@ -184,6 +190,14 @@ def test_a_loss_kept_with_its_graph_grows_the_process_and_names_the_line(shell: 
     doc = json.loads(json.dumps(got.to_dict(), allow_nan=False))
     assert doc["resources"]["host"]["samples"]["process_rss_mib"]
     assert doc["summary"]["kept_graphs"][0]["line"] == 5
+    # Read back (another kernel): the same findings, the Resources part with its plots.
+    from traceml_jupyter.saved import SavedRun
+    from traceml_jupyter.views.report import render_html
+
+    back = SavedRun(doc)
+    assert "Also: HOST MEMORY" in back.text()
+    assert back.host is not None and len(back.host["samples"]["time_s"]) == len(doc["resources"]["host"]["samples"]["time_s"])
+    assert render_html(back).count('<svg class="tml-resource-plot"') == 2
     del got
     shell.user_ns.pop("total", None)  # free the kept graphs
 

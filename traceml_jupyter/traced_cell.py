@@ -399,6 +399,9 @@ def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any)
             print(f"traceml: saved {run.name} to {opts.save}")
         except Exception as exc:
             print(f"traceml: could not save {run.name} to {opts.save}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    from .history import record
+
+    record(run)  # into TRACEML_HISTORY when set (never raises)
 
 
 def _likely_cause(run: Run) -> str:

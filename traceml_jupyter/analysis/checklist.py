@@ -63,6 +63,22 @@ class Item:
     def line(self) -> int | None:
         return self.site.line if self.site is not None else None
 
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any]) -> Item:
+        """The item `to_dict` wrote (a saved run's checklist, as it was evaluated)."""
+        line = saved.get("line")
+        site = CodeSite(int(line), saved.get("cell")) if isinstance(line, int) else None
+        return cls(
+            str(saved.get("key") or ""),
+            str(saved.get("title") or ""),
+            str(saved.get("status") or CHECK),
+            str(saved.get("seen") or ""),
+            saved.get("to_try"),
+            site,
+            str(saved.get("reason") or ""),
+            bool(saved.get("bears_on_verdict")),
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "key": self.key,

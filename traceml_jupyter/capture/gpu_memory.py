@@ -22,8 +22,10 @@ import math
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from itertools import islice
 from time import perf_counter_ns
 from typing import Any
 
@@ -267,7 +269,7 @@ class _Scan:
         total = 0
         for t in items:
             total += self.tensor(t)
-            grad = _attr(t, "grad")
+            grad = _attr(t, "grad") if _attr(t, "is_leaf") else None  # non-leaf .grad warns
             if grad is not None:
                 total += self.tensor(grad)
         return total
@@ -289,14 +291,14 @@ class _Scan:
             self.visited.add(id(obj))
             kind = type(obj)
             if kind in (list, tuple, set, frozenset):
-                return sum(self.walk(x, depth - 1) for x in list(obj)[:SCAN_MAX_ITEMS])
+                return sum(self.walk(x, depth - 1) for x in islice(obj, SCAN_MAX_ITEMS))
             if kind is dict:
-                return sum(self.walk(x, depth - 1) for x in list(obj.values())[:SCAN_MAX_ITEMS])
+                return sum(self.walk(x, depth - 1) for x in islice(obj.values(), SCAN_MAX_ITEMS))
             if isinstance(obj, type) or callable(obj) or kind.__module__ == "builtins":
                 return 0
             attrs = getattr(obj, "__dict__", None)  # an object holding a model (a trainer)
             if type(attrs) is dict:
-                return sum(self.walk(x, depth - 1) for x in list(attrs.values())[:SCAN_MAX_ITEMS])
+                return sum(self.walk(x, depth - 1) for x in islice(attrs.values(), SCAN_MAX_ITEMS))
         except Exception:
             return 0
         return 0
@@ -334,13 +336,21 @@ def held_by_names(
     them, and objects holding them one attribute deep. Each storage counts once. Every probe is
     guarded; the walk stops after `budget_s` (the second value says so)."""
     scan = _Scan(kinds, on_device, budget_s)
-    rows = []
-    for name, value in _candidates(namespace):
-        nbytes = scan.walk(value, 2)
-        if nbytes > 0:
-            rows.append((name, nbytes / MIB))
-        if scan.stopped:
-            break
+    held: dict[str, int] = {}
+    candidates = _candidates(namespace)
+    with warnings.catch_warnings():  # a probe of the user's objects never prints under the cell
+        warnings.simplefilter("ignore")
+        # Tensors, modules and optimizers by name first (cheap), then what holds them: a big
+        # container cannot use up the budget before a model is found.
+        for depth in (0, 2):
+            for name, value in candidates:
+                if scan.stopped:
+                    break
+                if name not in held or depth == 0:
+                    nbytes = scan.walk(value, depth)
+                    if nbytes > 0:
+                        held[name] = held.get(name, 0) + nbytes
+    rows = [(name, nbytes / MIB) for name, nbytes in held.items()]
     rows.sort(key=lambda r: -r[1])
     return rows, scan.stopped
 

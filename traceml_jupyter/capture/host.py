@@ -212,6 +212,7 @@ class HostSampler:
         self._departed = 0.0  # CPU of workers gone but not yet reaped (not in children's yet)
         self._children = 0.0
         self._stop = threading.Event()
+        self._wake = threading.Event()  # new workers: sample now (their memory before they read)
         self._thread: threading.Thread | None = None
         self._uss_at = 0.0
 
@@ -223,6 +224,7 @@ class HostSampler:
         """Worker processes of a DataLoader iterator (called on the main thread, once a pass)."""
         for pid in pids:
             self._pending.append((int(pid), loader))
+        self._wake.set()
 
     def start(self) -> bool:
         """Start the thread; False (with a note) without psutil."""
@@ -244,6 +246,7 @@ class HostSampler:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         for worker in self.workers.values():
@@ -252,12 +255,18 @@ class HostSampler:
     def _run(self) -> None:
         period = self.period_s
         try:
-            while not self._stop.wait(period):
+            while True:
+                self._wake.wait(period)
+                self._wake.clear()
+                if self._stop.is_set():
+                    break
                 kept = self.samples.decimations
                 self.sample_once()
                 if self.samples.decimations != kept:
                     period *= 2
-            self.sample_once(uss=False)  # the end of the run (its workers may be gone)
+            # The end of the run: workers still alive (persistent ones) get a last
+            # private-memory read, unless they had one in the last USS_MIN_PERIOD_S.
+            self.sample_once(uss=True, spaced=False)
         except Exception as exc:  # never let the sampler's error reach anyone
             self.notes.append(f"CPU and memory sampling stopped: {type(exc).__name__}: {exc}")
 
@@ -296,7 +305,9 @@ class HostSampler:
         if note not in self.notes:
             self.notes.append(note)
 
-    def sample_once(self, uss: bool = True) -> None:
+    def sample_once(self, uss: bool = True, spaced: bool = True) -> None:
+        """One sample of the process and its live workers; `uss`: read the workers' private
+        memory when due (`spaced`: by the budget; else any not read in USS_MIN_PERIOD_S)."""
         psutil = self._psutil
         now = self.clock()
         wall = time.time()
@@ -312,7 +323,7 @@ class HostSampler:
         live = running = 0
         workers_rss = workers_uss = 0.0
         any_uss = False
-        due = uss and run_s >= self._uss_at
+        due = uss and (run_s >= self._uss_at or not spaced)
         uss_cost = 0.0
         for worker in self.workers.values():
             if worker.exited or worker.proc is None:
@@ -323,7 +334,8 @@ class HostSampler:
                     w_rss = worker.proc.memory_info().rss / MIB
                     runnable = worker.proc.status() == psutil.STATUS_RUNNING
                 cpu = t.user + t.system
-                if due or not worker.uss:
+                recent = bool(worker.uss) and run_s - worker.uss[-1][0] < USS_MIN_PERIOD_S
+                if (due and not (not spaced and recent)) or not worker.uss:
                     began = time.perf_counter()
                     value = worker.proc.memory_full_info().uss / MIB
                     uss_cost += time.perf_counter() - began

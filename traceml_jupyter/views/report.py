@@ -332,10 +332,10 @@ def _code_pane(run: Run, ctx: CodeContext, items: Sequence[Item]) -> str:
     where = run.loop_where or ""
     parts = [_section_title("Cell")]
     if run.cell_source is None:
-        parts.append(
-            f'<div style="color:{MUTED}">No cell source: this run was traced from code '
-            "(traceml_jupyter.trace).</div>"
-        )
+        why = "this run was traced from code (traceml_jupyter.trace)."
+        if "cell_source" in getattr(run, "unsaved", ()):
+            why = "its saved file does not hold it (written by an older traceml_jupyter)."
+        parts.append(f'<div style="color:{MUTED}">No cell source: {_e(why)}</div>')
         return "".join(parts)
     if run.loop_cell_source and run.loop_line is not None:
         parts = [_loop_cell_pane(run)] + parts
@@ -774,6 +774,8 @@ def render_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
     external asset, so it reads the same after a reload, on nbviewer, GitHub and Kaggle."""
     shell = run_shell()
     problem = None
+    if checklist is None and run.frozen:  # read back from its file: the checklist as evaluated
+        checklist = [Item.from_dict(item) for item in run.checklist or []]
     try:  # the checklist reads live objects and history: never let it cost the report
         ctx = CodeContext.of(run, shell)
         items = list(checklist) if checklist is not None else checklist_items(run, shell, ctx)
