@@ -142,7 +142,7 @@ class GpuMemory:
         except Exception as exc:
             self._failed(exc)
             return
-        if peak == allocated == reserved == 0.0:  # no statistics (cudaMallocAsync's are zero)
+        if peak == allocated == reserved == 0.0:  # no statistics (a pluggable allocator)
             self._failed(None)
             return
         self._pace(perf_counter_ns() - began, t_ns, steps)
@@ -172,8 +172,7 @@ class GpuMemory:
         self._stats = self._reset = None
         if exc is None:
             self.off = (
-                "GPU memory per step n/a: the allocator reports no statistics (the cudaMallocAsync "
-                "backend?)."
+                "GPU memory per step n/a: the allocator reports no statistics (a pluggable allocator?)."
             )
         else:
             self.off = f"GPU memory per step stopped: {type(exc).__name__}: {exc}"
