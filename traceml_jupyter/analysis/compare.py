@@ -15,6 +15,7 @@ from .comparable import samples_per_step
 from .figures import ms as _ms
 from .figures import pct as _pct
 from .noise import LEVEL, ColumnChange, Judgement, analysed_samples, judge
+from .resources import mib
 
 if TYPE_CHECKING:
     pass
@@ -171,17 +172,11 @@ def still_because(
     return ""
 
 
-def _mib(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    return f"{value / 1024:.2f} GiB" if abs(value) >= 1024 else f"{value:.0f} MiB"
-
-
 def _delta(a: float | None, b: float | None, unit: str) -> str:
     if a is None or b is None:
         return ""
     if unit == "MiB":
-        text = ("+" if b >= a else "-") + _mib(abs(b - a))
+        text = ("+" if b >= a else "-") + mib(abs(b - a))
     else:
         text = f"{b - a:+.1f} {unit}"
     return text + (f" ({100 * (b - a) / a:+.0f} %)" if a > 0 else "")
@@ -191,7 +186,7 @@ def _resource_value(value: float | None, unit: str, summary: Mapping[str, Any]) 
     if value is None:
         return "n/a"
     if unit == "MiB":
-        return _mib(value)
+        return mib(value)
     text = f"{value:.1f} of {summary.get('cpu_usable_cores') or 0:g}"
     return text + (" (saturated)" if summary.get("cpu_saturated") else "")
 
