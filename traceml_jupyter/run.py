@@ -12,11 +12,13 @@ from collections.abc import Callable, Iterable
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
-from .analysis.compare import Comparison, compare_summaries, usable_cpus
+from .analysis.compare import Comparison, compare_summaries
 from .analysis.phases import phase_sentence, phase_verdict, step_definition
+from .analysis.resources import finding_lines
 from .analysis.summary import summarize, with_batch_size
 from .analysis.textbox import rank_table, report_text, verdict_box
 from .analysis.verdict import Verdict, diagnose
+from .capture.host import usable_cpus
 from .capture.machine import describe_machine
 from .capture.probes import safe_len
 from .capture.recorder import Recorder
@@ -198,6 +200,14 @@ class Run:
         self._gpu_samples: dict[str, Any] | None = None
         self.gpu_note: str | None = None  # why GPU figures are missing (nvml.py), else None
         self.gpu_device: str | None = None  # e.g. "NVIDIA H200, 0000:17:00.0, 143771 MiB"
+        # Resources (capture/resources.py): the watch while the run is captured, then what it
+        # saw: host CPU and memory samples and workers (host.py), the GPU memory watch's facts,
+        # what earlier cells held on the GPU, an out-of-memory error's facts.
+        self.resource_watch: Any = None
+        self.host: dict[str, Any] | None = None
+        self.gpu_memory: dict[str, Any] | None = None
+        self.held_before: dict[str, Any] | None = None
+        self.oom: dict[str, Any] | None = None
         # Several processes (ranks.py): every rank's summary once known, and what feeds them
         # while they run (the kernel's reader of forked ranks, or a torchrun rank's own).
         self.ranks: list[dict[str, Any]] | None = None
@@ -324,12 +334,12 @@ class Run:
     def _analysis(self) -> tuple[dict[str, Any], Verdict]:
         if self._summary is None or self._verdict is None or not self.finished:
             rec = self.recorder
-            summary = summarize(
-                self.columns(), rec.n_steps, self.warmup, self._gpu_used, rec.totals()
-            )
+            cols = self.columns()
+            summary = summarize(cols, rec.n_steps, self.warmup, self._gpu_used, rec.totals())
             summary.update(self.watch_summary)
             summary.update(self._source_summary())
             with_batch_size(summary, self.batch_size, self.batches_per_step)
+            summary.update(self._resource_summary(cols, int(summary["warmup_steps"])))
             verdict = diagnose(summary)
             if self.ranks:
                 from .analysis.rank_verdict import with_ranks
@@ -353,6 +363,33 @@ class Run:
             "wall_ms": self.wall_ms,
             "model_compiled": self.model_compiled,
         }
+
+    def _resource_summary(self, cols: dict[str, Any], warmup: int) -> dict[str, Any]:
+        """GPU memory, CPU and host memory in numbers and findings (analysis/resources.py)."""
+        from .analysis.kept_graph import kept_graphs
+        from .analysis.resources import ResourceFacts, resource_summary
+        from .capture.gpu_memory import module_names
+        from .capture.probes import user_namespace
+
+        source = self.loop_cell_source or self.cell_source
+        kept = [k.to_dict() for k in kept_graphs(source, self.loop_line, module_names(user_namespace()))]
+        loader = self.loader_ref() if self.loader_ref is not None else None
+        facts = ResourceFacts(
+            columns=cols,
+            warmup=warmup,
+            gpu_memory=self.gpu_memory,
+            host=self.host,
+            kept=kept,
+            python_objects=list((self.loader_info or {}).get("python_objects") or []),
+            loader_name=self.loader_name,
+            training_loader=id(loader) if loader is not None else None,
+            held=self.held_before,
+            oom=self.oom,
+            device=self.cuda_device,
+        )
+        summary = resource_summary(facts)
+        summary["kept_graphs"] = kept
+        return summary
 
     # -- the result API --------------------------------------------------------------------
     @property
@@ -423,6 +460,7 @@ class Run:
         slow_phase = phase_verdict(self.phases)
         if slow_phase:
             lines.append(f"Also: {slow_phase}")
+        lines.extend(f"Also: {line}" for line in finding_lines(self.summary))
         if self.error:
             lines.append(f"Stopped by: {self.error}")
         lines.extend(f"Note: {note}" for note in self.notes)
@@ -483,6 +521,22 @@ class Run:
                     else None
                 ),
             },
+            "resources": _jsonable(self.resources_dict()),
+        }
+
+    def resources_dict(self) -> dict[str, Any]:
+        """What --save writes of the resources: the host's samples (columns) and workers, the
+        GPU memory watch, what earlier cells held, an out-of-memory error, the findings; null
+        where not measured. The per-step GPU memory columns are in `steps`."""
+        host = dict(self.host) if self.host is not None else None
+        if host is not None:
+            host["samples"] = {k: v.tolist() for k, v in host.get("samples", {}).items()}
+        return {
+            "host": host,
+            "gpu_memory": self.gpu_memory,
+            "held_before": self.held_before,
+            "oom": self.oom,
+            "findings": self.summary.get("resource_findings"),
         }
 
     def save(self, path: str) -> str:

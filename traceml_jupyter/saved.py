@@ -39,6 +39,9 @@ SAVED_ATTRIBUTES = {
     "cuda_device": "gpu.cuda_device",
     "gpu_device": "gpu.device",
     "gpu_note": "gpu.note",
+    "gpu_memory": "resources.gpu_memory",
+    "held_before": "resources.held_before",
+    "oom": "resources.oom",
 }
 
 
@@ -227,6 +230,17 @@ class SavedRun(Run):
             else None
         )
         self._gpu_used = bool(gpu.get("used")) or summary.get("clock") == "gpu"
+        present, host = _get(document, "resources.host")
+        if isinstance(host, Mapping):  # the host's samples as the report's plots read them
+            host = dict(host)
+            host["samples"] = {
+                k: np.asarray([math.nan if v is None else v for v in values], dtype=np.float64)
+                for k, values in (host.get("samples") or {}).items()
+                if isinstance(values, list)
+            }
+        self.host = host if isinstance(host, dict) else None
+        if not present:
+            unsaved.add("host")
         self.finished = True
         self.unsaved = frozenset(unsaved)
         self._frozen = True

@@ -380,6 +380,10 @@ def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any)
                     f"traceml: no step ran: the cell stopped with {run.error} before its first "
                     f"step ended.{_likely_cause(run)}"
                 )
+                if run.oom:  # explained above the traceback, as a run's report would
+                    from .analysis.resources import finding_lines
+
+                    print("\n".join(f"traceml: {line}" for line in finding_lines(run.summary)))
             elif run.step_kind == "none" and run.loop_line is None:
                 _RUNS.remove(run)
                 print(NO_LOOP)

@@ -270,7 +270,30 @@ def cheaper_step_ideas(summary: Mapping[str, Any]) -> list[str]:
         ideas.append("mixed precision")
     if not summary.get("model_compiled"):
         ideas.append("torch.compile")
-    return ideas + ["a larger batch", "a smaller model"]
+    return ideas + [larger_batch(summary), "a smaller model"]
+
+
+def larger_batch(summary: Mapping[str, Any]) -> str:
+    """"a larger batch", with the room the GPU memory peak leaves when it was measured."""
+    room, share = summary.get("gpu_batch_room"), summary.get("gpu_mem_peak_share")
+    if room is None or share is None:
+        return "a larger batch"
+    if room < 1.2:
+        return f"a larger batch only with less memory per sample: the peak is {_pct(share)} of the GPU"
+    return f"a larger batch: the memory peak is {_pct(share)} of the GPU, room for about {room:.1f}x the batch"
+
+
+def input_next(summary: Mapping[str, Any]) -> str:
+    """INPUT-BOUND's next step: more workers, unless the CPU is already saturated."""
+    if summary.get("cpu_saturated"):
+        return (
+            "Make each sample cheaper: the CPU is saturated, so more DataLoader workers won't help; "
+            "cache decoded samples, precompute, or move the per-sample work to the GPU (see the checklist)."
+        )
+    return (
+        "Feed the loop faster: more DataLoader workers, persistent workers, pinned memory, "
+        "and less per-sample work (see the checklist)."
+    )
 
 
 def diagnose(summary: Mapping[str, Any]) -> Verdict:
@@ -324,8 +347,7 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
             f"The loop spends {_pct(wait_share)} of a typical step waiting for data (median "
             f"wait {_ms(wait)}, median step {_ms(step)}, {compute_name.lower()} {_ms(compute)}), "
             f"over {n} steps.",
-            "Feed the loop faster: more DataLoader workers, persistent workers, pinned memory, "
-            "and less per-sample work (see the checklist).",
+            input_next(summary),
             evidence,
         )
     lost = summary.get("straggler_share") or 0.0

@@ -30,6 +30,7 @@ from .cuda_clock import (
 )
 from .patches import patched
 from .probes import batch_size_of, type_name
+from .resources import resources_watched
 from .step_model import BACKWARD, FETCH, OPTIMIZER, Pass, Source, Span, StepModel
 
 if TYPE_CHECKING:
@@ -69,6 +70,10 @@ class Capture:
         self._deciding = True
         self._alloc_before: dict[int, int] = {}
         self._first_step = run.recorder.n_steps
+        # Set by resources.py while the run's resources are watched: the GPU memory per step
+        # (gpu_memory.GpuMemory) and who hears of DataLoader workers (host.HostSampler).
+        self.memory: Any = None
+        self.on_workers: Callable[[list[int], int], None] | None = None
         # CUDA graphs (cuda_graphs.py) and the loop's device without the allocator's counts
         # (gpu_activity.py): replays are steps, nothing of ours runs inside a capture.
         self.graphs = cuda_graphs.GraphWatch(self.thread, self._graph_replayed)
@@ -231,7 +236,18 @@ class Capture:
         finally:
             self._fetch_end(t0, clock(), None, pass_, False)
         self._iter_passes[id(it)] = pass_
+        if self.on_workers is not None:
+            self._workers_of(it, loader)
         return it
+
+    def _workers_of(self, it: Any, loader: Any) -> None:
+        """The worker processes of a DataLoader iterator, for the host sampler (once a pass)."""
+        try:
+            pids = [int(w.pid) for w in getattr(it, "_workers", None) or () if w.pid is not None]
+            if pids and self.on_workers is not None:
+                self.on_workers(pids, id(loader))
+        except Exception:  # an iterator of another kind, a worker not started: nothing to watch
+            pass
 
     def dataloader_next(self, it: Any, original: Callable[[Any], Any]) -> Any:
         __tracebackhide__ = True  # noqa: F841
@@ -239,6 +255,8 @@ class Capture:
         pass_ = self._iter_passes.get(id(it))
         if pass_ is None:  # an iterator made before the capture started
             pass_ = self._iter_passes[id(it)] = Pass(self._iterator_source(it), grad_disabled=not _grad_enabled())
+            if self.on_workers is not None:
+                self._workers_of(it, pass_.source.ref() if pass_.source.ref is not None else it)
         source = pass_.source
         clock = perf_counter_ns
         if model.level <= FETCH and not model._stack:
@@ -345,6 +363,8 @@ class Capture:
                 self.cuda.step_closed(index, next_serial)
             except Exception as exc:
                 self._gpu_failed(exc)
+            if self.memory is not None:  # the allocator's figures of the step (never raises)
+                self.memory.step_ended(index, t)
         if self._deciding:
             if index - self._first_step < DECIDE_STEPS:
                 self._decide_device(index)
@@ -360,6 +380,8 @@ class Capture:
                 run.gpu_watch = None
 
     def _steps_merged(self, n: int) -> None:
+        if self.memory is not None:
+            self.memory.merged(self.run.recorder.n_steps)
         if self.cuda is not None:
             self.cuda.merged(n)
             watch = self.run.gpu_watch
@@ -460,6 +482,8 @@ class Capture:
         run = self.run
         run.cuda_device = device
         run._gpu_used = True
+        if self.memory is not None:
+            self.memory.loop_started(device)
         if run.gpu_watch is not None:
             try:
                 run.gpu_watch.loop_started(device)
@@ -597,6 +621,7 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
     with ExitStack() as stack:
         _dataloader_patches(capture, stack)
         _training_patches(capture, stack)
+        stack.enter_context(resources_watched(run, capture))
         stack.enter_context(cuda_graphs.graphs_watched(capture.graphs))
         if cuda_initialized():
             capture._start_gpu()

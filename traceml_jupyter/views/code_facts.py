@@ -38,6 +38,8 @@ from ..analysis.checklist import (
     transfers_in,
 )
 from ..analysis.rank_verdict import checklist_verdict
+from ..analysis.resources import cpu_sentence
+from ..capture.host import usable_cpus as cpu_count
 from ..capture.locate import dataloader_lines
 from ..run import tuned_for
 
@@ -481,13 +483,6 @@ def _process_start_method() -> str:
     )
 
 
-def cpu_count() -> int | None:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count()
-
-
 def run_shell() -> Any:
     from .environment import ipython_shell
 
@@ -614,6 +609,9 @@ def facts_for(
         gpu_idle_share=summary.get("host_share"),
         busiest_line=busiest_line(run),
         tuned=tuned_for(_loader_object(run)),
+        cpu_saturated=summary.get("cpu_saturated"),
+        cpu_sentence=cpu_sentence(summary) if summary.get("cpu_cores") is not None and summary.get("cpu_usable_cores") else None,
+        workers_cores=summary.get("cpu_workers_cores"),
     )
 
 
