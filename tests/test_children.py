@@ -473,7 +473,7 @@ def test_the_command_line_on_a_crashing_script_prints_the_box_and_passes_its_sta
 
 def test_the_command_line_refuses_a_bad_save_and_names_a_missing_command() -> None:
     bad = subprocess.run([PYTHON, "-m", "traceml_jupyter", "run", "--save", "x.csv", "--", "true"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "--save x.csv: the file name must end in .json" in bad.stderr
+    assert bad.returncode == 2 and "--save x.csv: the file name must end in .html or .json" in bad.stderr
     missing = subprocess.run([PYTHON, "-m", "traceml_jupyter", "run", "--", "no-such-command-xyz"], capture_output=True, text=True)
     assert missing.returncode == 127 and "cannot run no-such-command-xyz" in missing.stderr
     nothing = subprocess.run([PYTHON, "-m", "traceml_jupyter", "run", "--", "true"], capture_output=True, text=True)

@@ -23,12 +23,14 @@ if TYPE_CHECKING:
 USAGE = "traceml-jupyter run [--name NAME] [--warmup N] [--loop FILE:LINE] [--save PATH] -- COMMAND [ARGS...]"
 
 
-def save_json(run: Run, path: str) -> None:
+def save(run: Run, path: str) -> None:
+    from .views import report_file  # noqa: F401  (Run.save writes .html through it)
+
     run.save(path)
 
 
-# --save PATH: the writer for each file extension (an HTML writer is one more line).
-WRITERS: dict[str, Callable[[Run, str], None]] = {".json": save_json}
+# --save PATH: the file extensions written (JSON, what load() reads back; the report as a page).
+WRITERS: dict[str, Callable[[Run, str], None]] = {".json": save, ".html": save}
 
 
 def parser() -> argparse.ArgumentParser:
