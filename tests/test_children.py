@@ -314,6 +314,7 @@ def test_subprocess_run_and_os_system_of_a_balanced_script_and_one_that_exits_ea
     assert ip.user_ns["status"] == 2 << 8  # os.system's wait status: the child's exit status 2
     assert run.n_steps == 16 and run.verdict == "COMPUTE-BOUND", run.text()  # its DataLoader worker sent nothing
     assert sorted(p["n_steps"] for p in run.processes or []) == [0, 16]
+    assert run.host is not None and len(run.host["workers"]) == 1  # the child's resources: its worker
     assert any("--quit 2` failed (exit status 2), before its first step." in n for n in run.notes), run.notes
 
 

@@ -83,6 +83,7 @@ class ChildSender(ranks.Sender):
                 loop_line=run.loop_line,
                 loop_where=run.loop_where,
                 job_ranks=_jsonable(run.ranks),
+                resources=_jsonable(run.resources_dict()),  # this process's CPU, memory, workers
             )
         except Exception as exc:
             end["note"] = f"what fed its steps could not be read: {type(exc).__name__}: {exc}"

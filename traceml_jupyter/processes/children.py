@@ -39,6 +39,7 @@ from .. import ranks
 from ..analysis.rank_verdict import compare_ranks
 from ..analysis.verdict import WARN_SHARE
 from ..capture.probes import plain_count
+from ..saved import host_from_json
 from . import startup_hook
 from .startup_hook import CHANNEL, LOOP, NOTE, PACKAGE, TOKEN
 
@@ -380,6 +381,13 @@ def become(run: Run, stream: ChildStream, ranked: bool) -> None:
     run.phases = [dict(p) for p in end.get("phases") or [] if isinstance(p, dict)]
     run.loader_site = _site(end.get("loader_site"))
     run.dataset_site = _site(end.get("dataset_site"))
+    found = end.get("resources")
+    resources: dict[str, Any] = found if isinstance(found, dict) else {}
+    run.host = host_from_json(resources.get("host"))  # the child's CPU and memory, not the kernel's
+    gpu_memory, oom = resources.get("gpu_memory"), resources.get("oom")
+    run.gpu_memory = dict(gpu_memory) if isinstance(gpu_memory, dict) else None
+    run.oom = dict(oom) if isinstance(oom, dict) else None
+    run.held_before = None
     run.notes.extend(str(n) for n in end.get("notes") or [] if isinstance(n, str))
     if isinstance(end.get("note"), str):
         run.notes.append(f"`{stream.command}`: {end['note']}")
