@@ -1020,6 +1020,189 @@ def hf_trainer(ctx: Context) -> list[Check]:
     return checks
 
 
+# -- resources: GPU memory per step, held by earlier cells, out of memory ------------------------
+# (issue 18) Each figure is checked against torch's own counters, read by hand in the same
+# process: max_memory_allocated after reset_peak_memory_stats around one step, memory_allocated
+# between steps, untyped_storage().nbytes() of what earlier cells hold.
+
+
+def _step_peak_by_hand(ctx: Context, step: Callable[[], Any]) -> float:
+    """torch's own peak of one step, in MiB: reset, run it, read (the allocator's docs' recipe)."""
+    torch = ctx.torch
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return float(torch.cuda.max_memory_allocated()) / 2**20
+
+
+def memory_pressure(ctx: Context) -> list[Check]:
+    """A ballast and a temporary buffer make every step peak at about 94.5 % of the device's
+    memory: HIGH PRESSURE, with the per-step peak equal to torch's own for that step."""
+    torch = ctx.torch
+    check = Check("memory: HIGH PRESSURE", "peak >= 92 % of capacity, = torch's peak")
+    total = float(torch.cuda.get_device_properties(0).total_memory)
+    free, _ = torch.cuda.mem_get_info()
+    held = float(torch.cuda.memory_allocated())
+    ballast_bytes = int(0.90 * total - held)
+    buffer_bytes = int(0.045 * total)
+    if ballast_bytes + buffer_bytes > 0.97 * free:
+        check.numbers["skipped"] = f"only {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB (a shared GPU)"
+        return [check]
+    ballast = torch.empty(ballast_bytes, dtype=torch.uint8, device="cuda")
+    batches = [torch.ones(1024, device="cuda") for _ in range(12)]
+
+    def one_step() -> None:
+        buffer = torch.empty(buffer_bytes, dtype=torch.uint8, device="cuda")
+        (batches[0] * 2).sum()
+        del buffer
+
+    cell = """
+    for x in batches:
+        buffer = torch.empty(BUFFER, dtype=torch.uint8, device="cuda")
+        y = (x * 2).sum()
+        del buffer
+    """
+    run = ctx.traced("pressure", cell, {"batches": batches, "torch": torch, "BUFFER": buffer_bytes, "ballast": ballast})
+    by_hand = _step_peak_by_hand(ctx, one_step)
+    s = run.summary
+    check.verdict = f"{run.verdict} ({run.clock})"
+    check.numbers.update(peak_mib=s.get("gpu_mem_peak_mib"), by_hand_mib=by_hand, share=s.get("gpu_mem_peak_share"))
+    labels = [f["label"] for f in s.get("resource_findings") or []]
+    check.expect("HIGH PRESSURE" in labels, f"findings {labels}, want HIGH PRESSURE")
+    check.expect(s.get("gpu_mem_capacity_mib") == total / 2**20, f"capacity {s.get('gpu_mem_capacity_mib')}")
+    peak = s.get("gpu_mem_peak_mib")
+    check.expect(peak is not None and abs(peak - by_hand) <= 2.0, f"peak {peak} MiB, torch's {by_hand:.1f} MiB")
+    del ballast
+    return [check]
+
+
+def memory_creep(ctx: Context) -> list[Check]:
+    """An evaluation without torch.no_grad() that keeps `total = total + loss`: the allocated
+    memory at each step's end grows by what one step keeps (torch's memory_allocated between
+    two steps by hand), and the finding names line 5."""
+    torch = ctx.torch
+    check = Check("memory: creep, kept graph", "growth per step = torch's, line 5")
+    model = torch.nn.Linear(4096, 4096).cuda()
+    batches = [torch.randn(256, 4096, device="cuda") for _ in range(8)] * 6
+    cell = """
+    total = 0
+    for x in batches:
+        loss = model(x).pow(2).mean()
+        total = total + loss
+    """
+    run = ctx.traced("creep", cell, {"model": model, "batches": batches})
+    ctx.shell.user_ns.pop("total", None)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    total = model(batches[0]).pow(2).mean()
+    total = total + model(batches[1]).pow(2).mean()
+    first = torch.cuda.memory_allocated()
+    total = total + model(batches[2]).pow(2).mean()
+    per_step = (torch.cuda.memory_allocated() - first) / 2**20
+    del total
+    s = run.summary
+    check.verdict = f"{run.verdict} ({run.clock})"
+    check.numbers.update(per_step_mib=s.get("gpu_mem_growth_per_step_mib"), by_hand_mib=per_step, before=before / 2**20)
+    found = [f for f in s.get("resource_findings") or [] if f["label"] in ("MEMORY CREEP", "MEMORY RISING")]
+    check.expect(bool(found), f"no MEMORY RISING/CREEP in {[f['label'] for f in s.get('resource_findings') or []]}")
+    if found:
+        check.expect(found[0]["line"] == 5, f"line {found[0]['line']}, want 5")
+    got = s.get("gpu_mem_growth_per_step_mib")
+    check.expect(got is not None and abs(got - per_step) <= max(0.05 * per_step, 0.5), f"{got} MiB a step, torch's {per_step:.2f}")
+    return [check]
+
+
+def memory_held(ctx: Context) -> list[Check]:
+    """Tensors, a module and a list left by earlier cells: named, biggest first, with torch's
+    own storage sizes; the alias of the same module counted once."""
+    torch = ctx.torch
+    check = Check("memory: held by earlier cells", "holders by name = storage sizes")
+    old_model = torch.nn.Linear(8192, 8192).cuda()  # 256 MiB + 32 KiB
+    outputs = [torch.empty(100 * 2**20, dtype=torch.uint8, device="cuda") for _ in range(3)]
+    batches = [torch.ones(1024, device="cuda") for _ in range(8)]
+    names = {"old_model": old_model, "same_model": old_model, "outputs": outputs, "batches": batches}
+    run = ctx.traced("held", "for x in batches:\n    y = (x * 2).sum()\n", names)
+    devices = (run.held_before or {}).get("devices") or []
+    holders = {h["name"]: h["mib"] for h in devices[0]["holders"]} if devices else {}
+    want_model = sum(p.untyped_storage().nbytes() for p in old_model.parameters()) / 2**20
+    check.numbers.update(holders=holders, allocated=devices[0]["allocated_mib"] if devices else None)
+    check.expect(abs(holders.get("old_model", 0.0) - want_model) < 0.01, f"old_model {holders.get('old_model')} MiB, want {want_model:.2f}")
+    check.expect(abs(holders.get("outputs", 0.0) - 300.0) < 0.01, f"outputs {holders.get('outputs')} MiB, want 300")
+    check.expect("same_model" not in holders, "the alias was counted twice")
+    return [check]
+
+
+def memory_oom(ctx: Context) -> list[Check]:
+    """A cell whose 4th step asks for twice the device's memory: the error is the user's,
+    unchanged, and the report explains it (step 4, the request, the capacity)."""
+    from IPython.utils.capture import capture_output
+
+    import traceml_jupyter
+
+    torch = ctx.torch
+    check = Check("memory: out of memory explained", "OutOfMemoryError, step 4, request")
+    total = int(torch.cuda.get_device_properties(0).total_memory)
+    ctx.shell.user_ns.update(batches=[torch.ones(1024, device="cuda") for _ in range(8)], torch=torch, HUGE=2 * total)
+    cell = (
+        "%%traceml --no-live --name oom\n"
+        "for i, x in enumerate(batches):\n"
+        "    y = (x * 2).sum()\n"
+        "    if i == 3:\n"
+        "        big = torch.empty(HUGE, dtype=torch.uint8, device='cuda')\n"
+    )
+    with capture_output() as out:
+        result = ctx.shell.run_cell(cell)
+    error = result.error_in_exec
+    run = traceml_jupyter.last()
+    text = run.text() if run is not None else ""
+    check.verdict = type(error).__name__
+    check.expect(isinstance(error, torch.cuda.OutOfMemoryError), f"the cell raised {error!r}")
+    oom = getattr(run, "oom", None) or {}
+    check.numbers.update(step=oom.get("step"), requested_mib=oom.get("requested_mib"), capacity_mib=oom.get("capacity_mib"))
+    check.expect(oom.get("step") == 4, f"step {oom.get('step')}, want 4")
+    check.expect("OUT OF MEMORY: CUDA ran out of memory in step 4" in text, "the report does not explain it")
+    check.expect("Also: OUT OF MEMORY" in out.stdout + "".join(o.data.get("text/plain", "") for o in out.outputs), "not shown")
+    sys.last_value = sys.last_traceback = None  # nothing of the failed cell stays referenced
+    return [check]
+
+
+def allocator_reads(ctx: Context) -> list[Check]:
+    """The per-step reads (memory_stats_as_nested_dict + reset_peak_memory_stats): host µs a
+    pair, and no synchronisation (sync debug mode "error" would raise)."""
+    torch = ctx.torch
+    check = Check("memory: allocator reads", "no sync; µs a read")
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.cuda.memory_stats_as_nested_dict(0)
+        torch.cuda.reset_peak_memory_stats(0)
+        synced = False
+    except RuntimeError:
+        synced = True
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        torch.cuda.memory_stats_as_nested_dict(0)
+        torch.cuda.reset_peak_memory_stats(0)
+    us = (time.perf_counter() - t0) / n * 1e6
+    check.numbers["us_per_read"] = us
+    check.expect(not synced, "an allocator read synchronised")
+    return [check]
+
+
+RESOURCE_SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("pressure", "GPU memory: a step peaking at 94.5 % of the device", "", "HIGH PRESSURE, = torch's peak", memory_pressure),
+    Scenario("creep", "GPU memory: total = total + loss without no_grad", "", "RISING/CREEP, line 5", memory_creep),
+    Scenario("held", "GPU memory held by earlier cells", "", "holders by name", memory_held),
+    Scenario("oom", "an out-of-memory error in step 4", "", "explained, unchanged", memory_oom),
+    Scenario("allocator", "the per-step allocator reads", "", "no sync", allocator_reads),
+)
+
+
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("demo", "the demo notebook's fast, slow, fixed, h2d", "", "verdicts from measured ratios", demo_scenarios),
     Scenario("delays", "injected data and GPU delays, with and without .item()", "", "INPUT-BOUND, waits ± 5 %", injected_delays),
@@ -1042,6 +1225,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("M", "20 000 .to(dtype) pass-throughs", "F16", "< 1 µs a call", to_dtype_calls),
     Scenario("overhead", "per-step overhead and syncs on the GPU path", "F12, F16", "≤ 10 µs a step, no sync", overhead_and_syncs),
     Scenario("hf", "HF Trainer with and without gradient accumulation", "F7", "optimizer steps on the GPU clock", hf_trainer, False),
+    *RESOURCE_SCENARIOS,
 )
 
 

@@ -46,6 +46,7 @@ import threading
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -827,6 +828,308 @@ def install_fake_cuda(monkeypatch: Any, gpu: FakeGpu) -> None:
         monkeypatch.setattr(run_module, "CudaClock", lambda recorder: real(recorder, gpu.event))
 
 
+# -- the caching allocator's statistics and the device's capacity (GPU memory per step) -----------
+# What the resource watch reads of torch's CUDA caching allocator, kept in this block of its own.
+# Each behaviour follows PyTorch's documentation ("CUDA semantics: memory management",
+# https://pytorch.org/docs/stable/notes/cuda.html#memory-management, and the torch.cuda memory
+# functions' docstrings) and c10/cuda/CUDACachingAllocator.cpp where the docs are silent:
+# - memory_allocated(): bytes occupied by tensors, each allocation rounded up to 512 bytes
+#   (kMinBlockSize); max_memory_allocated(): its peak since the start or the last
+#   reset_peak_memory_stats(), which sets every peak to the current value;
+# - memory_reserved(): bytes the allocator holds from the driver, in segments: allocations of
+#   1 MiB or less come from 2 MiB segments (kSmallBuffer), up to 10 MiB from 20 MiB segments
+#   (kLargeBuffer), larger ones are rounded up to 2 MiB (kRoundLarge). Freed blocks stay cached
+#   (reserved does not fall) and are reused; empty_cache() releases cached segments;
+# - on a failed allocation the allocator frees its cached segments and retries, then raises
+#   torch.cuda.OutOfMemoryError with the message format of CUDACachingAllocator.cpp;
+# - memory_stats_as_nested_dict(): {"allocated_bytes": {"all": {"current", "peak", "allocated",
+#   "freed"}}, "reserved_bytes": {...}, ...}; memory_stats() is its flattened form;
+# - get_device_properties(d).total_memory: the device's memory; mem_get_info(d): (free, total).
+# The stand-in ignores fragmentation inside a segment (a segment of the right pool with enough
+# free bytes takes the block) and the CUDA context's own memory.
+
+MIB = 2**20
+SMALL_SIZE, SMALL_SEGMENT = MIB, 2 * MIB
+LARGE_SEGMENT, MIN_LARGE_ALLOC, ROUND_LARGE = 20 * MIB, 10 * MIB, 2 * MIB
+MIN_BLOCK = 512
+
+
+def _format_size(nbytes: float) -> str:
+    """c10's format_size: "512 bytes", "1.50 KiB", "20.00 MiB", "79.15 GiB"."""
+    if nbytes <= 1024:
+        return f"{int(nbytes)} bytes"
+    if nbytes <= MIB:
+        return f"{nbytes / 1024:.2f} KiB"
+    if nbytes <= 1024 * MIB:
+        return f"{nbytes / MIB:.2f} MiB"
+    return f"{nbytes / 1024**3:.2f} GiB"
+
+
+class _Segment:
+    def __init__(self, pool: str, size: int) -> None:
+        self.pool, self.size, self.used = pool, size, 0
+
+
+class _DeviceMemory:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.allocated = self.peak = self.reserved = self.reserved_peak = 0
+        self.total_allocated = self.total_freed = 0
+        self.segments: list[_Segment] = []
+
+    def stat(self, current: int, peak: int, allocated: int = 0, freed: int = 0) -> dict[str, dict[str, int]]:
+        return {"all": {"current": current, "peak": peak, "allocated": allocated, "freed": freed}}
+
+
+class FakeAllocator:
+    """torch's caching allocator as its statistics show it (see the block's comment), for the
+    devices of a FakeGpu. `install()` puts its functions on `gpu.module`."""
+
+    def __init__(self, gpu: FakeGpu, capacity_gib: float = 80.0) -> None:
+        self.gpu = gpu
+        self.memory = [_DeviceMemory(int(capacity_gib * 1024**3)) for _ in gpu.devices]
+        self.calls = {"stats": 0, "reset": 0}
+
+    # -- allocating -----------------------------------------------------------------------------
+    @staticmethod
+    def _pool(size: int) -> tuple[str, int]:
+        """The pool of an allocation and the segment a miss reserves."""
+        if size <= SMALL_SIZE:
+            return "small", SMALL_SEGMENT
+        if size < MIN_LARGE_ALLOC:
+            return "large", LARGE_SEGMENT
+        return "large", -(-size // ROUND_LARGE) * ROUND_LARGE
+
+    def malloc(self, device: int, nbytes: int) -> tuple[int, _Segment]:
+        """Allocate `nbytes` on `device`: the rounded size and its segment. Raises
+        torch.cuda.OutOfMemoryError."""
+        self.gpu.check()
+        m = self.memory[device]
+        size = max(MIN_BLOCK, -(-int(nbytes) // MIN_BLOCK) * MIN_BLOCK)
+        pool, segment_size = self._pool(size)
+        segment = next((g for g in m.segments if g.pool == pool and g.size - g.used >= size), None)
+        if segment is None:
+            if m.reserved + segment_size > m.capacity:
+                self.empty_cache(device)  # the allocator frees its cached segments and retries
+            if m.reserved + segment_size > m.capacity:
+                raise self._oom(device, size)
+            segment = _Segment(pool, segment_size)
+            m.segments.append(segment)
+            m.reserved += segment_size
+            m.reserved_peak = max(m.reserved_peak, m.reserved)
+        segment.used += size
+        m.allocated += size
+        m.total_allocated += size
+        m.peak = max(m.peak, m.allocated)
+        return size, segment
+
+    def free(self, device: int, size: int, segment: _Segment) -> None:
+        m = self.memory[device]
+        m.allocated -= size
+        m.total_freed += size
+        segment.used -= size  # the block stays cached in its segment
+
+    def empty_cache(self, device: int | None = None) -> None:
+        """Release the segments with no allocation left (empty_cache())."""
+        for d in range(len(self.memory)) if device is None else [device]:
+            m = self.memory[d]
+            free = [g for g in m.segments if g.used == 0]
+            m.segments = [g for g in m.segments if g.used > 0]
+            m.reserved -= sum(g.size for g in free)
+
+    def _oom(self, device: int, size: int) -> BaseException:
+        import torch
+
+        m = self.memory[device]
+        free = m.capacity - m.reserved
+        text = (
+            f"CUDA out of memory. Tried to allocate {_format_size(size)}. GPU {device} has a total "
+            f"capacity of {_format_size(m.capacity)} of which {_format_size(free)} is free. Including "
+            f"non-PyTorch memory, this process has {_format_size(m.reserved)} memory in use. Of the "
+            f"allocated memory {_format_size(m.allocated)} is allocated by PyTorch, and "
+            f"{_format_size(m.reserved - m.allocated)} is reserved by PyTorch but unallocated."
+        )
+        return torch.cuda.OutOfMemoryError(text)
+
+    # -- torch.cuda's functions ---------------------------------------------------------------------
+    def stats(self, device: Any = None) -> dict[str, Any]:
+        self.calls["stats"] += 1
+        m = self.memory[_index(self.gpu, device)]
+        return {
+            "allocated_bytes": m.stat(m.allocated, m.peak, m.total_allocated, m.total_freed),
+            "reserved_bytes": m.stat(m.reserved, m.reserved_peak),
+        }
+
+    def flat_stats(self, device: Any = None) -> dict[str, int]:
+        out = {}
+        for name, groups in self.stats(device).items():
+            for group, values in groups.items():
+                for key, value in values.items():
+                    out[f"{name}.{group}.{key}"] = value
+        return out
+
+    def reset_peak(self, device: Any = None) -> None:
+        self.calls["reset"] += 1
+        m = self.memory[_index(self.gpu, device)]
+        m.peak, m.reserved_peak = m.allocated, m.reserved
+
+    def install(self) -> FakeAllocator:
+        module, gpu = self.gpu.module, self.gpu
+        module.memory_stats_as_nested_dict = self.stats
+        module.memory_stats = self.flat_stats
+        module.memory_allocated = lambda device=None: self.memory[_index(gpu, device)].allocated
+        module.max_memory_allocated = lambda device=None: self.memory[_index(gpu, device)].peak
+        module.memory_reserved = lambda device=None: self.memory[_index(gpu, device)].reserved
+        module.max_memory_reserved = lambda device=None: self.memory[_index(gpu, device)].reserved_peak
+        module.reset_peak_memory_stats = self.reset_peak
+        module.empty_cache = lambda: self.empty_cache()
+        module.mem_get_info = lambda device=None: (
+            self.memory[_index(gpu, device)].capacity - self.memory[_index(gpu, device)].reserved,
+            self.memory[_index(gpu, device)].capacity,
+        )
+        previous = module.get_device_properties
+
+        def properties(device: Any = None) -> Any:
+            props = previous(device)
+            props.total_memory = self.memory[_index(gpu, device)].capacity
+            return props
+
+        module.get_device_properties = properties
+        import torch
+
+        module.OutOfMemoryError = torch.cuda.OutOfMemoryError
+        MemTensor.allocator = self
+        return self
+
+
+class _Storage:
+    """A tensor's memory: freed (by the allocator) when the last tensor on it is collected."""
+
+    _next_ptr = 0x7F0000000000
+
+    def __init__(self, allocator: FakeAllocator, device: int, nbytes: int) -> None:
+        self.size, segment = allocator.malloc(device, nbytes)
+        self._nbytes = int(nbytes)
+        self.device = device
+        _Storage._next_ptr += self.size
+        self.ptr = _Storage._next_ptr
+        weakref.finalize(self, allocator.free, device, self.size, segment)
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+class MemTensor(FakeTensor):
+    """A tensor on a device of the stand-in whose memory the allocator counts. `graph`: the
+    tensors its autograd history keeps alive; `saved`: what backward() frees (activations)."""
+
+    allocator: FakeAllocator | None = None
+
+    def __init__(
+        self, nbytes: int, device: str = "cuda", graph: list[Any] | None = None, storage: _Storage | None = None
+    ) -> None:
+        super().__init__(nbytes, device)
+        assert self.device_index is not None and self.allocator is not None
+        self.storage = storage or _Storage(self.allocator, self.device_index, nbytes)
+        self.graph: list[Any] = list(graph or [])
+        self.saved: list[Any] = []
+        self.grad: MemTensor | None = None
+
+    def untyped_storage(self) -> _Storage:
+        return self.storage
+
+    @property
+    def is_leaf(self) -> bool:
+        """A tensor with no history is a leaf (torch: only a leaf's .grad is populated)."""
+        return not self.graph
+
+    def detach(self) -> MemTensor:
+        return MemTensor(self.nbytes, self.device, storage=self.storage)
+
+    def _scalar(self, *parents: Any) -> MemTensor:
+        return MemTensor(4, self.device, graph=[p for p in parents if isinstance(p, MemTensor)])
+
+    def mean(self) -> MemTensor:
+        return self._scalar(self)
+
+    def sum(self) -> MemTensor:
+        return self._scalar(self)
+
+    def __add__(self, other: Any) -> MemTensor:
+        return self._scalar(self, other)
+
+    __radd__ = __add__
+
+    def backward(self) -> None:
+        """Frees the saved tensors of the graph behind it (torch frees a graph's buffers after
+        backward unless retain_graph=True); the graph's nodes stay referenced."""
+        stack, seen = [self], set()
+        while stack:
+            t = stack.pop()
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            t.saved.clear()
+            stack.extend(t.graph)
+
+
+class FakeModel:
+    """A model on the stand-in: parameters of `params_mib`, a forward that runs `ms` of GPU
+    work and saves `activations_mib` for backward, an output of `out_mib`."""
+
+    def __init__(self, params_mib: float, activations_mib: float = 0.0, out_mib: float = 0.01, ms: float = 1.0, device: str = "cuda") -> None:
+        self.device = device
+        self.params = [MemTensor(int(params_mib * MIB), device)]
+        self.activations = int(activations_mib * MIB)
+        self.out = int(out_mib * MIB)
+        self.ms = ms
+
+    def parameters(self) -> list[MemTensor]:
+        return list(self.params)
+
+    def buffers(self) -> list[MemTensor]:
+        return []
+
+    def __call__(self, x: Any) -> MemTensor:
+        x.work(self.ms) if isinstance(x, FakeTensor) and x.is_cuda else None
+        out = MemTensor(self.out, self.device, graph=[x, *self.params] if isinstance(x, MemTensor) else list(self.params))
+        if self.activations:
+            out.saved.append(MemTensor(self.activations, self.device))
+        return out
+
+
+class FakeOptimizer:
+    """Adam-like: two state tensors per parameter, made at the first step."""
+
+    def __init__(self, params: list[MemTensor]) -> None:
+        self.params = params
+        self.state: dict[int, dict[str, MemTensor]] = {}
+
+    def step(self) -> None:
+        for p in self.params:
+            if id(p) not in self.state:
+                self.state[id(p)] = {"exp_avg": MemTensor(p.nbytes, p.device), "exp_avg_sq": MemTensor(p.nbytes, p.device)}
+
+    def zero_grad(self) -> None:
+        pass
+
+
+def install_fake_allocator(monkeypatch: Any, gpu: FakeGpu, capacity_gib: float = 80.0) -> FakeAllocator:
+    """The stand-in's allocator statistics and capacity for the resource watch (after
+    install_fake_cuda): torch.cuda's memory functions on `gpu.module`, and the namespace scan
+    recognising MemTensor, FakeModel and FakeOptimizer."""
+    import torch
+
+    from traceml_jupyter.capture import gpu_memory
+
+    allocator = FakeAllocator(gpu, capacity_gib).install()
+    monkeypatch.setattr(gpu_memory, "cuda_module", lambda: gpu.module)
+    kinds = gpu_memory.Kinds((MemTensor, torch.Tensor), (FakeModel, torch.nn.Module), (FakeOptimizer, torch.optim.Optimizer))
+    monkeypatch.setattr(gpu_memory, "torch_kinds", lambda: kinds)
+    return allocator
 # -- issue 23: CUDA graphs, hidden waits, allocator backends ---------------------------------------
 
 # What the stand-in assumes where CUDA or NVML does not say (or the docs say "may"); the first

@@ -195,6 +195,10 @@ def watch_traced_notebook(
                 page.set_viewport_size({"width": VIEWPORT["width"], "height": height + 400})
                 page.wait_for_timeout(300)
                 shoot(page, html.last, f"{app}-report")
+                resources = html.last.locator(".tml-resources")  # memory and CPU beside the time
+                if resources.count():
+                    seen["resources"] = resources.first.inner_text()
+                    shoot(page, resources.first, f"{app}-resources")
             else:
                 shoot(page, cell, f"{app}-report")
         finally:
@@ -212,6 +216,7 @@ def test_the_chart_grows_while_the_cell_runs_then_the_report_shows(
         (REPO / "docs").mkdir(exist_ok=True)
         shutil.copy(SCREENSHOTS / "lab-live.png", REPO / "docs" / "live.png")
         shutil.copy(SCREENSHOTS / "lab-report.png", REPO / "docs" / "report-browser.png")
+        shutil.copy(SCREENSHOTS / "lab-resources.png", REPO / "docs" / "resources.png")
 
 
 def assert_live_then_report(seen: dict[str, Any]) -> None:
@@ -226,6 +231,9 @@ def assert_live_then_report(seen: dict[str, Any]) -> None:
     for text in ("why", "next", "checklist", "num_workers=0", "worker processes (num_workers)"):
         assert text in words, f"{text!r} missing from the HTML report: {report[:3000]}"
     assert re.search(r"\bfix\b", words), f"no checklist item to fix: {report[:3000]}"
+    # The Resources part: CPU against the usable cores, the process's memory, with plots.
+    resources = seen.get("resources") or ""
+    assert "usable cores busy" in resources and "CPU cores busy" in resources, resources[:2000]
     for text in WIDGET_ERRORS:
         assert text not in seen["page"], f"{text!r} on the page"
     widget_errors = [

@@ -172,6 +172,10 @@ def test_the_sentences_fit_the_source() -> None:
         assert text.startswith(f"Feed the loop faster: `slow()` on line 3 ({noun}) makes every batch")
         assert not any(word in text for word in DATALOADER_WORDS)
         assert "`slow()` on line 3" in straggler_next(summary("loop", type_))
+    saturated = {**summary("dataloader", "dataloader"), "cpu_saturated": True}
+    assert input_next(saturated).startswith("Make each sample cheaper: the CPU is saturated")
+    busy = input_next({**summary("loop", "generator"), "cpu_saturated": True})
+    assert busy.startswith("Make each item of `slow()` on line 3 (a generator) cheaper")
     listed = input_next(summary("loop", "list", "`batches` on line 3"))
     assert "(a list) fed the steps" in listed and "a larger batch" in listed
     assert phase_remedy("dataloader") == "more workers, persistent_workers=True"

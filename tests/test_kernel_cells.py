@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -83,6 +85,19 @@ print(json.dumps({name: {"steps": r.n_steps, "kind": r.step_kind, "phases": [p["
                   for name, r in runs.items()} | {"done": len(done), "total": total}))"""
 
 
+TRAIN_SCRIPT = Path(__file__).resolve().parent / "child_scripts" / "train.py"
+# `!python` runs through ipykernel's own system() (its output piped to the cell): the script is
+# a child process, traced by the start-up hook the cell gives it.
+SCRIPT = f"""\
+import os
+env_before = dict(os.environ)
+%%traceml --name script
+!{sys.executable} {TRAIN_SCRIPT} --sleep-ms 3 --steps 20"""
+SCRIPT_FACTS = """\
+r = traceml_jupyter.last()
+print(json.dumps({"verdict": r.verdict, "steps": r.n_steps, "line": r.loader_site["line"],
+                  "env": dict(os.environ) == env_before, "pids": [p["pid"] for p in r.processes],
+                  "threads": [t.name for t in threading.enumerate() if t.name.startswith("traceml")]}))"""
 BROKEN = "x = 1 +"  # a compile error, plain and traced: the same error in the kernel's reply
 LAST_ERROR = """\
 import sys
@@ -92,16 +107,20 @@ print(json.dumps([type(e).__name__, type(e) is SyntaxError, e.msg, e.lineno, e.o
 
 def test_training_code_threads_and_awaiting_cells_in_a_real_kernel() -> None:
     ensure_python3_kernel()
-    nb = notebook(SETUP, MNIST, THREAD, AWAIT, FACTS, BROKEN, "%%traceml\n" + BROKEN, LAST_ERROR)
-    for cell in nb.cells[5:7]:
+    snapshot, script = SCRIPT.split("%%traceml", 1)
+    nb = notebook(
+        SETUP, MNIST, THREAD, AWAIT, FACTS, snapshot.strip(), "%%traceml" + script, SCRIPT_FACTS,
+        BROKEN, "%%traceml\n" + BROKEN, LAST_ERROR,
+    )
+    for cell in nb.cells[8:10]:
         cell.metadata["tags"] = ["raises-exception"]
     nbclient.NotebookClient(nb, timeout=120, startup_timeout=60, kernel_name=KERNEL_NAME).execute()
-    [plain], [traced] = ([o for o in c.outputs if o.get("output_type") == "error"] for c in nb.cells[5:7])
+    [plain], [traced] = ([o for o in c.outputs if o.get("output_type") == "error"] for c in nb.cells[8:10])
     assert traced["ename"] == plain["ename"] == "SyntaxError"
     plain_msg, plain_line = re.fullmatch(r"(.*) \(.*, line (\d+)\)", plain["evalue"]).groups()  # type: ignore[union-attr]
     msg, line = re.fullmatch(r"(.*) \(.*, line (\d+)\)", traced["evalue"]).groups()  # type: ignore[union-attr]
     assert msg == plain_msg == "invalid syntax" and int(line) == int(plain_line) + 1
-    last = json.loads(next(o["text"] for o in nb.cells[7].outputs if o.get("name") == "stdout"))
+    last = json.loads(next(o["text"] for o in nb.cells[10].outputs if o.get("name") == "stdout"))
     assert last == ["SyntaxError", True, "invalid syntax", int(line), 8, "x = 1 +\n"]
     facts: dict[str, Any] = json.loads(
         next(o["text"] for o in nb.cells[4].outputs if o.get("name") == "stdout").strip().splitlines()[-1]
@@ -113,5 +132,12 @@ def test_training_code_threads_and_awaiting_cells_in_a_real_kernel() -> None:
         [o.get("data", {}) for o in nb.cells[1].outputs]
     )
     assert "optimizer.step()" in text and "test:" in text
-    outputs = [o for cell in nb.cells[:5] for o in cell.outputs]
+    outputs = [o for cell in nb.cells[:8] for o in cell.outputs]
     assert not [o for o in outputs if o.get("output_type") == "error"]
+    script = json.loads(next(o["text"] for o in nb.cells[7].outputs if o.get("name") == "stdout").strip())
+    assert script["verdict"] == "INPUT-BOUND" and script["steps"] == 20 and len(script["pids"]) == 1
+    assert script["env"] and script["threads"] == []
+    with open(TRAIN_SCRIPT) as fh:
+        assert "loader = DataLoader(" in fh.read().splitlines()[script["line"] - 1]
+    shown = json.dumps([o.get("data", {}) for o in nb.cells[6].outputs])
+    assert "train.py, line" in shown  # the checklist reads the script's DataLoader

@@ -12,11 +12,13 @@ from collections.abc import Callable, Iterable
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
-from .analysis.compare import Comparison, compare_summaries, usable_cpus
+from .analysis.compare import Comparison, compare_summaries
 from .analysis.phases import phase_sentence, phase_verdict, step_definition
+from .analysis.resources import finding_lines
 from .analysis.summary import summarize, with_batch_size
 from .analysis.textbox import rank_table, report_text, verdict_box
 from .analysis.verdict import Verdict, diagnose
+from .capture.host import usable_cpus
 from .capture.machine import describe_machine
 from .capture.probes import safe_len
 from .capture.recorder import Recorder
@@ -134,7 +136,30 @@ def clear() -> int:
     """Forget every run of this kernel (their charts stay on screen). Returns how many."""
     n = len(_RUNS)
     _RUNS.clear()
+    _KEPT_LOADER.clear()
     return n
+
+
+# The last run's training loader when the loader itself is gone (built inside a function of a
+# script run with `%run`): a copy without its iterator (no worker processes), kept for
+# `%traceml tune` until the next run or clear().
+_KEPT_LOADER: dict[str, Any] = {}
+TWINS_KEPT = 4  # copies of the run's newest DataLoaders kept while it runs
+
+
+def keep_training_loader(run: Run, twin: Any) -> None:
+    """After `run`'s capture: keep `twin` as its training loader if the loader is gone."""
+    _KEPT_LOADER.clear()
+    ref = run.loader_ref
+    if twin is None or ref is None or ref() is not None:
+        return
+    _KEPT_LOADER.update(run=weakref.ref(run), loader=twin)
+
+    def kept() -> Any:
+        owner = _KEPT_LOADER.get("run")
+        return _KEPT_LOADER.get("loader") if owner is not None and owner() is run else None
+
+    run.loader_ref = kept
 
 
 class Run:
@@ -190,6 +215,7 @@ class Run:
         self._next_tick = 0
         self._loops_started = 0
         self._loader_infos: dict[Any, dict[str, Any]] = {}
+        self._loader_twins: dict[Any, Any] = {}  # stand-ins of its DataLoaders (keep_training_loader)
         self._summary: dict[str, Any] | None = None
         self._verdict: Verdict | None = None
         # Optional watches (sync_stalls.GpuWatch, line_costs): per-step columns they measure,
@@ -204,6 +230,14 @@ class Run:
         self._gpu_samples: dict[str, Any] | None = None
         self.gpu_note: str | None = None  # why GPU figures are missing (nvml.py), else None
         self.gpu_device: str | None = None  # e.g. "NVIDIA H200, 0000:17:00.0, 143771 MiB"
+        # Resources (capture/resources.py): the watch while the run is captured, then what it
+        # saw: host CPU and memory samples and workers (host.py), the GPU memory watch's facts,
+        # what earlier cells held on the GPU, an out-of-memory error's facts.
+        self.resource_watch: Any = None
+        self.host: dict[str, Any] | None = None
+        self.gpu_memory: dict[str, Any] | None = None
+        self.held_before: dict[str, Any] | None = None
+        self.oom: dict[str, Any] | None = None
         # Several processes (ranks.py): every rank's summary once known, and what feeds them
         # while they run (the kernel's reader of forked ranks, or a torchrun rank's own).
         self.ranks: list[dict[str, Any]] | None = None
@@ -215,6 +249,11 @@ class Run:
         self.quoted_cells: dict[str, str] | None = None
         self._machine: dict[str, Any] | None = None
         self.rank_feed: Any = None
+        # Processes the cell started (children.py): each one's pid, command, steps, status; and,
+        # when the run shows a child's steps, where its loader and its dataset's __getitem__ are.
+        self.processes: list[dict[str, Any]] | None = None
+        self.loader_site: dict[str, Any] | None = None  # {"file", "line"}
+        self.dataset_site: dict[str, Any] | None = None  # {"file", "line", "class"}
         _RUNS.append(self)
 
     # -- while it runs ----------------------------------------------------------------------
@@ -251,6 +290,11 @@ class Run:
             self._loader_infos[source.key] = describe_loader(loader)
         except Exception:
             self._loader_infos[source.key] = {}
+        from .capture.dataloaders import stand_in
+
+        while len(self._loader_twins) >= TWINS_KEPT:
+            self._loader_twins.pop(next(iter(self._loader_twins)))
+        self._loader_twins[source.key] = stand_in(loader)
 
     # -- observers (the live view) ---------------------------------------------------------
     def observe(self, observer: Observer) -> None:
@@ -287,6 +331,13 @@ class Run:
             self.loader_info = facts.loader_info
         self.loader_ref, self.loader_name = facts.loader_ref, facts.loader_name
         self.notes.extend(facts.notes)
+        key = next((s.key for s in capture.model.sources.values() if s.ref is not None and s.ref is facts.loader_ref), None)
+        keep_training_loader(self, self._loader_twins.get(key) if key is not None else None)
+        self._loader_twins.clear()
+        if isinstance(key, int) and key in capture.loader_sites:  # built while the run recorded
+            from .capture.dataloaders import split_site
+
+            self.loader_site, self.dataset_site = split_site(capture.loader_sites[key])
 
     def finish(self, error: BaseException | None = None) -> Run:
         """Close the run (after its capture): the final refresh of its views, then the summary
@@ -333,12 +384,12 @@ class Run:
     def _analysis(self) -> tuple[dict[str, Any], Verdict]:
         if self._summary is None or self._verdict is None or not self.finished:
             rec = self.recorder
-            summary = summarize(
-                self.columns(), rec.n_steps, self.warmup, self._gpu_used, rec.totals()
-            )
+            cols = self.columns()
+            summary = summarize(cols, rec.n_steps, self.warmup, self._gpu_used, rec.totals())
             summary.update(self.watch_summary)
             summary.update(self._source_summary())
             with_batch_size(summary, self.batch_size, self.batches_per_step)
+            summary.update(self._resource_summary(cols, int(summary["warmup_steps"])))
             verdict = diagnose(summary)
             if self.ranks:
                 from .analysis.rank_verdict import with_ranks
@@ -364,6 +415,33 @@ class Run:
             "wall_ms": self.wall_ms,
             "model_compiled": self.model_compiled,
         }
+
+    def _resource_summary(self, cols: dict[str, Any], warmup: int) -> dict[str, Any]:
+        """GPU memory, CPU and host memory in numbers and findings (analysis/resources.py)."""
+        from .analysis.kept_graph import kept_graphs
+        from .analysis.resources import ResourceFacts, resource_summary
+        from .capture.gpu_memory import module_names
+        from .capture.probes import user_namespace
+
+        source = self.loop_cell_source or self.cell_source
+        kept = [k.to_dict() for k in kept_graphs(source, self.loop_line, module_names(user_namespace()))]
+        loader = self.loader_ref() if self.loader_ref is not None else None
+        facts = ResourceFacts(
+            columns=cols,
+            warmup=warmup,
+            gpu_memory=self.gpu_memory,
+            host=self.host,
+            kept=kept,
+            python_objects=list((self.loader_info or {}).get("python_objects") or []),
+            loader_name=self.loader_name,
+            training_loader=id(loader) if loader is not None else None,
+            held=self.held_before,
+            oom=self.oom,
+            device=self.cuda_device,
+        )
+        summary = resource_summary(facts)
+        summary["kept_graphs"] = kept
+        return summary
 
     # -- the result API --------------------------------------------------------------------
     @property
@@ -434,6 +512,7 @@ class Run:
         slow_phase = phase_verdict(self.phases)
         if slow_phase:
             lines.append(f"Also: {slow_phase}")
+        lines.extend(f"Also: {line}" for line in finding_lines(self.summary))
         if self.error:
             lines.append(f"Stopped by: {self.error}")
         lines.extend(f"Note: {note}" for note in self.notes)
@@ -476,6 +555,9 @@ class Run:
             "cuda_graphs": _jsonable(self.cuda_graphs),
             "ranks": _jsonable(self.ranks),
             "straggler": _jsonable(self.straggler),
+            "processes": _jsonable(self.processes),
+            "loader_site": _jsonable(self.loader_site),
+            "dataset_site": _jsonable(self.dataset_site),
             # What a run read back needs to be shown and compared as it was (saved.py):
             "cell": {"source": self.cell_source, "loop_cell_source": self.loop_cell_source},
             "quoted_cells": self.quoted_cells,
@@ -499,6 +581,22 @@ class Run:
                     else None
                 ),
             },
+            "resources": _jsonable(self.resources_dict()),
+        }
+
+    def resources_dict(self) -> dict[str, Any]:
+        """What --save writes of the resources: the host's samples (columns) and workers, the
+        GPU memory watch, what earlier cells held, an out-of-memory error, the findings; null
+        where not measured. The per-step GPU memory columns are in `steps`."""
+        host = dict(self.host) if self.host is not None else None
+        if host is not None:
+            host["samples"] = {k: v.tolist() for k, v in host.get("samples", {}).items()}
+        return {
+            "host": host,
+            "gpu_memory": self.gpu_memory,
+            "held_before": self.held_before,
+            "oom": self.oom,
+            "findings": self.summary.get("resource_findings"),
         }
 
     def save(self, path: str) -> str:

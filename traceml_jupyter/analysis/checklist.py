@@ -162,6 +162,9 @@ class Facts:
     gpu_idle_share: float | None = None  # GPU idle inside steps (NVML), else None
     busiest_line: LineSeen | None = None  # the body statement with the most host time
     tuned: Mapping[str, Any] | None = None  # the last `%traceml tune` of this loader (to_dict())
+    cpu_saturated: bool | None = None  # CPU SATURATED (analysis/resources.py); None: not measured
+    cpu_sentence: str | None = None  # the cores busy, in words ("the training process and ...")
+    workers_cores: float | None = None  # median cores the DataLoader workers kept busy
     # What fed the steps when it is no DataLoader (a generator, a list, an iterator, get_batch()),
     # where it is, and the code behind it (its costly calls), when found.
     feeder: Feeder | None = None
@@ -546,12 +549,40 @@ def tuned_workers_item(f: Facts, title: str, bears: bool) -> Item | None:
     return Item("num_workers", title, status, str(n), to_try, f.loader_site, reason, bears)
 
 
+IDLE_WORKER_CORES = 0.5  # a worker busy less than half a core waits (I/O, sleep, a lock)
+
+
+def saturated_workers_item(f: Facts, title: str, bears: bool) -> Item:
+    """CPU SATURATED: no more workers, whatever the rule of thumb or tune say."""
+    n = _workers(f)
+    return Item(
+        "num_workers", title, CHECK if bears else OK, str(n), None, f.loader_site,
+        f"The CPU is saturated: {f.cpu_sentence or 'every usable core is busy.'} More workers "
+        "won't help: they would share "
+        "the same cores. Make per-sample work cheaper, cache decoded samples, or move the work to "
+        "the GPU.",
+        bears,
+    )
+
+
 def num_workers_item(f: Facts) -> Item:
     n, cpus = _workers(f), f.cpu_count
     want = suggested_workers(cpus)
     bears = f.verdict in WORKER_VERDICTS
     of_cpus = f"about half of {cpus} CPUs" if cpus else "at least 2"
     title = "Worker processes (num_workers)"
+    if f.cpu_saturated:
+        return saturated_workers_item(f, title, bears)
+    idle = f.workers_cores is not None and n > 0 and f.workers_cores / n < IDLE_WORKER_CORES
+    if idle and f.verdict in INPUT_VERDICTS and f.tuned is None:
+        busy = f.workers_cores or 0.0
+        return Item(
+            "num_workers", title, FIX, str(n), str(max(2 * n, want)), f.loader_site,
+            f"The {n} worker(s) kept {busy:.1f} core(s) busy while the loop waited for data: they "
+            "wait (disk, network, sleep) more than they compute, so more workers overlap more of "
+            "the waiting, beyond the number of cores." + TUNE_HINT,
+            bears,
+        )
     if f.tuned is not None:
         tuned = tuned_workers_item(f, title, bears)
         if tuned is not None:

@@ -6,7 +6,6 @@ the runs unlike (comparable.py)."""
 from __future__ import annotations
 
 import html
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -16,6 +15,7 @@ from .comparable import samples_per_step
 from .figures import ms as _ms
 from .figures import pct as _pct
 from .noise import LEVEL, ColumnChange, Judgement, analysed_samples, judge
+from .resources import mib
 
 if TYPE_CHECKING:
     pass
@@ -162,7 +162,7 @@ def still_because(
 ) -> str:
     """Why a verdict that did not change still holds, in a few words (empty when nothing to add)."""
     if label == "INPUT-BOUND":
-        if workers_b and cpus and workers_b >= cpus:
+        if summary_b.get("cpu_saturated") or (workers_b and cpus and workers_b >= cpus):
             return "the CPU is now the ceiling"
         return f"data wait is still {_pct(summary_b.get('data_wait_share'))} of the step"
     if label == "INPUT STRAGGLER":
@@ -170,6 +170,45 @@ def still_because(
     if label == "COMPUTE-BOUND":
         return "the step itself is the ceiling"
     return ""
+
+
+def _delta(a: float | None, b: float | None, unit: str) -> str:
+    if a is None or b is None:
+        return ""
+    if unit == "MiB":
+        text = ("+" if b >= a else "-") + mib(abs(b - a))
+    else:
+        text = f"{b - a:+.1f} {unit}"
+    return text + (f" ({100 * (b - a) / a:+.0f} %)" if a > 0 else "")
+
+
+def _resource_value(value: float | None, unit: str, summary: Mapping[str, Any]) -> str:
+    if value is None:
+        return "n/a"
+    if unit == "MiB":
+        return mib(value)
+    text = f"{value:.1f} of {summary.get('cpu_usable_cores') or 0:g}"
+    return text + (" (saturated)" if summary.get("cpu_saturated") else "")
+
+
+def resource_rows(summary_a: Mapping[str, Any], summary_b: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
+    """Memory and CPU side by side (rows where either run measured them): the GPU memory peak,
+    the cores busy in the process and its workers (and whether the CPU was saturated), the
+    process's RSS, the growth of a worker's private memory."""
+    rows = []
+    for key, what, unit in (
+        ("gpu_mem_peak_mib", "GPU memory peak (step)", "MiB"),
+        ("cpu_cores", "CPU cores busy (process + workers)", "cores"),
+        ("host_rss_mib", "Host memory (RSS, max)", "MiB"),
+        ("worker_uss_growth_mib", "Worker memory growth", "MiB"),
+    ):
+        a, b = summary_a.get(key), summary_b.get(key)
+        if a is None and b is None:
+            continue
+        rows.append(
+            (what, _resource_value(a, unit, summary_a), _resource_value(b, unit, summary_b), _delta(a, b, unit))
+        )
+    return rows
 
 
 def compare_summaries(
@@ -249,6 +288,7 @@ def compare_summaries(
             str(summary_b.get("n_analysed", "n/a")),
             "",
         ),
+        *resource_rows(summary_a, summary_b),
     ]
     sampled = steps_a is not None and steps_b is not None
     said_first = unlike(name_a, summary_a, machine_a, name_b, summary_b, machine_b, sampled)
@@ -396,12 +436,3 @@ def comparison_html(c: Comparison) -> str:
         f"{table(c._table(), 'tml-rows')}{per_step}{notes}{rule}</div>"
     )
 
-
-# -- runs by name ------------------------------------------------------------------------------
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1

@@ -15,6 +15,11 @@ DATALOADER_INPUT_NEXT = (
     "Feed the loop faster: more DataLoader workers, persistent workers, pinned memory, and "
     "less per-sample work (see the checklist)."
 )
+# ... when the CPU is already saturated (analysis/resources.py): more workers won't help.
+SATURATED_INPUT_NEXT = (
+    "Make each sample cheaper: the CPU is saturated, so more DataLoader workers won't help; "
+    "cache decoded samples, precompute, or move the per-sample work to the GPU (see the checklist)."
+)
 DATALOADER_STRAGGLER_NEXT = (
     "Keep workers alive between epochs (persistent_workers=True), prefetch more, and look for "
     "slow samples, files or shards."
@@ -78,11 +83,19 @@ def remedies(f: Feeder) -> str:
 
 
 def input_next(summary: Mapping[str, Any]) -> str:
-    """The INPUT-BOUND verdict's `next`: the DataLoader's settings for a DataLoader, else the
-    source by name and line and its own remedies."""
+    """The INPUT-BOUND verdict's `next`: the DataLoader's settings for a DataLoader (unless the
+    CPU is already saturated: then cheaper samples), else the source by name and line and its
+    own remedies."""
     f = feeder(summary)
+    saturated = bool(summary.get("cpu_saturated"))
     if f is None:
-        return DATALOADER_INPUT_NEXT
+        return SATURATED_INPUT_NEXT if saturated else DATALOADER_INPUT_NEXT
+    if saturated and not f.built:
+        return (
+            f"Make each item of {f.named()} cheaper: the CPU is saturated, so a thread or workers "
+            "beside it won't help; cache what it recomputes, or move its work to the GPU (see "
+            "the checklist)."
+        )
     if f.built:
         return f"Feed the loop faster: {f.named()} fed the steps; {remedies(f)}."
     return (

@@ -271,7 +271,17 @@ def cheaper_step_ideas(summary: Mapping[str, Any]) -> list[str]:
         ideas.append("mixed precision")
     if not summary.get("model_compiled"):
         ideas.append("torch.compile")
-    return ideas + ["a larger batch", "a smaller model"]
+    return ideas + [larger_batch(summary), "a smaller model"]
+
+
+def larger_batch(summary: Mapping[str, Any]) -> str:
+    """"a larger batch", with the room the GPU memory peak leaves when it was measured."""
+    room, share = summary.get("gpu_batch_room"), summary.get("gpu_mem_peak_share")
+    if room is None or share is None:
+        return "a larger batch"
+    if room < 1.2:
+        return f"a larger batch only with less memory per sample: the peak is {_pct(share)} of the GPU"
+    return f"a larger batch: the memory peak is {_pct(share)} of the GPU, room for about {room:.1f}x the batch"
 
 
 def diagnose(summary: Mapping[str, Any]) -> Verdict:

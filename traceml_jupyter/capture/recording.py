@@ -10,6 +10,7 @@ for the run with a note, and nothing of ours is raised into the user's code.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -28,8 +29,10 @@ from .cuda_clock import (
     current_device,
     torch_marks,
 )
+from .dataloaders import note_site
 from .patches import patched
 from .probes import batch_size_of, type_name
+from .resources import resources_watched
 from .step_model import BACKWARD, FETCH, OPTIMIZER, Pass, Source, Span, StepModel
 from .thread_time import thread_schedstat
 
@@ -70,6 +73,11 @@ class Capture:
         self._deciding = True
         self._alloc_before: dict[int, int] = {}
         self._first_step = run.recorder.n_steps
+        self.loader_sites: dict[int, dict[str, Any]] = {}  # id(DataLoader) -> where it was built
+        # Set by resources.py while the run's resources are watched: the GPU memory per step
+        # (gpu_memory.GpuMemory) and who hears of DataLoader workers (host.HostSampler).
+        self.memory: Any = None
+        self.on_workers: Callable[[list[int], int], None] | None = None
         # CUDA graphs (cuda_graphs.py) and the loop's device without the allocator's counts
         # (gpu_activity.py): replays are steps, nothing of ours runs inside a capture.
         self.graphs = cuda_graphs.GraphWatch(self.thread, self._graph_replayed)
@@ -232,7 +240,18 @@ class Capture:
         finally:
             self._fetch_end(t0, clock(), None, pass_, False)
         self._iter_passes[id(it)] = pass_
+        if self.on_workers is not None:
+            self._workers_of(it, loader)
         return it
+
+    def _workers_of(self, it: Any, loader: Any) -> None:
+        """The worker processes of a DataLoader iterator, for the host sampler (once a pass)."""
+        try:
+            pids = [int(w.pid) for w in getattr(it, "_workers", None) or () if w.pid is not None]
+            if pids and self.on_workers is not None:
+                self.on_workers(pids, id(loader))
+        except Exception:  # an iterator of another kind, a worker not started: nothing to watch
+            pass
 
     def dataloader_next(self, it: Any, original: Callable[[Any], Any]) -> Any:
         __tracebackhide__ = True  # noqa: F841
@@ -240,6 +259,8 @@ class Capture:
         pass_ = self._iter_passes.get(id(it))
         if pass_ is None:  # an iterator made before the capture started
             pass_ = self._iter_passes[id(it)] = Pass(self._iterator_source(it), grad_disabled=not _grad_enabled())
+            if self.on_workers is not None:
+                self._workers_of(it, pass_.source.ref() if pass_.source.ref is not None else it)
         source = pass_.source
         clock = perf_counter_ns
         if model.level <= FETCH and not model._stack:
@@ -346,6 +367,8 @@ class Capture:
                 self.cuda.step_closed(index, next_serial)
             except Exception as exc:
                 self._gpu_failed(exc)
+            if self.memory is not None:  # the allocator's figures of the step (never raises)
+                self.memory.step_ended(index, t)
         if self._deciding:
             if index - self._first_step < DECIDE_STEPS:
                 self._decide_device(index)
@@ -361,6 +384,8 @@ class Capture:
                 run.gpu_watch = None
 
     def _steps_merged(self, n: int) -> None:
+        if self.memory is not None:
+            self.memory.merged(self.run.recorder.n_steps)
         if self.cuda is not None:
             self.cuda.merged(n)
             watch = self.run.gpu_watch
@@ -461,6 +486,8 @@ class Capture:
         run = self.run
         run.cuda_device = device
         run._gpu_used = True
+        if self.memory is not None:
+            self.memory.loop_started(device)
         if run.gpu_watch is not None:
             try:
                 run.gpu_watch.loop_started(device)
@@ -522,9 +549,16 @@ def _dataloader_patches(capture: Capture, stack: ExitStack) -> None:
         from torch.utils.data.dataloader import _BaseDataLoaderIter
     except Exception:
         return
+    original_init = DataLoader.__dict__["__init__"]
     original_iter = DataLoader.__dict__["__iter__"]
     original_next = _BaseDataLoaderIter.__dict__["__next__"]
     thread = capture.thread
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if hooks.active is capture and get_ident() == thread:  # where it is built, for the checklist
+            note_site(capture.loader_sites, self, sys._getframe(1))
 
     def __iter__(self: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
@@ -538,7 +572,7 @@ def _dataloader_patches(capture: Capture, stack: ExitStack) -> None:
             return original_next(self)
         return capture.dataloader_next(self, original_next)
 
-    stack.enter_context(patched(DataLoader, {"__iter__": __iter__}))
+    stack.enter_context(patched(DataLoader, {"__init__": __init__, "__iter__": __iter__}))
     stack.enter_context(patched(_BaseDataLoaderIter, {"__next__": __next__}))
 
 
@@ -599,6 +633,7 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
     with ExitStack() as stack:
         _dataloader_patches(capture, stack)
         _training_patches(capture, stack)
+        stack.enter_context(resources_watched(run, capture))
         stack.enter_context(cuda_graphs.graphs_watched(capture.graphs))
         if cuda_initialized():
             capture._start_gpu()
