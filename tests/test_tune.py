@@ -204,8 +204,10 @@ def test_tune_predicts_the_fix_and_the_fix_delivers_it(shell: Any, no_processes_
         run(shell, "loader._iterator._shutdown_workers()")
     fixed = traceml_jupyter.last()
     assert fixed is not None
+    # 15 % is the family's (below, with steps the take cost cannot swing that far); here the
+    # fixed step is 15 ms and taking a batch costs 1-5 ms on a busy machine, run to run.
     measured = per_step(slow) / per_step(fixed)
-    assert measured == pytest.approx(tuned.predicted_speedup, rel=0.15)
+    assert measured == pytest.approx(tuned.predicted_speedup, rel=0.25)
 
 
 # The family (tests/tune_family.py; the whole of it: tests/benchmarks/bench_tune.py): a case whose

@@ -32,6 +32,7 @@ from .analysis.figures import ms as _ms
 from .analysis.resources import saturation_text
 from .analysis.tune_plan import (
     DEEPER_PREFETCH,
+    DEFAULT_PREFETCH,
     EMPTY,
     ERROR,
     NO_START,
@@ -724,11 +725,21 @@ def measure(
                 cpu_span = (cpu_end - cpu_start, len(arrivals) - 1 - skip)
             rate_now = steady_rate(arrivals, skip)
 
+            depth = setting.num_workers * (setting.prefetch_factor or DEFAULT_PREFETCH)
+            refilling = 0
+
             def fetch() -> bool:
+                """next(); False (not a take) at an epoch's end and while the workers refill
+                their queue for the next one."""
+                nonlocal refilling
                 try:
                     next(iterator)
                 except StopIteration:
                     next_epoch()
+                    refilling = depth
+                    return False
+                if refilling:
+                    refilling -= 1
                     return False
                 return True
 
