@@ -27,6 +27,11 @@ from .recorder import Recorder
 NONE, FETCH, ITERATION, BACKWARD, OPTIMIZER = range(5)
 LEVEL_NAMES = {NONE: "none", FETCH: "fetch", ITERATION: "iteration", BACKWARD: "backward", OPTIMIZER: "optimizer"}
 MERGE_MAX = 1024  # steps closed on a weaker kind that a stronger one may still merge
+NEVER = 1 << 62  # `sample_in` when no step is to be sampled
+
+
+def _no_sample(start: int, end: int) -> None:
+    """The default `on_sample`: nothing samples steps."""
 
 
 @dataclass(eq=False)
@@ -118,6 +123,11 @@ class StepModel:
     notify_from: int = 0
     on_merge: Callable[[int], None] | None = None
     on_exclude: Callable[[Span], None] | None = None
+    # A sampler of steps (step_parts.py): `on_sample(start, end)` when the `sample_in`-th step
+    # from now has closed (its index is the recorder's last; its phases still in `spans`). One
+    # decrement a step; the sampler sets `sample_in` again from its callback.
+    sample_in: int = NEVER
+    on_sample: Callable[[int, int], None] = _no_sample
     _first_optimizer: Callable[[], Any] | None = None
     _stack: list[int] = field(default_factory=list)  # child fetch time of each open fetch
     _outer_passes: list[Pass] = field(default_factory=list)
@@ -311,6 +321,10 @@ class StepModel:
                 return self.boundary(t)
             # boundary(t), written out: this runs once a step on the per-step path
             self.recorder.add(start, start + self.wait, t - self.excluded)
+            n = self.sample_in - 1
+            self.sample_in = n
+            if not n:
+                self.on_sample(start, t)
             self.start = t
             self.wait = self.excluded = 0
             self.step_wait_base = self.wait_total
@@ -347,6 +361,10 @@ class StepModel:
             self.step_wait_base = self.wait_total
             return False
         self.recorder.add(start, start + self.wait, t - self.excluded)
+        n = self.sample_in - 1
+        self.sample_in = n
+        if not n:
+            self.on_sample(start, t)
         self.start = t
         self.wait = self.excluded = 0
         self.step_wait_base = self.wait_total
@@ -362,6 +380,9 @@ class StepModel:
         assert self.start is not None
         start = self.start
         self.recorder.add(start, start + wait, t - excluded)
+        self.sample_in -= 1
+        if not self.sample_in:
+            self.on_sample(start, t)
         self.start = t
         self.wait -= wait
         self.excluded -= excluded
