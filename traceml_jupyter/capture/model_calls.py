@@ -4,8 +4,10 @@ on sampled steps only.
 
 Candidates are read, never called: the nn.Modules in the user's namespace, and in the local
 variables of the frames under the first sampled `backward()` or optimizer step (a library
-trainer's `model`, its `self.model`), one attribute level deep in plain objects and
-containers (`trainer.model`, `models["G"]`). A candidate counts when it holds parameters (a
+trainer's `model`), one level deep in containers (`models["G"]`) and in the object whose method
+a frame runs (`self.model` of a trainer). No other object's attributes are read: reading an
+object's `__dict__` makes CPython keep its attributes in a real dict from then on, which slows
+every later attribute access on it (our own objects, on the per-step path, are never read). A candidate counts when it holds parameters (a
 loss module does not: its time is the rest of the step); the roots are the candidates that are
 no submodule of another (`model`, not `model.encoder`). When no root is called in a step that
 trained, the roots' children are tried once (a LightningModule is never called itself: its
@@ -23,6 +25,7 @@ pass straight through.
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from collections.abc import Callable, Iterable
@@ -58,14 +61,22 @@ def has_parameters(module: Any) -> bool:
         return False
 
 
+OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's directory
+
+
 def inner_values(value: Any) -> list[Any]:
-    """One level into a container or a plain object's own attributes (never a getattr that
-    could run a property)."""
-    if isinstance(value, dict):
+    """One level into a container (dict, list, tuple)."""
+    if type(value) is dict:
         return list(value.values())[:MAX_SCAN]
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):
         return list(value[:MAX_SCAN])
-    if isinstance(value, (type, ModuleType, str, bytes, int, float)) or callable(value):
+    return []
+
+
+def own_attributes(value: Any) -> list[Any]:
+    """The attributes of the object whose method a user's frame runs (`self`): plain objects
+    only, never ours, never through a getattr that could run a property."""
+    if isinstance(value, (type, ModuleType)) or str(getattr(type(value), "__module__", "")).startswith("traceml_jupyter"):
         return []
     try:
         own = object.__getattribute__(value, "__dict__")
@@ -75,8 +86,7 @@ def inner_values(value: Any) -> list[Any]:
 
 
 def modules_in(values: Iterable[Any], cls: type) -> list[Any]:
-    """The modules among `values`, and one level inside the containers and plain objects
-    among them."""
+    """The modules among `values`, and one level inside the containers among them."""
     found: list[Any] = []
     for value in list(values)[:MAX_SCAN]:
         if _is_instance(value, cls):
@@ -88,14 +98,20 @@ def modules_in(values: Iterable[Any], cls: type) -> list[Any]:
     return found
 
 
-def frame_values(frame: FrameType | None) -> list[Any]:
-    """The local variables of `frame` and of the frames that called it (MAX_FRAMES of them)."""
+def frame_values(frame: FrameType | None, cls: type | None = None) -> list[Any]:
+    """The local variables of `frame` and of the frames that called it (MAX_FRAMES of them, ours
+    skipped), with the attributes of each frame's `self` when it is no module (`cls`)."""
     values: list[Any] = []
     for _ in range(MAX_FRAMES):
         if frame is None:
             break
         try:
-            values.extend(list(frame.f_locals.values())[:MAX_SCAN])
+            if not frame.f_code.co_filename.startswith(OURS):
+                local = frame.f_locals
+                values.extend(list(local.values())[:MAX_SCAN])
+                me = local.get("self")
+                if me is not None and cls is not None and not _is_instance(me, cls):
+                    values.extend(own_attributes(me))
         except Exception:
             pass
         frame = frame.f_back

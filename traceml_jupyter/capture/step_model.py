@@ -124,8 +124,9 @@ class StepModel:
     on_merge: Callable[[int], None] | None = None
     on_exclude: Callable[[Span], None] | None = None
     # A sampler of steps (step_parts.py): `on_sample(start, end)` when the `sample_in`-th step
-    # from now has closed (its index is the recorder's last; its phases still in `spans`). One
-    # decrement a step; the sampler sets `sample_in` again from its callback.
+    # from now has closed (its index is the recorder's last; its phases still in `spans`; the
+    # next step open, so that the sampler's own time can be kept out of it). One decrement a
+    # step; the sampler sets `sample_in` again from its callback.
     sample_in: int = NEVER
     on_sample: Callable[[int, int], None] = _no_sample
     _first_optimizer: Callable[[], Any] | None = None
@@ -321,13 +322,13 @@ class StepModel:
                 return self.boundary(t)
             # boundary(t), written out: this runs once a step on the per-step path
             self.recorder.add(start, start + self.wait, t - self.excluded)
+            self.start = t
+            self.wait = self.excluded = 0
+            self.step_wait_base = self.wait_total
             n = self.sample_in - 1
             self.sample_in = n
             if not n:
                 self.on_sample(start, t)
-            self.start = t
-            self.wait = self.excluded = 0
-            self.step_wait_base = self.wait_total
             if self.spans:
                 self.spans.clear()
             if self.on_step is not None and (self.notify_every_step or t >= self.notify_from):
@@ -361,13 +362,13 @@ class StepModel:
             self.step_wait_base = self.wait_total
             return False
         self.recorder.add(start, start + self.wait, t - self.excluded)
+        self.start = t
+        self.wait = self.excluded = 0
+        self.step_wait_base = self.wait_total
         n = self.sample_in - 1
         self.sample_in = n
         if not n:
             self.on_sample(start, t)
-        self.start = t
-        self.wait = self.excluded = 0
-        self.step_wait_base = self.wait_total
         if self.spans:
             self.spans.clear()
         if self.on_step is not None and (self.notify_every_step or t >= self.notify_from):
@@ -380,13 +381,13 @@ class StepModel:
         assert self.start is not None
         start = self.start
         self.recorder.add(start, start + wait, t - excluded)
-        self.sample_in -= 1
-        if not self.sample_in:
-            self.on_sample(start, t)
         self.start = t
         self.wait -= wait
         self.excluded -= excluded
         self.step_wait_base = self.wait_total - self.wait
+        self.sample_in -= 1
+        if not self.sample_in:
+            self.on_sample(start, t)
         self.spans.clear()
         if self.on_step is not None:
             self.on_step(t, next_serial)
