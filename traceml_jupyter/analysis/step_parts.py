@@ -33,9 +33,11 @@ MIN_THIRD = 8  # analysed steps per third for a step-time trend
 MIN_PART_THIRD = 4  # sampled steps per third for a part's change
 MOVED_SHARE = 0.05  # a component moved when its change is this share of the step, or more
 # Epoch start-up: reported when the waits at the first batch of the passes after the first
-# cost this share of the run, each one well above a typical fetch.
+# cost this share of the run, each one well above a typical fetch and longer than STARTUP_STEPS
+# steps (persistent workers still make each pass wait for its first batch: about a step).
 STARTUP_SHARE = 0.03
 STARTUP_MIN_MS = 1.0
+STARTUP_STEPS = 2.0
 
 
 def _finite(values: Any) -> np.ndarray:
@@ -317,7 +319,8 @@ def epoch_startup(
     wait = np.asarray(columns.get("data_wait" + suffix, columns["data_wait_ms"]), dtype=np.float64)
     is_start = np.isin(steps, starts)
     typical = _median(_finite(wait[~is_start]))
-    if typical is None:
+    step = _median(_finite(np.asarray(columns.get("step" + suffix, columns["step_ms"]), dtype=np.float64)[~is_start]))
+    if typical is None or step is None:
         return None
     by_step = dict(zip(steps.tolist(), wait.tolist(), strict=True))
     excess = [max(0.0, by_step[k] - typical) for k in starts[1:] if k in by_step and math.isfinite(by_step[k])]
@@ -337,13 +340,19 @@ def epoch_startup(
         "total_ms": total,
         "share": share,
         "typical_wait_ms": typical,
+        "typical_step_ms": step,
         "first_pass_ms": max(0.0, first - typical) if first is not None and math.isfinite(first) else None,
         "num_workers": workers,
         "persistent_workers": persistent,
         "cause": "workers restart" if restart else "iter(loader): the sampler's or dataset's set-up",
     }
-    out["reported"] = bool((share or 0.0) >= STARTUP_SHARE and each >= max(STARTUP_MIN_MS, 3.0 * typical))
+    out["reported"] = bool((share or 0.0) >= STARTUP_SHARE and each >= max(STARTUP_MIN_MS, 3.0 * typical, STARTUP_STEPS * step))
     return out
+
+
+def wait_words(wait_ms: float) -> str:
+    """"0.4 s" from 100 ms on, else "12.3 ms"."""
+    return f"{wait_ms / 1e3:.2g} s" if wait_ms >= 100 else _ms(wait_ms)
 
 
 def startup_sentence(found: Mapping[str, Any] | None) -> str | None:
@@ -351,9 +360,7 @@ def startup_sentence(found: Mapping[str, Any] | None) -> str | None:
     persistent_workers=True." when reported, else None."""
     if not found or not found.get("reported"):
         return None
-    wait = found["wait_ms"]
-    size = f"{wait / 1e3:.2g} s" if wait >= 1000 else _ms(wait)
-    text = f"Each epoch starts with a {size} wait ({found['cause']}, {_pct(found['share'])} of the run"
+    text = f"Each epoch starts with a {wait_words(found['wait_ms'])} wait ({found['cause']}, {_pct(found['share'])} of the run"
     text += f", {found['restarts']} restarts)"
     if found["cause"] == "workers restart":
         return text + f": persistent_workers=True keeps the {found['num_workers']} workers alive between epochs."

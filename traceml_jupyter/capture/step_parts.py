@@ -171,6 +171,7 @@ class StepParts:
         self._optimizers: dict[int, tuple[Any, Any, int, Any, int]] = {}
         self.optimizer_facts: list[dict[str, Any]] = []
         self._optimizer_refs: list[Any] = []
+        self._stepped: set[int] = set()  # indices of the optimizers seen stepping
         self._gpu: CudaParts | None = None
         self._gpu_parts: CudaParts | None = None
 
@@ -436,8 +437,10 @@ class StepParts:
             if not self.calls.walked:
                 self._walk(sys._getframe(1))
             if self._hook_optimizer(optimizer):
+                self._stepped.add(self._optimizers[id(optimizer)][4])
                 self._flags &= ~OPTIMIZER_OK
             return
+        self._stepped.add(known[4])
         if not self._opt_open or self._opt_open[-1][2] != known[4]:
             self._flags &= ~OPTIMIZER_OK  # armed while it stepped: its start was missed
             return
@@ -521,7 +524,9 @@ class StepParts:
         """What the summary quotes: the forward's state and modules, the optimizers, sampling."""
         namespace = user_namespace()
         optimizers = []
-        for facts, ref in zip(self.optimizer_facts, self._optimizer_refs, strict=True):
+        for i, (facts, ref) in enumerate(zip(self.optimizer_facts, self._optimizer_refs, strict=True)):
+            if i not in self._stepped:
+                continue  # in the namespace, but it did not step in this run
             opt = ref()
             optimizers.append({**facts, "label": describe(opt, namespace) if opt is not None else facts["name"]})
         return {

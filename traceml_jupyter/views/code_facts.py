@@ -582,6 +582,7 @@ def facts_for(
         gpu_idle_share=summary.get("host_share"),
         busiest_line=busiest_line(run),
         tuned=tuned_for(_loader_object(run)),
+        epoch_startup=summary.get("epoch_startup"),
     )
 
 
