@@ -179,3 +179,27 @@ def test_a_small_first_batch_wait_or_a_single_pass_is_not_reported() -> None:
     found = epoch_startup(cols, starts, float(cols["step_ms"].sum()), {"num_workers": 2, "persistent_workers": True})
     assert found is not None and not found["reported"] and startup_sentence(found) is None
     assert epoch_startup(cols, [0], 100.0, None) is None
+
+
+def rank_row(r: int, compute: float, backward: float, forward: float, optimizer: float, rest: float) -> dict[str, Any]:
+    return {
+        "rank": r, "n_steps": 40, "n_analysed": 36, "warmup_steps": 4, "data_wait_ms": 0.5,
+        "compute_ms": compute, "step_ms": compute + 0.5, "backward_ms": backward, "h2d_ms": None,
+        "forward_ms": forward, "optimizer_ms": optimizer, "rest_ms": rest, "status": "finished",
+    }
+
+
+def test_a_compute_straggler_is_split_into_its_parts_and_the_rank_table_shows_them() -> None:
+    from traceml_jupyter.analysis.rank_verdict import compare_ranks, straggler_sentence
+    from traceml_jupyter.analysis.textbox import rank_table
+
+    # Rank 1's forward is 10 ms slower: it arrives late at the all-reduce; the others wait there.
+    ranks = [rank_row(0, 30.0, 20.0, 6.0, 2.0, 1.5), rank_row(1, 30.0, 9.0, 16.5, 2.2, 1.8)]
+    found = compare_ranks(ranks)
+    assert found is not None and found["rank"] == 1 and found["cause"] == "compute"
+    assert found["part_excess_ms"]["forward"] == pytest.approx(10.5)
+    text = straggler_sentence(found)
+    assert "its step takes 11.0 ms more outside backward (forward +10.5 ms, the rest +0.3 ms, optimizer +0.2 ms)" in text
+    table = rank_table(ranks, {"rank": 1}).splitlines()
+    assert table[1].split() == ["rank", "steps", "data", "wait", "compute", "forward", "backward", "optimizer", "step", "time", "status"]
+    assert table[3].split()[:8] == ["*", "1", "40", "0.5ms", "30.0ms", "16.5ms", "9.0ms", "2.2ms"]

@@ -251,3 +251,25 @@ def test_the_store_keeps_a_bounded_uniform_history_of_sampled_steps(monkeypatch:
     cols = store.columns({"step": np.array([0, 1, 1998]), "compute_ms": np.array([5.0, 5.0, 5.0])})
     assert cols["rest_ms"][0] == pytest.approx(1.5) and np.isnan(cols["forward_ms"][1])
     assert store.nbytes() < 64 * 64 + 50 * 64
+
+
+def test_a_forked_ranks_steps_carry_their_parts_to_the_kernel() -> None:
+    """ranks.py's wire format: forward, optimizer and the rest of sampled steps (NaN elsewhere)
+    travel with each rank's steps; the kernel keeps their medians per rank and shows them."""
+    from traceml_jupyter import ranks
+
+    n = 12
+    rows = np.full((len(ranks.ROWS), n), np.nan)
+    rows[0] = np.arange(n)
+    rows[1] = np.arange(n) * 0.02
+    rows[2], rows[3], rows[4], rows[5] = 1.0, 19.0, 20.0, 8.0
+    sampled = np.arange(n) % 2 == 0
+    for name, value in (("forward_ms", 6.0), ("optimizer_ms", 2.0), ("rest_ms", 3.0)):
+        rows[ranks.ROWS.index(name)] = np.where(sampled, value, np.nan)
+    stream = ranks.Stream(None, 0, 0)  # type: ignore[arg-type]
+    for kind, meta, got in ranks.read_frames(bytearray(ranks.frame(ranks.STEPS, {"rank": 1, "world": 2}, rows))):
+        stream.apply(kind, meta, got)
+    summary = stream.summary(warmup=2)
+    assert (summary["forward_ms"], summary["optimizer_ms"], summary["rest_ms"]) == (6.0, 2.0, 3.0)
+    cols = stream.parts.columns({"step": np.arange(n)})
+    assert np.array_equal(np.isfinite(cols["forward_ms"]), sampled) and cols["backward_ms"][0] == 8.0
