@@ -273,3 +273,27 @@ def test_a_forked_ranks_steps_carry_their_parts_to_the_kernel() -> None:
     assert (summary["forward_ms"], summary["optimizer_ms"], summary["rest_ms"]) == (6.0, 2.0, 3.0)
     cols = stream.parts.columns({"step": np.arange(n)})
     assert np.array_equal(np.isfinite(cols["forward_ms"]), sampled) and cols["backward_ms"][0] == 8.0
+
+
+def test_the_json_carries_each_steps_parts_nullable_and_the_trend() -> None:
+    import json
+
+    model = Sleepy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with traceml_jupyter.trace(show=False) as run:
+        for _ in run.loop(range(200)):
+            opt.zero_grad()
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+    saved = json.loads(json.dumps(run.to_dict(), allow_nan=False))
+    steps = saved["steps"]
+    for name in ("forward_ms", "backward_ms", "optimizer_ms", "rest_ms", "forward_gpu_ms"):
+        assert len(steps[name]) == 200
+    assert all(v is not None for v in steps["backward_ms"][:FULL_STEPS])
+    assert any(v is None for v in steps["backward_ms"][FULL_STEPS:])  # not sampled: null, not 0
+    assert all(v is None for v in steps["forward_gpu_ms"])  # no GPU: null
+    summary = saved["summary"]
+    assert summary["parts_clock"] == "cpu" and summary["forward_modules"] == ["Sleepy"]
+    assert summary["parts_sampled_steps"] == run.summary["parts_sampled_steps"]
+    assert saved["trend"] == summary["trend"] and saved["trend"]["steps"] > 0
+    assert saved["epoch_startup"] is None  # no DataLoader: no pass to start

@@ -174,6 +174,7 @@ class StepParts:
         self._stepped: set[int] = set()  # indices of the optimizers seen stepping
         self._gpu: CudaParts | None = None
         self._gpu_parts: CudaParts | None = None
+        self._gpu_broken = False  # an error in our GPU bookkeeping: no GPU parts for the run
 
     # -- the schedule ---------------------------------------------------------------------------
     def begin(self) -> None:
@@ -239,13 +240,21 @@ class StepParts:
         for ref, pre_hooks, key, pre, _ in self._optimizers.values():
             if ref() is not None:
                 pre_hooks[key] = pre
-        cuda = self.cuda_of()
-        if cuda is not None and self._gpu_parts is None:
-            self._gpu_parts = CudaParts(cuda, self.store.gpu_own)
-            self.store.has_gpu = True
-        self._gpu = self._gpu_parts if cuda is not None else None
         self.on = True
         self._open_step()
+
+    def _follow_gpu(self) -> None:
+        """Events on the capture's GPU clock as it is now (it decides the loop's device during
+        the first steps, and turns itself off on an error)."""
+        cuda = self.cuda_of()
+        if cuda is None:
+            self._gpu = None
+            return
+        if self._gpu_parts is None:
+            self._gpu_parts = CudaParts(cuda, self.store.gpu_own)
+            self.store.has_gpu = True
+        self._gpu_parts.cuda = cuda
+        self._gpu = self._gpu_parts
 
     def _open_step(self) -> None:
         # The forward is whole while the roots are searched too, unless a root shows up only
@@ -256,6 +265,8 @@ class StepParts:
         if self._opt_open:
             self._opt_open.clear()
         self._in_forward = self._seen_call = False
+        if not self._gpu_broken and (self._gpu_parts is not None or self.cuda_of() is not None):
+            self._follow_gpu()
         if self._gpu is not None:
             self._gpu.reset()
 
@@ -297,6 +308,7 @@ class StepParts:
     def _gpu_failed(self, exc: BaseException) -> None:
         self.note = f"GPU time of the step's parts turned off: {type(exc).__name__}: {exc}"
         self._gpu = self._gpu_parts = None
+        self._gpu_broken = True
         self.store.has_gpu = False
 
     def _timed(self, kind: int, call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
