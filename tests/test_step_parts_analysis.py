@@ -203,3 +203,15 @@ def test_a_compute_straggler_is_split_into_its_parts_and_the_rank_table_shows_th
     table = rank_table(ranks, {"rank": 1}).splitlines()
     assert table[1].split() == ["rank", "steps", "data", "wait", "compute", "forward", "backward", "optimizer", "step", "time", "status"]
     assert table[3].split()[:8] == ["*", "1", "40", "0.5ms", "30.0ms", "16.5ms", "9.0ms", "2.2ms"]
+
+
+def test_a_gpu_that_throttles_shows_in_what_moved() -> None:
+    n = 90
+    slow = np.linspace(0.0, 1.0, n)
+    cols = columns(n, 0.5, 4.0 + 3.0 * slow, 8.0 + 6.0 * slow, 1.0, 1.0)
+    cols["gpu_clock_mhz"] = 1980.0 - 600.0 * slow  # the SM clock falls as the GPU heats up
+    cols["gpu_temp_c"] = 60.0 + 25.0 * slow
+    found = trend(cols, np.ones(n, dtype=bool), "cpu")
+    assert found is not None and found["direction"] == "slower"
+    text = trend_sentence(found)
+    assert text is not None and "GPU clock 1882 -> 1478 MHz" in text and "backward +4.0 ms" in text

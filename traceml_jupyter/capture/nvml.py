@@ -34,7 +34,7 @@ NOT_ON_GPU = "GPU n/a (the loop did not use CUDA)"
 NVML_FAILED = "GPU n/a (NVML error)"
 MIG_NO_UTIL = "GPU utilisation n/a (MIG slice: NVML does not report it)"
 
-SAMPLE_COLUMNS = ("time_s", "gpu_util_pct", "gpu_mem_used_mib")
+SAMPLE_COLUMNS = ("time_s", "gpu_util_pct", "gpu_mem_used_mib", "gpu_clock_mhz", "gpu_temp_c")
 
 
 def pci_bus_id(props: Any) -> str | None:
@@ -106,6 +106,24 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+NAN = float("nan")
+
+
+def clock_and_temperature(nvml: Any, handle: Any) -> tuple[float, float]:
+    """The SM clock (MHz) and the temperature (°C) of the device, NaN where NVML has none: the
+    trend over the run says when a GPU slowed down because it throttled."""
+    clock = temp = NAN
+    try:
+        clock = float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
+    except Exception:
+        pass
+    try:
+        temp = float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
+    except Exception:
+        pass
+    return clock, temp
+
+
 class GpuSamples:
     """Bounded sample buffer: written by the sampler thread, read (copied) by the main thread."""
 
@@ -115,7 +133,9 @@ class GpuSamples:
         self._n = 0
         self.decimations = 0  # each one halved the kept samples (and the sampling rate)
 
-    def add(self, time_s: float, util_pct: float, mem_used_mib: float) -> None:
+    def add(
+        self, time_s: float, util_pct: float, mem_used_mib: float, clock_mhz: float = NAN, temp_c: float = NAN
+    ) -> None:
         with self._lock:
             if self._n == self._data.shape[1]:
                 half = self._data[:, ::2].copy()
@@ -123,7 +143,7 @@ class GpuSamples:
                 self._data[:, : half.shape[1]] = half
                 self._n = half.shape[1]
                 self.decimations += 1
-            self._data[:, self._n] = (time_s, util_pct, mem_used_mib)
+            self._data[:, self._n] = (time_s, util_pct, mem_used_mib, clock_mhz, temp_c)
             self._n += 1
 
     def __len__(self) -> int:
@@ -170,6 +190,8 @@ def at_steps(
     finite = on_gpu[np.isfinite(on_gpu)]
     span = (float(finite.min()), float(finite.max())) if len(finite) else (np.inf, -np.inf)
     for name in SAMPLE_COLUMNS[1:]:
+        if name not in samples and name in ("gpu_clock_mhz", "gpu_temp_c"):
+            continue  # samples of a sampler that read no clock or temperature
         values = np.asarray(samples.get(name, np.empty(0)), dtype=np.float64)
         ok = np.isfinite(values) & np.isfinite(t) if len(t) else np.zeros(0, bool)
         inside = int(np.sum(ok & (t >= span[0]) & (t <= span[1]))) if len(t) else 0
@@ -344,7 +366,7 @@ class GpuSampler:
         after = self.clock()
         read_at = (before + after) / 2
         stamp = (read_at - self.origin_ns) / 1e9 - self.window_s / 2
-        self.samples.add(stamp, util, used)
+        self.samples.add(stamp, util, used, *clock_and_temperature(nvml, self._handle))
 
     def close(self) -> None:
         if self._nvml is not None:
