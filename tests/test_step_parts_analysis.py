@@ -119,6 +119,8 @@ def test_a_backward_far_above_twice_the_forward_gets_its_usual_causes() -> None:
     usual = summary_of(columns(40, 0.0, 4.0, 8.0, 0.5, 0.5))
     assert any("Backward takes 4.5x the forward" in t and "checkpointing" in t for _, t in also_lines(heavy))
     assert not any("Backward takes" in t for _, t in also_lines(usual))
+    waits = summary_of(columns(40, 0.0, 2.0, 9.0, 0.5, 0.5), straggler={"rank": 1, "cause": "input", "score": 0.8})
+    assert any("it holds the all-reduce's wait for rank 1" in t for _, t in also_lines(waits))
 
 
 def test_a_run_whose_steps_slow_down_has_a_trend_with_what_moved() -> None:

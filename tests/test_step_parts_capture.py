@@ -100,6 +100,7 @@ def test_copies_pickles_and_signatures_of_the_model_inside_a_sampled_step_are_th
             opt.step()
             deep, shallow = copy.deepcopy(model), copy.copy(model)
             loaded = pickle.loads(pickle.dumps(model))
+            assert not pickle.loads(pickle.dumps(opt))._optimizer_step_pre_hooks
             seen.append((deep(x), shallow(x), loaded(x), model(x), inspect.signature(model.forward)))
     assert run.step_parts is not None and run.summary["parts_sampled_steps"] == 4
     for deep, shallow, loaded, own, signature in seen:

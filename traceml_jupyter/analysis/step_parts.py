@@ -154,22 +154,24 @@ def _optimizer_advice(summary: Mapping[str, Any]) -> str | None:
     opt, compute = summary.get("optimizer_ms"), summary.get("compute_ms")
     if opt is None or not compute or opt < OPTIMIZER_HEAVY * compute:
         return None
-    facts = list(summary.get("optimizers") or [])
     seen, tips = [], []
-    for o in facts:
+    for o in summary.get("optimizers") or []:
         name = str(o.get("name") or "the optimizer")
         groups, tensors = o.get("param_groups"), o.get("tensors")
-        how = "fused" if o.get("fused") else ("foreach" if o.get("foreach") else "one tensor at a time")
-        seen.append(f"{name} ({how}" + (f", {tensors} tensors" if tensors else "") + (f" in {groups} parameter groups" if groups else "") + ")")
+        how = "fused" if o.get("fused") else ("foreach" if o.get("foreach") else "one at a time")
+        what = f"{tensors} tensors, {how}" if tensors else how
+        if groups:
+            what += f", in {groups} parameter group{'s' if groups != 1 else ''}"
+        seen.append(f"{name}: {what}")
         if not o.get("fused"):
-            tips.append(f"{name}(..., fused=True) (Adam, AdamW, SGD, Adagrad) or foreach=True")
+            tips.append(f"{name}(..., fused=True) or foreach=True (fused exists for Adam, AdamW, SGD and Adagrad)")
         if groups and groups > 1:
             tips.append(f"fewer parameter groups ({groups} now: fused and foreach batch the tensors of one group)")
     if not tips:
         tips.append("step less often (gradient accumulation) or a cheaper optimizer")
-    steps = "; ".join(seen) if seen else "the optimizer"
+    steps = f"; {'; '.join(seen)}" if seen else ""
     return (
-        f"The optimizer takes {_pct(opt / compute)} of the compute ({_ms(opt)} a step; {steps}): "
+        f"The optimizer takes {_pct(opt / compute)} of the compute ({_ms(opt)} a step{steps}): "
         f"use {', and '.join(dict.fromkeys(tips))}."
     )
 
@@ -178,11 +180,14 @@ def _backward_advice(summary: Mapping[str, Any]) -> str | None:
     fwd, bwd, step = summary.get("forward_ms"), summary.get("backward_ms"), summary.get("step_ms")
     if not fwd or bwd is None or not step or bwd < BACKWARD_RATIO * fwd or bwd < BACKWARD_SHARE * step:
         return None
+    head = f"Backward takes {bwd / fwd:.1f}x the forward ({_ms(bwd)} against {_ms(fwd)}; usually about 2x)"
+    late = summary.get("straggler")
+    if late:
+        return f"{head}: it holds the all-reduce's wait for rank {late['rank']}, the rank that holds the others back."
     return (
-        f"Backward takes {bwd / fwd:.1f}x the forward ({_ms(bwd)} against {_ms(fwd)}; usually about "
-        "2x): look for activation checkpointing (it runs the forward again), hooks on gradients "
-        "or parameters, ops whose backward is slow (large embeddings, scatter and index ops), "
-        "and, with several processes, the all-reduce waiting for a slower rank."
+        f"{head}: look for activation checkpointing (it runs the forward again), hooks on "
+        "gradients or parameters, ops whose backward is slow (large embeddings, scatter and index "
+        "ops), and, with several processes, the all-reduce waiting for a slower rank."
     )
 
 
