@@ -174,8 +174,8 @@ def test_gradient_accumulation_without_a_located_loop_sums_each_parts_calls() ->
     with traceml_jupyter.trace(show=False) as run:
         fit()
     assert run.n_steps == 8 and run.batches_per_step == pytest.approx(4.0)
-    forward = run.steps["forward_ms"]
-    assert np.nanmedian(forward[1:]) == pytest.approx(8.0, abs=4.0)  # four 2 ms calls, not one
+    forward, compute = run.steps["forward_ms"][1:], run.steps["compute_ms"][1:]
+    assert 6.0 < np.nanmedian(forward) < np.nanmedian(compute)  # four 2 ms calls, not one
 
 
 def test_a_model_called_on_another_thread_is_not_this_steps_forward() -> None:

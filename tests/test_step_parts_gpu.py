@@ -6,13 +6,13 @@ events at the parts' boundaries on the loop's stream, never waited for before th
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from fake_gpu import FakeGpu, FakeTensor, HostClock, install_fake_cuda
+from fake_gpu import FakeGpu
 from IPython.utils.capture import capture_output
+from test_gpu_capture import gpu as stand_in_gpu  # noqa: F401  (a fixture: the stand-in GPU)
 
 import traceml_jupyter
 
@@ -44,11 +44,17 @@ class GpuGrad(torch.autograd.Function):
     def backward(ctx, grad):
         gpu.launch(BWD)
         return grad
-class GpuSGD(torch.optim.SGD):
-    '''An optimizer whose step queues OPT ms of kernels.'''
+class GpuSGD(torch.optim.Optimizer):
+    '''Plain SGD whose step queues OPT ms of kernels.'''
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+    @torch.no_grad()
     def step(self, closure=None):
         gpu.launch(OPT)
-        return super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
 net = GpuNet()
 opt = GpuSGD(net.parameters(), lr=0.1)
 """
@@ -63,17 +69,16 @@ for batch in DataLoader(Batches(), batch_size=None):
 
 
 @pytest.fixture()
-def gpu(ip: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
-    machine = FakeGpu(HostClock())
-    install_fake_cuda(monkeypatch, machine)
-    ip.user_ns.update(FakeTensor=FakeTensor, gpu=machine, FWD=FWD, BWD=BWD, OPT=OPT)
+def parts_gpu(ip: Any, request: pytest.FixtureRequest) -> FakeGpu:
+    """test_gpu_capture.py's stand-in GPU (`gpu` in the notebook), with this file's model."""
+    machine: FakeGpu = request.getfixturevalue("stand_in_gpu")
+    ip.user_ns.update(FWD=FWD, BWD=BWD, OPT=OPT)
     with capture_output():
         assert ip.run_cell(textwrap.dedent(SETUP)).error_in_exec is None
-    yield machine
-    FakeTensor.gpu = None
+    return machine
 
 
-def test_the_parts_are_on_the_gpu_clock_where_the_host_runs_ahead(ip: Any, gpu: FakeGpu) -> None:
+def test_the_parts_are_on_the_gpu_clock_where_the_host_runs_ahead(ip: Any, parts_gpu: FakeGpu) -> None:
     with capture_output() as out:
         result = ip.run_cell("%%traceml --no-live --lines off\n" + textwrap.dedent(CELL))
     assert result.error_in_exec is None, out.stdout + out.stderr
@@ -92,7 +97,9 @@ def test_the_parts_are_on_the_gpu_clock_where_the_host_runs_ahead(ip: Any, gpu: 
     assert "Parts: forward 4." in run.text()
 
 
-def test_a_gpu_clock_that_fails_leaves_the_cpu_parts_and_a_note(ip: Any, gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_gpu_clock_that_fails_leaves_the_cpu_parts_and_a_note(
+    ip: Any, parts_gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from traceml_jupyter.capture import step_parts
 
     def broken(self: Any) -> None:

@@ -7,7 +7,6 @@ or persist."""
 from __future__ import annotations
 
 import statistics
-import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -15,34 +14,18 @@ from typing import Any
 import pytest
 import torch
 from ground_truth import Truth, hand_timed
-from IPython.utils.capture import capture_output
+from test_training_code import SETUP as TUTORIAL_SETUP
+from test_training_code import TOLERANCE, run
+from test_training_code import traced as tutorial_traced
 
-import traceml_jupyter
 from traceml_jupyter.run import Run
 
-SETUP = '''
-import time, random, torch, torch.nn as nn, torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, TensorDataset
-
-class Digits(Dataset):
-    """MNIST-sized samples that cost `ms` each to decode."""
-    def __init__(self, n, ms):
-        self.n, self.ms = n, ms
-    def __len__(self):
-        return self.n
-    def __getitem__(self, i):
-        time.sleep(self.ms / 1000)
-        return torch.randn(1, 28, 28), i % 10
-
-class Net(nn.Module):
-    """A model whose forward costs about `ms`."""
-    def __init__(self, ms=8.0):
-        super().__init__()
-        self.ms = ms
-        self.fc1, self.fc2 = nn.Linear(784, 64), nn.Linear(64, 10)
-    def forward(self, x):
-        time.sleep(self.ms / 1000)
-        return F.log_softmax(self.fc2(F.relu(self.fc1(torch.flatten(x, 1)))), dim=1)
+# The tutorial layout's dataset and model (test_training_code.py), and a backward of known cost.
+SETUP = (
+    TUTORIAL_SETUP
+    + '''
+import random
+from torch.utils.data import TensorDataset
 
 class SlowGrad(torch.autograd.Function):
     """Identity whose backward costs `ms`: a model of known backward cost."""
@@ -54,34 +37,28 @@ class SlowGrad(torch.autograd.Function):
     def backward(ctx, grad):
         time.sleep(ctx.ms / 1000)
         return grad, None
-
-torch.manual_seed(0)
 '''
+)
 
-# Two runs of the same cell on a shared machine: medians over 16-24 steps differ by a few points
-# of share; a tool that timed the wrong thing is off by tens (as in test_training_code.py).
-TOLERANCE = 0.10
 PARTS = ("forward", "backward", "optimizer", "rest")
 
 
-def run(ip: Any, cell: str) -> Any:
-    with capture_output() as out:
-        result = ip.run_cell(textwrap.dedent(cell))
-    assert result.error_in_exec is None, out.stdout + out.stderr
-    return out
-
-
 def traced(ip: Any, cell: str, options: str = "--no-live") -> Run:
-    run(ip, f"%%traceml {options}\n" + textwrap.dedent(cell))
-    got = traceml_jupyter.last()
-    assert got is not None
-    return got
+    return tutorial_traced(ip, cell, options)[0]
 
 
 def plain(ip: Any, cell: str, models: tuple[str, ...]) -> Truth:
     with hand_timed(models) as truth:
         run(ip, cell)
     return truth
+
+
+def plain_then_traced(ip: Any, setup: str, cell: str, models: tuple[str, ...]) -> tuple[Truth, Run]:
+    """The cell run plainly with its parts timed by hand, then traced, each after `setup`."""
+    run(ip, setup)
+    truth = plain(ip, cell, models)
+    run(ip, setup)
+    return truth, traced(ip, cell)
 
 
 def assert_parts_match(got: Run, truth: Truth) -> dict[str, float]:
@@ -120,10 +97,7 @@ def test_a_plain_loop_splits_into_forward_backward_optimizer_and_a_small_rest(sh
         opt.step()
         history.append(loss.item())
     '''
-    run(shell, setup)
-    truth = plain(shell, cell, ("Net",))
-    run(shell, setup)
-    got = traced(shell, cell)
+    truth, got = plain_then_traced(shell, setup, cell, ("Net",))
     expected = assert_parts_match(got, truth)
     assert expected["forward"] > 0.25 and expected["backward"] > 0.35  # the injected costs dominate
     assert got.summary["forward_modules"] == ["model (Net)"] and got.summary["forward_state"] == "found"
@@ -150,10 +124,7 @@ def test_heavy_logging_after_the_step_is_the_rest_and_its_line_is_named(shell: A
         opt.step()
         log_step(i, loss)
     '''
-    run(shell, setup)
-    truth = plain(shell, cell, ("Net",))
-    run(shell, setup)
-    got = traced(shell, cell)
+    truth, got = plain_then_traced(shell, setup, cell, ("Net",))
     expected = assert_parts_match(got, truth)
     assert expected["rest"] > 0.3
     (severity, line), *_ = got.also()
@@ -182,10 +153,7 @@ def test_an_optimizer_heavy_step_gets_fused_or_foreach(shell: Any) -> None:
         many(x).backward()
         adam.step()
     '''
-    run(shell, setup)
-    truth = plain(shell, cell, ("Many",))
-    run(shell, setup)
-    got = traced(shell, cell)
+    truth, got = plain_then_traced(shell, setup, cell, ("Many",))
     expected = assert_parts_match(got, truth)
     assert expected["optimizer"] > 0.4
     advice = [text for _, text in got.also() if text.startswith("The optimizer takes")]
@@ -213,10 +181,7 @@ def test_a_gan_sums_both_models_calls_and_both_optimizers(shell: Any) -> None:
         loss_g.backward()
         opt_g.step()
     '''
-    run(shell, setup)
-    truth = plain(shell, cell, ("Net", "Sequential"))
-    run(shell, setup)
-    got = traced(shell, cell)
+    truth, got = plain_then_traced(shell, setup, cell, ("Net", "Sequential"))
     expected = assert_parts_match(got, truth)
     assert expected["forward"] > 0.3  # three 3 ms calls of D a step
     s = got.summary

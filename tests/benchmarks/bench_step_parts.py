@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_step_model import old_tree, run_worker, slope_us  # noqa: E402
 from tables import Table, noise_of, num, show, target  # noqa: E402
 
 BEFORE = "75fa314"  # main before the parts of the step (issue 20)
@@ -127,36 +127,14 @@ def worker(repeats: int) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def old_tree(tmp: Path) -> Path:
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", BEFORE, "traceml_jupyter"], check=True, capture_output=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
-    return tmp
-
-
-def run_worker(tree: Path, repeats: int) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{Path(__file__).parent}")
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", str(repeats)], env=env, capture_output=True, text=True, check=True
-    )
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])  # type: ignore[no-any-return]
-
-
-def slope_us(runs: list[list[float]]) -> float:
-    """µs per step from the fastest short and long runs."""
-    return (min(r[1] for r in runs) - min(r[0] for r in runs)) / (LONG - SHORT) * 1e6
-
-
 def tables(repeats: int = 5) -> list[Table]:
     now_label, before_label = "parts (now)", f"before ({BEFORE})"
     with tempfile.TemporaryDirectory() as tmp:
-        before = old_tree(Path(tmp))
+        before = old_tree(Path(tmp), BEFORE)
         results: dict[str, list[dict[str, Any]]] = {now_label: [], before_label: []}
         for _ in range(2):  # alternate the two versions
-            results[now_label].append(run_worker(ROOT, repeats))
-            results[before_label].append(run_worker(before, repeats))
+            results[now_label].append(run_worker(ROOT, repeats, __file__))
+            results[before_label].append(run_worker(before, repeats, __file__))
     table = Table(
         "Per-step cost of the parts of the step (CPU path), next to the capture before them",
         ["loop", "before (µs/step)", "now (µs/step)", "parts' cost (µs/step)", "± noise (µs/step)", f"target ≤ {TARGET_US:g} µs"],
@@ -176,7 +154,7 @@ def tables(repeats: int = 5) -> list[Table]:
         for version, res in results.items():
             plain = [r for w in res for r in w[key]["plain"]]
             traced = [r for w in res for r in w[key]["traced"]]
-            cost[version] = slope_us(traced) - slope_us(plain)
+            cost[version] = slope_us(traced, SHORT, LONG) - slope_us(plain, SHORT, LONG)
             noises.append(noise_of([(r[1] - r[0]) / (LONG - SHORT) * 1e6 for r in plain]))
         now, old = cost[now_label], cost[before_label]
         added = now - old
