@@ -1,13 +1,14 @@
 """Per-step cost of the parts of the step (forward, backward, optimizer, the rest: issue 20) on
-the CPU path, side by side with the capture before them, in one run.
+the CPU path: side by side in one process (this tree with the parts on and off), and against
+the capture before them (another process).
 
     .venv/bin/python tests/benchmarks/bench_step_parts.py [--repeats 5]
 
-Each version runs in a worker process of its own (the package imported from its own tree: this
-checkout, and `git archive` of the commit before the parts, BEFORE); repeats alternate between
-them, the variants interleaved within each repeat. The cost per step is the slope of process CPU
-time between a short and a long run, fastest of the repeats, so fixed costs cannot hide in it
-and other processes cannot inflate it.
+Each tree runs in a worker process of its own (the package imported from its own tree: this
+checkout, and `git archive` of the commit before the parts, BEFORE); in each, the variants
+(plain, traced with the parts on, and off where the tree has them) are interleaved within each
+repeat. The cost per step is the slope of process CPU time between a short and a long run,
+fastest of the repeats, so fixed costs cannot hide in it and other processes cannot inflate it.
 
 Two loops:
 
@@ -55,23 +56,49 @@ CELL = "%%traceml --no-live --lines off\nfor x, y in items_{n}:\n    pass\n"
 PLAIN = "for x, y in items_{n}:\n    pass\n"
 
 
-def cell_slopes(repeats: int) -> dict[str, list[list[float]]]:
-    """CPU seconds of the short and the long cell, plain and traced, `repeats` times."""
-    from shell_cells import run_cell
+def parts_switch() -> Any:
+    """Turns the parts on or off in this process (None in a tree without them): off, the
+    capture starts no sampling, so the step model's countdown never fires."""
+    try:
+        from traceml_jupyter.capture import step_parts
+    except ImportError:
+        return None
+    begin = step_parts.StepParts.begin
 
-    run_cell(SETUP.format(short=SHORT, long=LONG))
-    cells = {"plain": [PLAIN.format(n=n) for n in ("short", "long")], "traced": [CELL.format(n=n) for n in ("short", "long")]}
-    for variant in cells.values():
-        run_cell(variant[0])  # warm-up
-    out: dict[str, list[list[float]]] = {v: [] for v in cells}
-    for _ in range(repeats):
-        for variant, pair in cells.items():
-            out[variant].append([run_cell(cell)[1] for cell in pair])
+    def switch(on: bool) -> None:
+        step_parts.StepParts.begin = begin if on else (lambda self: None)  # type: ignore[method-assign]
+
+    return switch
+
+
+def variants() -> dict[str, Any]:
+    """plain, and traced with the parts on and (where the tree has them) off."""
+    switch = parts_switch()
+    out: dict[str, Any] = {"plain": None, "on": (lambda: switch(True)) if switch else (lambda: None)}
+    if switch is not None:
+        out["off"] = lambda: switch(False)
     return out
 
 
+def cell_slopes(repeats: int) -> dict[str, list[list[float]]]:
+    """CPU seconds of the short and the long cell per variant, `repeats` times interleaved."""
+    from shell_cells import run_cell
+
+    run_cell(SETUP.format(short=SHORT, long=LONG))
+    out: dict[str, list[list[float]]] = {}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, set_up in variants().items():
+            template = PLAIN if set_up is None else CELL
+            if set_up is not None:
+                set_up()
+            runs = [run_cell(template.format(n=n))[1] for n in ("short", "long")]
+            out.setdefault(name, []).append(runs)
+    return {name: runs[1:] for name, runs in out.items()}
+
+
 def training_step_slopes(repeats: int) -> dict[str, list[list[float]]]:
-    """CPU seconds of SHORT and LONG stand-in training steps, plain and under trace()."""
+    """CPU seconds of SHORT and LONG stand-in training steps per variant, 3 x `repeats` times
+    interleaved (a step here is a few µs: the fastest of many runs)."""
     import torch
 
     import traceml_jupyter
@@ -91,15 +118,12 @@ def training_step_slopes(repeats: int) -> dict[str, list[list[float]]]:
     torch.autograd.backward = lambda *a, **k: None  # the capture wraps this stand-in
     x = 0
 
-    def steps(n: int) -> None:
+    def plain(n: int) -> float:
+        t = time.process_time()
         for _ in range(n):
             model(x)
             torch.autograd.backward(None)
             optimizer.step()
-
-    def plain(n: int) -> float:
-        t = time.process_time()
-        steps(n)
         return time.process_time() - t
 
     def traced(n: int) -> float:
@@ -112,14 +136,19 @@ def training_step_slopes(repeats: int) -> dict[str, list[list[float]]]:
             return time.process_time() - t
 
     try:
-        plain(SHORT), traced(SHORT)
-        out: dict[str, list[list[float]]] = {"plain": [], "traced": []}
-        for _ in range(repeats):
-            out["plain"].append([plain(SHORT), plain(LONG)])
-            out["traced"].append([traced(SHORT), traced(LONG)])
-        return out
+        out: dict[str, list[list[float]]] = {}
+        for _ in range(3 * repeats + 1):
+            for name, set_up in variants().items():
+                if set_up is not None:
+                    set_up()
+                go = plain if set_up is None else traced
+                out.setdefault(name, []).append([go(SHORT), go(LONG)])
+        return {name: runs[1:] for name, runs in out.items()}
     finally:
         torch.autograd.backward = real_backward
+        switch = parts_switch()
+        if switch is not None:
+            switch(True)
 
 
 def worker(repeats: int) -> None:
@@ -128,38 +157,51 @@ def worker(repeats: int) -> None:
 
 
 def tables(repeats: int = 5) -> list[Table]:
-    now_label, before_label = "parts (now)", f"before ({BEFORE})"
     with tempfile.TemporaryDirectory() as tmp:
         before = old_tree(Path(tmp), BEFORE)
-        results: dict[str, list[dict[str, Any]]] = {now_label: [], before_label: []}
-        for _ in range(2):  # alternate the two versions
-            results[now_label].append(run_worker(ROOT, repeats, __file__))
-            results[before_label].append(run_worker(before, repeats, __file__))
+        now_runs, before_runs = [], []
+        for _ in range(2):  # alternate the two trees
+            now_runs.append(run_worker(ROOT, repeats, __file__))
+            before_runs.append(run_worker(before, repeats, __file__))
     table = Table(
-        "Per-step cost of the parts of the step (CPU path), next to the capture before them",
-        ["loop", "before (µs/step)", "now (µs/step)", "parts' cost (µs/step)", "± noise (µs/step)", f"target ≤ {TARGET_US:g} µs"],
+        "Per-step cost of the parts of the step (CPU path)",
+        ["loop", "comparison", "without (µs/step)", "with (µs/step)", "parts' cost (µs/step)", "± noise (µs/step)",
+         f"target ≤ {TARGET_US:g} µs"],
         notes=[
-            f"Process CPU time, slope between {SHORT:,} and {LONG:,} steps, fastest of {2 * repeats} runs per "
-            "version and variant (interleaved), each version in a worker process of its own, alternating; "
-            "the plain loop's slope is taken out of each.",
-            "Sampled steps: every step of the first 64, then one in 16 on average; a sampled step arms "
-            "(patches the model's class, hooks the optimizer) and is summed off the per-step path.",
-            "± noise: half the spread of the plain loop's per-repeat slopes; a cost below twice it is "
-            "not resolved.",
+            f"Process CPU time, slope between {SHORT:,} and {LONG:,} steps, less the plain loop's; fastest "
+            "of the runs of each variant, the variants interleaved within each repeat.",
+            "In one process: this tree with the parts on and off (the capture starts no sampling: the step "
+            "model's countdown never fires, backward() and the optimizer hook read one flag). Against the "
+            f"commit before the parts ({BEFORE}): each tree in a worker process of its own, alternating "
+            "(this machine's speed drifts between processes by more than the parts cost: informational).",
+            "Sampled steps: every step of the first 64, then one in 16, 64 or 256 on average by the step's "
+            "length; a sampled step arms (patches the model's class, hooks the optimizer) and is summed off "
+            "the per-step path.",
+            "± noise: half the spread of the plain loop's per-repeat slopes; a figure under twice it is not "
+            "resolved.",
         ],
     )
-    for key, label in (("cell", "`%%traceml` loop over a list, empty body (model and optimizer in the namespace)"),
-                       ("training", "stand-in training step under `trace()`: module call, backward(), optimizer step")):
-        cost, noises = {}, []
-        for version, res in results.items():
-            plain = [r for w in res for r in w[key]["plain"]]
-            traced = [r for w in res for r in w[key]["traced"]]
-            cost[version] = slope_us(traced, SHORT, LONG) - slope_us(plain, SHORT, LONG)
-            noises.append(noise_of([(r[1] - r[0]) / (LONG - SHORT) * 1e6 for r in plain]))
-        now, old = cost[now_label], cost[before_label]
-        added = now - old
-        table.rows.append([label, num(old, 2), num(now, 2), num(added, 2), num(max(noises), 2),
-                           target(added <= TARGET_US, f"{added:+.2f} µs")])
+    rows = (
+        ("cell", "`%%traceml` loop over a list, empty body (model and optimizer in the namespace)"),
+        ("training", "stand-in training step under `trace()`: module call, backward(), optimizer step"),
+    )
+    for key, label in rows:
+        now = {name: [r for w in now_runs for r in w[key][name]] for name in now_runs[0][key]}
+        old = {name: [r for w in before_runs for r in w[key][name]] for name in before_runs[0][key]}
+        noise = max(noise_of([(r[1] - r[0]) / (LONG - SHORT) * 1e6 for r in runs["plain"]]) for runs in (now, old))
+
+        def cost(runs: dict[str, list[list[float]]], variant: str) -> float:
+            return slope_us(runs[variant], SHORT, LONG) - slope_us(runs["plain"], SHORT, LONG)
+
+        for comparison, without, with_ in (
+            ("parts off / on, one process", cost(now, "off"), cost(now, "on")),
+            (f"before ({BEFORE}) / now, two processes", cost(old, "on"), cost(now, "on")),
+        ):
+            added = with_ - without
+            resolved = abs(added) > 2 * noise or noise < 0.05
+            primary = comparison.startswith("parts off")
+            verdict = target(added <= TARGET_US, f"{added:+.2f} µs") if resolved and primary else ("—" if resolved else "not resolved")
+            table.rows.append([label, comparison, num(without, 2), num(with_, 2), num(added, 2), num(noise, 2), verdict])
     return [table]
 
 
