@@ -298,3 +298,30 @@ def test_the_json_carries_each_steps_parts_nullable_and_the_trend() -> None:
     assert summary["parts_sampled_steps"] == run.summary["parts_sampled_steps"]
     assert saved["trend"] == summary["trend"] and saved["trend"]["steps"] > 0
     assert saved["epoch_startup"] is None  # no DataLoader: no pass to start
+
+
+def test_compiled_modules_are_timed_whole_and_never_recompiled() -> None:
+    """torch.compile(model) and model.compile(): called from the step's code, each is a forward;
+    patching their classes for sampled steps only causes no recompilation."""
+    compiles = 0
+
+    def backend(graph: Any, inputs: Any) -> Any:
+        nonlocal compiles
+        compiles += 1
+        return graph.forward
+
+    wrapped, inplace = torch.compile(Sleepy(), backend=backend), Sleepy()
+    inplace.compile(backend=backend)
+    opt = torch.optim.SGD([*wrapped.parameters(), *inplace.parameters()], lr=0.01)
+    x = torch.ones(2, 4)
+    (wrapped(x).sum() + inplace(x).sum()).backward()  # compiled once each, before the run
+    compiled = compiles
+    with traceml_jupyter.trace(show=False) as run:
+        for _ in run.loop(range(150)):  # sampled and unsampled steps
+            opt.zero_grad()
+            (wrapped(x).sum() + inplace(x).sum()).backward()
+            opt.step()
+    assert compiles == compiled
+    assert run.summary["forward_state"] == "found"
+    assert sorted(run.summary["forward_modules"]) == ["OptimizedModule", "Sleepy"]
+    assert "__call__" not in type(wrapped).__dict__ or type(wrapped).__dict__["__call__"].__module__.startswith("torch")
