@@ -56,6 +56,24 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 loss_fn = torch.nn.CrossEntropyLoss()"""
 
 
+# A dataset whose samples cost `decode_ms` each (the fix: decode less), torch on one thread so
+# that compute stays small and steady on a shared machine: for runs that are compared.
+DECODING_DATASET = """\
+import time, torch
+from torch.utils.data import DataLoader, Dataset
+torch.set_num_threads(1)
+
+class SlowDataset(Dataset):
+    def __init__(self, decode_ms, n=160):
+        self.decode_ms, self.n = decode_ms, n
+    def __len__(self):
+        return self.n
+    def __getitem__(self, i):
+        time.sleep(self.decode_ms / 1000)  # stands in for decoding an image
+        return torch.randn(16), i % 2
+"""
+
+
 def traced_cell(epochs: int, name: str = "slow") -> str:
     """The cell a user traces: `epochs` passes over the slow loader."""
     return f"""\

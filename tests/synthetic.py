@@ -20,3 +20,14 @@ def step_columns(wait_ms: Sequence[float] | np.ndarray, compute_ms: Sequence[flo
         "compute_gpu_ms": nan,
         "step_gpu_ms": nan,
     }
+
+
+def drifting_steps(n: int, phi: float, rng: np.random.Generator, mean: float = 40.0, sd: float = 2.0) -> np.ndarray:
+    """Step times that drift (AR(1)): each step keeps `phi` of the last one's offset from `mean`
+    plus fresh noise; their spread is `sd` whatever phi."""
+    noise = rng.normal(0.0, sd * np.sqrt(1 - phi**2), n)
+    x = np.empty(n)
+    x[0] = rng.normal(0.0, sd)
+    for i in range(1, n):
+        x[i] = phi * x[i - 1] + noise[i]
+    return mean + x

@@ -195,6 +195,10 @@ def watch_traced_notebook(
                 page.set_viewport_size({"width": VIEWPORT["width"], "height": height + 400})
                 page.wait_for_timeout(300)
                 shoot(page, html.last, f"{app}-report")
+                resources = html.last.locator(".tml-resources")  # memory and CPU beside the time
+                if resources.count():
+                    seen["resources"] = resources.first.inner_text()
+                    shoot(page, resources.first, f"{app}-resources")
             else:
                 shoot(page, cell, f"{app}-report")
         finally:
@@ -212,6 +216,7 @@ def test_the_chart_grows_while_the_cell_runs_then_the_report_shows(
         (REPO / "docs").mkdir(exist_ok=True)
         shutil.copy(SCREENSHOTS / "lab-live.png", REPO / "docs" / "live.png")
         shutil.copy(SCREENSHOTS / "lab-report.png", REPO / "docs" / "report-browser.png")
+        shutil.copy(SCREENSHOTS / "lab-resources.png", REPO / "docs" / "resources.png")
 
 
 def assert_live_then_report(seen: dict[str, Any]) -> None:
@@ -226,9 +231,51 @@ def assert_live_then_report(seen: dict[str, Any]) -> None:
     for text in ("why", "next", "checklist", "num_workers=0", "worker processes (num_workers)"):
         assert text in words, f"{text!r} missing from the HTML report: {report[:3000]}"
     assert re.search(r"\bfix\b", words), f"no checklist item to fix: {report[:3000]}"
+    # The Resources part: CPU against the usable cores, the process's memory, with plots.
+    resources = seen.get("resources") or ""
+    assert "usable cores busy" in resources and "CPU cores busy" in resources, resources[:2000]
     for text in WIDGET_ERRORS:
         assert text not in seen["page"], f"{text!r} on the page"
     widget_errors = [
         e for e in seen["page_errors"] if "widget" in e.lower() or "bqplot" in e.lower()
     ]
     assert not widget_errors, widget_errors
+
+
+def test_the_saved_report_file_opens_in_the_browser_with_the_verdict_and_checklist(
+    chromium: Any, ip: Any, tmp_path: Path
+) -> None:
+    """`--save report.html`: one page opened from disk (file://), no Jupyter server: it shows
+    the chart, the verdict and the checklist, with no script and no request to the network."""
+    from IPython.utils.capture import capture_output
+
+    page_path = tmp_path / "report.html"
+    with capture_output():
+        assert ip.run_cell(loader_cell(1.0), store_history=True).error_in_exec is None
+        result = ip.run_cell(
+            f"%%traceml --name shared --no-live --save {page_path}\nfor x, y in loader:\n"
+            "    opt.zero_grad()\n    loss_fn(model(x), y).backward()\n    opt.step()\n",
+            store_history=True,
+        )
+    assert result.error_in_exec is None and page_path.exists()
+    context = chromium.new_context(viewport=VIEWPORT, java_script_enabled=False)
+    try:
+        page = context.new_page()
+        requests: list[str] = []
+        page.on("request", lambda request: requests.append(request.url))
+        page.goto(page_path.as_uri())
+        assert page.locator("script").count() == 0
+        report = page.locator(".traceml-report")
+        text = report.inner_text()
+        assert "Step Time: INPUT-BOUND" in text, text[:2000]
+        for words in ("Why", "Next", "CHECKLIST", "Worker processes (num_workers)"):
+            assert words in text, f"{words!r} missing from the saved report: {text[:3000]}"
+        assert page.locator(".tml-item-num_workers.tml-fix").is_visible()
+        chart = page.locator(".tml-file-chart svg polygon")
+        assert chart.count() == 2 and chart.first.is_visible()
+        assert requests == [page_path.as_uri()], requests  # the page alone: nothing fetched
+        height = int(page.locator(".traceml-file").bounding_box()["height"])
+        page.set_viewport_size({"width": VIEWPORT["width"], "height": height + 40})
+        shoot(page, page.locator(".traceml-file"), "report-file")
+    finally:
+        context.close()

@@ -94,6 +94,24 @@ def test_workers_to_try_are_half_the_cpus_and_at_least_two(cpus: int | None, wan
     assert suggested_workers(cpus) == want
 
 
+def test_a_saturated_cpu_gets_no_more_workers_whatever_the_rule_of_thumb() -> None:
+    busy = "the training process and its DataLoader workers keep 7.8 of the 8 usable cores busy (...)."
+    for workers in (0, 2, 8):
+        item = num_workers_item(facts("INPUT-BOUND", settings={"num_workers": workers}, cpu_saturated=True, cpu_sentence=busy))
+        assert item.status == CHECK and item.to_try is None
+        assert item.reason.startswith("The CPU is saturated: the training process") and "More workers won't help" in item.reason
+    tuned = {"rows": [{"settings": {"num_workers": 4}, "batches_per_s": 99.0}], "best_settings": {"num_workers": 4}}
+    item = num_workers_item(facts("INPUT-BOUND", settings={"num_workers": 2}, cpu_saturated=True, tuned=tuned))
+    assert item.to_try is None  # not even what tune measured alone
+
+
+def test_workers_that_wait_get_more_workers_beyond_the_cores() -> None:
+    item = num_workers_item(facts("INPUT-BOUND", settings={"num_workers": 8}, cpu_saturated=False, workers_cores=0.4))
+    assert (item.status, item.to_try) == (FIX, "16") and "wait (disk, network, sleep)" in item.reason
+    busy = num_workers_item(facts("INPUT-BOUND", settings={"num_workers": 8}, cpu_saturated=False, workers_cores=6.0))
+    assert busy.to_try != "16"  # computing workers: the rule of thumb
+
+
 def test_no_workers_on_an_input_bound_run_is_a_fix_on_the_loader_line() -> None:
     item = num_workers_item(facts("INPUT-BOUND"))
     assert (item.status, item.seen, item.to_try, item.line) == (FIX, "0", "4", 3)

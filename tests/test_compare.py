@@ -87,11 +87,12 @@ def test_a_run_without_analysed_steps_is_not_compared() -> None:
     assert c.conclusion == "No comparison: short has too few analysed steps."
 
 
-def test_different_clocks_are_noted() -> None:
+def test_different_clocks_are_said_first() -> None:
     a, b = summary_of(60.0, 30.0), summary_of(0.5, 30.0)
     b["clock"] = "gpu"
     c = compare_summaries("cpu run", a, "INPUT-BOUND", "gpu run", b, "COMPUTE-BOUND")
-    assert c.notes == ["cpu run was timed on the CPU clock and gpu run on the GPU clock."]
+    assert c.caveats == ["cpu run was timed on the CPU clock and gpu run on the GPU clock."]
+    assert c.text().splitlines()[1] == "  " + c.caveats[0]  # before the conclusion
     assert ("Compute (median)", "30.0 ms", "30.0 ms", "+0.0 ms (+0 %)") in c.rows
 
 
@@ -138,7 +139,11 @@ def test_compare_by_name_in_the_shell(ip: Any, two_runs: tuple[Run, Run]) -> Non
     c = ip.run_line_magic("traceml", 'compare "slow run" fixed')
     assert isinstance(c, Comparison)
     assert (c.name_a, c.name_b) == ("slow run", "fixed")
-    assert c.conclusion == "3.0x faster: INPUT-BOUND -> COMPUTE-BOUND"
+    # Steps of exactly the same length: no noise, so the interval is the ratio itself.
+    assert c.change == "IMPROVEMENT"
+    assert c.conclusion == (
+        "IMPROVEMENT: 3.00x faster (95 % interval 3.00x to 3.00x); INPUT-BOUND -> COMPUTE-BOUND"
+    )
 
 
 def test_compare_defaults_to_the_last_two_runs(ip: Any, two_runs: tuple[Run, Run]) -> None:
@@ -147,14 +152,17 @@ def test_compare_defaults_to_the_last_two_runs(ip: Any, two_runs: tuple[Run, Run
     one = ip.run_line_magic("traceml", "compare 'slow run'")
     assert (one.name_a, one.name_b) == ("slow run", "fixed")
     assert traceml_jupyter.compare("slow run", "fixed").conclusion == c.conclusion
-    assert traceml_jupyter.compare(two_runs[1], two_runs[0]).conclusion.startswith("3.0x slower")
+    assert traceml_jupyter.compare(two_runs[1], two_runs[0]).conclusion.startswith(
+        "REGRESSION: 3.00x slower"
+    )
 
 
 def test_the_cell_shows_html_and_text(ip: Any, two_runs: tuple[Run, Run]) -> None:
     result = ip.run_cell('%traceml compare "slow run" fixed')
     assert result.error_in_exec is None
     data, _ = DisplayFormatter().format(result.result)  # as a notebook front-end formats it
-    assert "3.0x faster: INPUT-BOUND -&gt; COMPUTE-BOUND" in data["text/html"]
+    assert "IMPROVEMENT: 3.00x faster" in data["text/html"]
+    assert "INPUT-BOUND -&gt; COMPUTE-BOUND" in data["text/html"]
     assert data["text/plain"].startswith("traceml compare: slow run -> fixed")
 
 

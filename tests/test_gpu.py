@@ -38,7 +38,7 @@ def script(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("group", [s.key for s in load_script().SCENARIOS])
+@pytest.mark.parametrize("group", [s.key for s in load_script().SCENARIOS] + [s.key for s in load_script().second_pass().SECOND_PASS])
 def test_gpu_scenario(ip: Any, group: str) -> None:
     gpu_check = load_script()
     checks = gpu_check.run_all(ip, only=lambda key: key == group)
@@ -71,3 +71,21 @@ def test_the_fork_check_passes_after_a_traced_cell() -> None:
     done = script("--fork-check")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "fork check: ok" in done.stdout
+
+
+def test_the_second_pass_lists_its_groups_and_skips_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 23: the second pass (≤ 60 s) beside --all; both in one command list both."""
+    gpu_check = load_script()
+    second = gpu_check.second_pass()
+    keys = [s.key for s in second.SECOND_PASS]
+    assert {"calibration", "S1", "G1", "D3", "env", "N", "S2", "G2e", "C4", "G3"} <= set(keys)
+    assert not set(keys) & {s.key for s in gpu_check.SCENARIOS}  # --only picks one group
+    assert all(s.run.__doc__ for s in second.SECOND_PASS)
+    if HAS_CUDA:
+        return
+    for args, first in ((["--second"], False), (["--all", "--second"], True)):
+        assert gpu_check.main(args) == 0
+        out = capsys.readouterr().out
+        assert out.splitlines()[0] == "skipped: no CUDA device"
+        assert f"second pass: {len(keys)} groups" in out
+        assert (f"{len(gpu_check.SCENARIOS)} scenario groups" in out) == first

@@ -106,7 +106,10 @@ def test_the_tree_reads_as_the_flow() -> None:
     subpackages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
     assert subpackages == ["analysis", "capture", "views"]
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
-    assert top == ["__init__", "async_cells", "demo", "magic", "ranks", "run", "traced_cell", "tracing", "tune"]
+    assert top == [
+        "__init__", "async_cells", "demo", "history", "magic", "ranks", "run", "saved",
+        "traced_cell", "tracing", "tune",
+    ]
 
 
 def test_importing_the_package_loads_no_heavy_library() -> None:

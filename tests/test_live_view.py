@@ -259,7 +259,7 @@ def test_the_gpu_note_is_left_on_the_run_for_the_report(
     assert run is not None
     samples = run.gpu_samples
     assert samples is not None
-    assert set(samples) == {"time_s", "gpu_util_pct", "gpu_mem_used_mib"}
+    assert set(samples) == {"time_s", "gpu_util_pct", "gpu_mem_used_mib", "gpu_clock_mhz", "gpu_temp_c"}
     note = getattr(run, "gpu_note", None)
     if not len(samples["time_s"]):  # no GPU here: the report says why
         assert note is not None and note.startswith("GPU n/a")
@@ -397,13 +397,13 @@ def test_a_refresh_reads_only_the_window_however_long_the_run(
         assert chart.windows == [live.WINDOW]
         assert "step 200,000" in chart._header
         assert view.overview.count.sum() == 200_000
-        view.sampler.stop()
     finally:
         _RUNS.remove(run)
 
 
-def test_gpu_figures_reach_the_header_and_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_figures_sampled_by_the_capture_reach_the_header_and_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
     from traceml_jupyter.capture import nvml
+    from traceml_jupyter.capture.resources import ResourceWatch
     from traceml_jupyter.run import _RUNS, Run
 
     fake = types.ModuleType("pynvml")
@@ -418,6 +418,9 @@ def test_gpu_figures_reach_the_header_and_the_run(monkeypatch: pytest.MonkeyPatc
     run = Run("gpu")
     run.cuda_device = 0  # what the capture decides once the loop allocated on the GPU
     run.recorder.origin_ns = (run.recorder.origin_ns or 0) - 60 * 10**9  # a minute-long run
+    # The capture owns the sampling (the view only reads): its resource watch, by hand here.
+    watch = ResourceWatch(run, types.SimpleNamespace(memory=None, on_workers=None))
+    run.resource_watch = watch
     try:
         chart = FakeChart()
         view = live.LiveView(run, chart)
@@ -425,17 +428,19 @@ def test_gpu_figures_reach_the_header_and_the_run(monkeypatch: pytest.MonkeyPatc
         for i in range(10):
             t = origin + i * 1_000_000
             run.recorder.add(t, t + 100_000, t + 1_000_000)
-        view.refresh(run)
-        assert view.sampler.running
+        watch.tick(run)  # the run's tick starts NVML once the loop's GPU is known
+        assert watch.gpu.running
         for _ in range(500):  # the first sample is taken as the thread starts
-            if len(view.sampler.samples):
+            if len(watch.gpu.samples):
                 break
             threading.Event().wait(0.01)
         view.refresh(run)
         assert "GPU 93 % | mem 3.0 / 80 GiB" in chart._header
+        run.resource_watch = None
+        watch.stop()  # what the capture does as the cell ends
+        assert not watch.gpu.running
         run.finish()
         view.refresh(run)
-        assert not view.sampler.running
         assert "GPU 93 % on average" in chart._header
         assert run.gpu_samples is not None and len(run.gpu_samples["gpu_util_pct"]) >= 1
         assert getattr(run, "gpu_note", "unset") is None

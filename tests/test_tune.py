@@ -518,6 +518,21 @@ def test_when_nothing_keeps_up_the_advice_says_where_the_time_goes() -> None:
     assert any("optimistic" in n and "share 2 CPU core(s)" in n for n in c.notes)
 
 
+def test_a_saturated_cpu_gets_no_more_workers_from_tune() -> None:
+    # Alone, 4 workers made the most batches; but the run found the CPU saturated with 2.
+    model = ModelRate(8.0, 1.0, "run 'slow'", 38.0)
+    split = Split(30.0, 8, getitem_ms=28.8, collate_ms=0.8, cpu_share=0.95)
+    rows = [row(0, 33.0), row(1, 33.5), row(2, 60.0), row(4, 110.0)]
+    free = conclude(rows, model, {"num_workers": 2}, cpus=4, split=split)
+    assert free.changes["num_workers"] == 4
+    busy = "The CPU is saturated: the training process and its DataLoader workers keep 1.9 of the 2 usable cores busy."
+    c = conclude(rows, model, {"num_workers": 2}, cpus=4, split=split, saturated=busy)
+    assert c.best is not None and c.best.setting.num_workers <= 2
+    assert "num_workers" not in c.changes
+    assert c.advice[-1].startswith(busy) and "More workers won't help" in c.advice[-1]
+    assert "Make __getitem__ cheaper" in c.advice[-1].replace("make __getitem__", "Make __getitem__")
+
+
 def test_the_prediction_is_optimistic_only_for_cpu_work_on_every_core() -> None:
     busy = Split(30.0, 8, 28.0, 1.0, cpu_share=0.9)
     waiting = Split(30.0, 8, 28.0, 1.0, cpu_share=0.05)

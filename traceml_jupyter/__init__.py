@@ -18,6 +18,7 @@ __all__ = [
     "clear",
     "trace",
     "compare",
+    "load",
     "tune",
 ]
 
@@ -54,15 +55,29 @@ def unload_ipython_extension(ipython: Any) -> None:
 def last() -> Run | None:
     """The most recent run of this kernel, or None."""
     from .run import last as _last
+    from .views import report_file  # noqa: F401  (run.save("x.html"))
 
     return _last()
 
 
 def runs() -> list[Run]:
-    """Every run of this kernel, oldest first."""
+    """Every run of this kernel (and those `load` read), oldest first."""
     from .run import runs as _runs
+    from .views import report_file  # noqa: F401  (run.save("x.html"))
 
     return _runs()
+
+
+def load(path: str) -> Run:
+    """A run saved with `--save PATH.json`, `run.save(...)` or into the history, read back (any
+    version this package wrote) as a frozen result: `text()`, its report (shown as a cell's
+    value), `steps`, `compare`, `save("x.html")`. It joins this kernel's runs, so `compare`
+    finds it by name. A file that is not a saved run: ValueError, one line saying why."""
+    __tracebackhide__ = True  # noqa: F841
+    from .saved import load as _load
+    from .views import report_file  # noqa: F401  (run.save("x.html"))
+
+    return _load(path)
 
 
 def clear() -> int:
@@ -76,10 +91,14 @@ def clear() -> int:
 
 
 def compare(a: Run | str | None = None, b: Run | str | None = None) -> Any:
-    """Compare two runs (Run objects or names given with --name): the speed-up, data wait and
-    compute, the verdict change. No argument: the last two runs; one: that run against the
-    latest."""
-    from .run import compare as _compare
+    """Compare two runs: Run objects, names given with --name (this kernel's runs, or the
+    history's: TRACEML_HISTORY), JSON paths or globs. The speed-up with its 95 % interval and
+    IMPROVEMENT / REGRESSION / NO CHANGE (within noise) / MIXED; data wait, compute and every
+    part both runs measured; the verdict change; first, what differs between the runs. No
+    argument: the last two runs; one: that run against the latest. Bad input: ValueError,
+    one line saying which and why."""
+    __tracebackhide__ = True  # noqa: F841
+    from .history import compare as _compare
 
     return _compare(a, b)
 

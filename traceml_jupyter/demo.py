@@ -34,7 +34,6 @@ Python 3.14's ``forkserver`` default.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
@@ -42,6 +41,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from .capture.host import usable_cpus
 
 SCENARIOS = ("fast", "slow", "fixed", "collate", "spiky", "h2d")
 CPU_SCENARIOS = ("fast", "slow", "fixed", "collate", "spiky")
@@ -94,13 +95,6 @@ class DataCosts:
     decode_ms: float = 0.0  # per sample, in the dataset's __getitem__
     collate_ms: float = 0.0  # per sample, in collate_fn
     worker_start_s: float = 0.0  # per worker start (opening shards, reading an index)
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
 
 
 def fixed_workers(cpus: int) -> int:

@@ -105,7 +105,14 @@ class TraceMLMagics(Magics):
         help="steps kept out of the verdict (default: a few, at most a tenth of the run)",
     )
     @argument("--no-live", action="store_true", help="no live chart while the cell runs")
-    @argument("--save", type=str, default=None, metavar="PATH", help="write the run as JSON")
+    @argument(
+        "--save",
+        type=str,
+        default=None,
+        metavar="PATH",
+        help="write the run: PATH.html the report as one standalone page, else JSON "
+        "(traceml_jupyter.load reads it back)",
+    )
     @argument(
         "--loop",
         type=str,
@@ -138,7 +145,11 @@ class TraceMLMagics(Magics):
         metavar="0,1,2,4",
         help="%%traceml tune only: the num_workers to try (default: 0 up to the CPUs)",
     )
-    @argument("command", nargs="*", help="line form only: `compare [A B]`, `tune [LOADER]`")
+    @argument(
+        "command",
+        nargs="*",
+        help="line form only: `compare [A B]`, `tune [LOADER]`, `history [DIR|off]`",
+    )
     @line_cell_magic
     def traceml(self, line: str, cell: str | None = None) -> Any:
         """Time every step of the training loop in this cell: data wait vs compute.
@@ -160,8 +171,15 @@ class TraceMLMagics(Magics):
         Each top-level statement of the loop body is timed on sampled steps (every step for
         the first 64, then one in 16): ms per step next to each line (`--lines off`: not timed).
 
-        `%traceml compare [A B]` puts two runs side by side (default: the last two):
-        the speed-up, data wait and compute, the verdict change.
+        `%traceml compare [A B]` puts two runs side by side (default: the last two): the
+        speed-up with its 95 % interval, IMPROVEMENT / REGRESSION / NO CHANGE (within noise) /
+        MIXED, data wait, compute and every part both runs measured, the verdict change, and
+        first what differs between them (hardware, versions, batch size, step definition).
+        A and B are run names (this kernel's, or the history's), JSON paths or globs.
+
+        `%traceml history DIR` saves every run of this kernel to DIR from now on (as
+        `TRACEML_HISTORY=DIR` does for every kernel), so that `%traceml compare` finds runs
+        of earlier kernels by name; `%traceml history off` stops it; no DIR: where it is.
 
         `%traceml tune [LOADER] [--budget SECONDS] [--workers 0,1,2,4]` measures the
         DataLoader alone (default: the last run's training loader) at several settings, for
@@ -191,10 +209,15 @@ class TraceMLMagics(Magics):
         with spaces). No name: the last two runs; one name: that run against the latest."""
         if not words:
             raise UsageError(
-                "%traceml needs a cell (%%traceml) or a command: compare [A B], tune [LOADER]"
+                "%traceml needs a cell (%%traceml) or a command: compare [A B], tune [LOADER], "
+                "history [DIR|off]"
             )
+        if words[0] == "history":
+            return self._history(words[1:])
         if words[0] != "compare":
-            raise UsageError(f"%traceml: unknown command {words[0]!r} (known: compare, tune)")
+            raise UsageError(
+                f"%traceml: unknown command {words[0]!r} (known: compare, tune, history)"
+            )
         names = words[1:]  # unquoted by split_line
         if len(names) > 2:
             raise UsageError(
@@ -202,12 +225,27 @@ class TraceMLMagics(Magics):
                 + ", ".join(repr(n) for n in names)
                 + ' (quote a name with spaces: %traceml compare "run 1" fixed)'
             )
-        from .run import compare
+        from .history import compare
 
         try:
             return compare(*names)
-        except ValueError as exc:
+        except ValueError as exc:  # LoadError too: one line saying which and why
             raise UsageError(f"%traceml compare: {exc}") from None
+
+    def _history(self, words: list[str]) -> None:
+        """`%traceml history [DIR|off]`: where every run of this kernel is saved."""
+        from .history import choose, describe, history_dir
+
+        if len(words) > 1:
+            raise UsageError(
+                f"%traceml history takes one directory, got {len(words)} (quote a path with spaces)"
+            )
+        if words:
+            try:
+                choose(words[0])
+            except ValueError as exc:
+                raise UsageError(f"%traceml history: {exc}") from None
+        print(describe(history_dir()))
 
     def _tune(self, line: str, budget: float | None, workers: str | None) -> Any:
         """`%traceml tune [LOADER] [--budget SECONDS] [--workers 0,1,2,4]`: LOADER is an

@@ -4,6 +4,7 @@ JSON). The capture (capture.py) does the measuring; views read the run."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import weakref
@@ -11,12 +12,15 @@ from collections.abc import Callable, Iterable
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
-from .analysis.compare import Comparison, compare_summaries, usable_cpus
+from .analysis.compare import Comparison, compare_summaries
 from .analysis.phases import phase_sentence, phase_verdict, step_definition
+from .analysis.resources import finding_lines
 from .analysis.step_parts import also_lines, epoch_startup, parts_sentence, parts_summary, trend
 from .analysis.summary import summarize, with_batch_size
 from .analysis.textbox import rank_table, report_text, verdict_box
 from .analysis.verdict import Verdict, diagnose
+from .capture.host import usable_cpus
+from .capture.machine import describe_machine
 from .capture.probes import safe_len
 from .capture.recorder import Recorder
 
@@ -27,6 +31,10 @@ SCHEMA_VERSION = 1
 REFRESH_NS = 250_000_000  # observers (the live view) run at most 4 times a second
 
 Observer = Callable[["Run"], None]
+# Formats other than JSON that `Run.save` writes, by file suffix: a view registers its writer
+# (views/report_file.py: ".html", the report as one standalone page); the run knows no view.
+FileWriter = Callable[["Run", str], None]
+FILE_WRITERS: dict[str, FileWriter] = {}
 
 _RUNS: list[Run] = []
 
@@ -60,12 +68,15 @@ def compare(a: Run | str | None = None, b: Run | str | None = None) -> Compariso
         run_a, run_b = all_runs[-2], all_runs[-1]
     elif a is None or b is None:
         run_a = resolve_run(a if a is not None else b)  # type: ignore[arg-type]
+        if not all_runs:
+            raise ValueError(f"compare {run_a.name!r} with what? This kernel has no run: name two")
         run_b = all_runs[-1]
         if run_a is run_b:
             raise ValueError(f"{run_a.name!r} is the latest run: name a second run to compare")
     else:
         run_a, run_b = resolve_run(a), resolve_run(b)
     workers = (run_b.loader_info or {}).get("num_workers")
+    cpus = (run_b.machine or {}).get("cpus")
     return compare_summaries(
         run_a.name,
         run_a.summary,
@@ -74,7 +85,11 @@ def compare(a: Run | str | None = None, b: Run | str | None = None) -> Compariso
         run_b.summary,
         run_b.verdict,
         workers_b=workers if isinstance(workers, int) else None,
-        cpus=usable_cpus(),
+        cpus=cpus if isinstance(cpus, int) else usable_cpus(),
+        steps_a=run_a.steps,
+        steps_b=run_b.steps,
+        machine_a=run_a.machine,
+        machine_b=run_b.machine,
     )
 
 
@@ -132,6 +147,8 @@ class Run:
     else one iteration of the located loop, else the interval between two batches.
     """
 
+    frozen = False  # a run read back from its saved JSON (saved.py): nothing of it is live
+
     def __init__(self, name: str | None = None, warmup: int | None = None) -> None:
         self.name = name or f"run {len(_RUNS) + 1}"
         self.warmup = warmup
@@ -184,15 +201,28 @@ class Run:
         # the steps where each pass over the training loader started (its start-up wait)
         self.step_parts: Any = None
         self.pass_starts: list[int] = []
+        self.cuda_graphs: dict[str, Any] | None = None  # CUDA graphs captured/replayed (cuda_graphs.py)
         self._gpu_samples: dict[str, Any] | None = None
         self.gpu_note: str | None = None  # why GPU figures are missing (nvml.py), else None
         self.gpu_device: str | None = None  # e.g. "NVIDIA H200, 0000:17:00.0, 143771 MiB"
+        # Resources (capture/resources.py): the watch while the run is captured, then what it
+        # saw: host CPU and memory samples and workers (host.py), the GPU memory watch's facts,
+        # what earlier cells held on the GPU, an out-of-memory error's facts.
+        self.resource_watch: Any = None
+        self.host: dict[str, Any] | None = None
+        self.gpu_memory: dict[str, Any] | None = None
+        self.held_before: dict[str, Any] | None = None
+        self.oom: dict[str, Any] | None = None
         # Several processes (ranks.py): every rank's summary once known, and what feeds them
         # while they run (the kernel's reader of forked ranks, or a torchrun rank's own).
         self.ranks: list[dict[str, Any]] | None = None
         # The checklist as the report shows it (set by whoever shows the report: it reads the
         # kernel's history and the loader, which a run does not).
         self.checklist: list[dict[str, Any]] | None = None
+        # The earlier cells the report quotes ({"In [2]": text}: where the DataLoader was built,
+        # the loop's cell, lines to change), kept with the checklist so a saved run reads the same.
+        self.quoted_cells: dict[str, str] | None = None
+        self._machine: dict[str, Any] | None = None
         self.rank_feed: Any = None
         _RUNS.append(self)
 
@@ -318,6 +348,7 @@ class Run:
             summary.update(self._source_summary())
             summary.update(self._inside_the_step(cols, summary))
             with_batch_size(summary, self.batch_size, self.batches_per_step)
+            summary.update(self._resource_summary(cols, int(summary["warmup_steps"])))
             verdict = diagnose(summary)
             if self.ranks:
                 from .analysis.rank_verdict import with_ranks
@@ -360,6 +391,33 @@ class Run:
         source = self.loop_cell_source if self.loop_cell_source else self.cell_source
         return also_lines(self.summary, self.line_costs, (source or "").splitlines())
 
+    def _resource_summary(self, cols: dict[str, Any], warmup: int) -> dict[str, Any]:
+        """GPU memory, CPU and host memory in numbers and findings (analysis/resources.py)."""
+        from .analysis.kept_graph import kept_graphs
+        from .analysis.resources import ResourceFacts, resource_summary
+        from .capture.gpu_memory import module_names
+        from .capture.probes import user_namespace
+
+        source = self.loop_cell_source or self.cell_source
+        kept = [k.to_dict() for k in kept_graphs(source, self.loop_line, module_names(user_namespace()))]
+        loader = self.loader_ref() if self.loader_ref is not None else None
+        facts = ResourceFacts(
+            columns=cols,
+            warmup=warmup,
+            gpu_memory=self.gpu_memory,
+            host=self.host,
+            kept=kept,
+            python_objects=list((self.loader_info or {}).get("python_objects") or []),
+            loader_name=self.loader_name,
+            training_loader=id(loader) if loader is not None else None,
+            held=self.held_before,
+            oom=self.oom,
+            device=self.cuda_device,
+        )
+        summary = resource_summary(facts)
+        summary["kept_graphs"] = kept
+        return summary
+
     # -- the result API --------------------------------------------------------------------
     @property
     def summary(self) -> dict[str, Any]:
@@ -384,6 +442,18 @@ class Run:
     @property
     def n_steps(self) -> int:
         return self.recorder.n_steps
+
+    @property
+    def machine(self) -> dict[str, Any] | None:
+        """What the run ran on (capture/machine.py: python, torch, cuda, platform, cpu, cpus,
+        gpu), read once the run has finished; None before."""
+        if self._machine is None and self.finished:
+            try:
+                self._machine = describe_machine(usable_cpus(), self.cuda_device, self.gpu_device)
+            except Exception as exc:  # never cost the run its result
+                self.notes.append(f"The machine could not be described: {type(exc).__name__}: {exc}")
+                self._machine = {}
+        return self._machine
 
     @property
     def straggler(self) -> dict[str, Any] | None:
@@ -421,6 +491,7 @@ class Run:
         slow_phase = phase_verdict(self.phases)
         if slow_phase:
             lines.append(f"Also: {slow_phase}")
+        lines.extend(f"Also: {line}" for line in finding_lines(self.summary))
         if self.error:
             lines.append(f"Stopped by: {self.error}")
         lines.extend(f"Note: {note}" for note in self.notes)
@@ -455,16 +526,69 @@ class Run:
             "h2d": _jsonable(self.h2d),
             "sync_stalls": _jsonable(self.sync_stalls),
             "line_costs": _jsonable(self.line_costs),
+            "cuda_graphs": _jsonable(self.cuda_graphs),
             "ranks": _jsonable(self.ranks),
             "straggler": _jsonable(self.straggler),
             "trend": _jsonable(self.summary.get("trend")),
             "epoch_startup": _jsonable(self.summary.get("epoch_startup")),
+            # What a run read back needs to be shown and compared as it was (saved.py):
+            "cell": {"source": self.cell_source, "loop_cell_source": self.loop_cell_source},
+            "quoted_cells": self.quoted_cells,
+            "machine": _jsonable(self.machine),
+            "batch": {
+                "size": self.batch_size,
+                "kind": self.batch_kind,
+                "per_step": self.batches_per_step,
+            },
+            "warmup": self.warmup,
+            "wall_ms": self.wall_ms,
+            "expected_steps": self.expected_steps,
+            "gpu": {
+                "used": bool(self._gpu_used),
+                "cuda_device": self.cuda_device,
+                "device": self.gpu_device,
+                "note": self.gpu_note,
+                "samples": _jsonable(
+                    {k: _list(v) for k, v in self._gpu_samples.items()}
+                    if self._gpu_samples
+                    else None
+                ),
+            },
+            "resources": _jsonable(self.resources_dict()),
+        }
+
+    def resources_dict(self) -> dict[str, Any]:
+        """What --save writes of the resources: the host's samples (columns) and workers, the
+        GPU memory watch, what earlier cells held, an out-of-memory error, the findings; null
+        where not measured. The per-step GPU memory columns are in `steps`."""
+        host = dict(self.host) if self.host is not None else None
+        if host is not None:
+            host["samples"] = {k: v.tolist() for k, v in host.get("samples", {}).items()}
+        return {
+            "host": host,
+            "gpu_memory": self.gpu_memory,
+            "held_before": self.held_before,
+            "oom": self.oom,
+            "findings": self.summary.get("resource_findings"),
         }
 
     def save(self, path: str) -> str:
+        """Write the run to `path`: the report as one standalone HTML page for `.html` (no
+        script, no network: it opens in any browser), else JSON (what `traceml_jupyter.load`
+        reads back)."""
+        writer = FILE_WRITERS.get(os.path.splitext(path)[1].lower())
+        if writer is not None:
+            writer(self, path)
+            return path
+        if path.lower().endswith((".html", ".htm")):
+            raise ValueError(f"{path}: no HTML writer (import traceml_jupyter.views.report_file)")
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(self.to_dict(), fh, indent=1, allow_nan=False)
         return path
+
+
+def _list(values: Any) -> list[Any]:
+    return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
 def _jsonable(value: Any) -> Any:

@@ -380,6 +380,10 @@ def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any)
                     f"traceml: no step ran: the cell stopped with {run.error} before its first "
                     f"step ended.{_likely_cause(run)}"
                 )
+                if run.oom:  # explained above the traceback, as a run's report would
+                    from .analysis.resources import finding_lines
+
+                    print("\n".join(f"traceml: {line}" for line in finding_lines(run.summary)))
             elif run.step_kind == "none" and run.loop_line is None:
                 _RUNS.remove(run)
                 print(NO_LOOP)
@@ -395,6 +399,9 @@ def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any)
             print(f"traceml: saved {run.name} to {opts.save}")
         except Exception as exc:
             print(f"traceml: could not save {run.name} to {opts.save}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    from .history import record
+
+    record(run)  # into TRACEML_HISTORY when set (never raises)
 
 
 def _likely_cause(run: Run) -> str:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from . import ranks
+from .history import record
 from .ranks import gather, shows_report
 from .run import Run
 from .views.code_facts import keep_checklist
@@ -44,3 +45,5 @@ def trace(name: str | None = None, warmup: int | None = None, show: bool = True)
             show_report(run)  # with the checklist, kept on the run
         else:
             keep_checklist(run)
+        if shows_report(run):  # one process of several saves the run
+            record(run)  # into TRACEML_HISTORY when set (never raises)

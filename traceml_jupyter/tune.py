@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import html
 import inspect
-import os
 import random
 import signal
 import sys
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .analysis.figures import ms as _ms
+from .analysis.resources import saturation_text
 from .analysis.tune_plan import (
     DEEPER_PREFETCH,
     EMPTY,
@@ -49,6 +49,7 @@ from .analysis.tune_plan import (
     sweep_done,
     worker_counts,
 )
+from .capture.host import usable_cpus
 
 DEFAULT_BUDGET_S = 30.0
 # A candidate stops early once its steady rate rests on this many seconds and batches.
@@ -1169,13 +1170,6 @@ def _remember(loader: Any, result: TuneResult) -> None:
 # -- tune ---------------------------------------------------------------------------------------------
 
 
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
-
-
 def _check_loader(loader: Any, label: str) -> None:
     from torch.utils.data import DataLoader
 
@@ -1330,7 +1324,9 @@ def _tune(
         if model is not None and model.source.startswith("run")
         else not on_cuda
     )
-    verdict = conclude(rows_out, model, current, cpus, split, model_on_cpu)
+    from_run = run is not None and model is not None and model.source.startswith("run")
+    saturated = saturation_text(run.summary) if from_run else None
+    verdict = conclude(rows_out, model, current, cpus, split, model_on_cpu, saturated)
     dataset_name = _name_of(recipe.dataset, names) or (
         f"{loader_name}.dataset" if loader_name else "dataset"
     )

@@ -166,6 +166,55 @@ def event_costs() -> Table:
     )
 
 
+def allocator_costs() -> Table:
+    """GPU memory per step (capture/gpu_memory.py): host µs of the two allocator calls a read
+    makes, the watch's read per step with and without it, how far apart it spaces reads for
+    1 ms and 10 ms steps, and that no read synchronises."""
+    import torch
+
+    from traceml_jupyter.capture.gpu_memory import GpuMemory
+
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    pair_us = best_us(lambda: (torch.cuda.memory_stats_as_nested_dict(0), torch.cuda.reset_peak_memory_stats(0)), 2000)
+    flat_us = best_us(lambda: torch.cuda.memory_stats(0), 2000)
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.cuda.memory_stats_as_nested_dict(0)
+        torch.cuda.reset_peak_memory_stats(0)
+        syncs = "none (sync debug mode \"error\" raised nothing)"
+    except RuntimeError as exc:
+        syncs = f"**a sync**: {exc}"
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    rows = [
+        ["memory_stats_as_nested_dict() + reset_peak_memory_stats() (one read)", num(pair_us, 2)],
+        ["memory_stats() (flattened; what memory_allocated() calls)", num(flat_us, 2)],
+        ["synchronisations", syncs],
+    ]
+    for step_ms in (1.0, 10.0):
+        watch = GpuMemory()
+        watch.loop_started(0)
+        t, n = 0, 2000
+        t0 = time.perf_counter()
+        for k in range(n):
+            t += int(step_ms * 1e6)
+            x.add_(1.0)
+            watch.step_ended(k, t)
+        per_step = (time.perf_counter() - t0) / n * 1e6
+        rows.append([f"the watch per step at {step_ms:g} ms steps (a read every {watch.read_every})", num(per_step, 2)])
+    del x
+    return Table(
+        f"GPU memory per step: host cost ({torch.cuda.get_device_name(0)})",
+        ["what", "host µs"],
+        rows,
+        ["Reads are spaced so that they take at most 1 % of the steps' time (READ_BUDGET); each "
+         "read's peak covers the steps since the previous read. The per-step figure includes a "
+         "tiny kernel a step."],
+    )
+
+
 def measure(repeats: int = 5, with_traceml_ai: bool = True, allow_install: bool = True) -> list[Table]:
     why = cuda_ready()
     if why:
@@ -179,7 +228,7 @@ def measure(repeats: int = 5, with_traceml_ai: bool = True, allow_install: bool 
     import bench_accuracy
     import bench_overhead
 
-    tables = [event_costs(), hook_costs("cuda")]
+    tables = [event_costs(), allocator_costs(), hook_costs("cuda")]
     tables += bench_overhead.measure(repeats, "cuda", with_traceml_ai, allow_install)
     tables += bench_accuracy.measure("cuda", with_traceml_ai, allow_install)
     return tables

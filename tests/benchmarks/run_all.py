@@ -2,7 +2,8 @@
 
     .venv/bin/python tests/benchmarks/run_all.py --out docs/benchmarks.md
 
-Overhead, accuracy, memory, live-view cost and long sessions (real kernels) on the CPU; the
+Overhead, accuracy, memory, live-view cost, long sessions (real kernels) and the resource
+sampler's cost on the CPU; the
 GPU variant too where CUDA is available (otherwise one line says it was skipped). traceml-ai,
 the peer, is installed on first use into its own venv (/tmp/venv-traceml, never pulling
 torch); `--no-traceml-ai` leaves it out. About ten minutes on a 2-core machine.
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     import bench_memory
     import bench_overhead
     import bench_ranks
+    import bench_resources
     import bench_session
     import bench_step_model
     import bench_step_parts
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         ("Live view cost", section("live view", bench_live_view.measure)),
         ("Long sessions (real kernels)", section("session", bench_session.measure)),
         ("Several processes (ranks forked from a traced cell)", section("ranks", lambda: bench_ranks.measure(max(args.repeats, 5)))),
+        ("Resources: CPU and memory sampling", section("resources", lambda: bench_resources.tables(max(args.repeats, 5)))),
         ("GPU", section("gpu", lambda: bench_gpu.measure(args.repeats, peer, install))),
     ]
     minutes = (time.perf_counter() - began) / 60

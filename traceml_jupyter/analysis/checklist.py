@@ -65,6 +65,22 @@ class Item:
     def line(self) -> int | None:
         return self.site.line if self.site is not None else None
 
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any]) -> Item:
+        """The item `to_dict` wrote (a saved run's checklist, as it was evaluated)."""
+        line = saved.get("line")
+        site = CodeSite(int(line), saved.get("cell")) if isinstance(line, int) else None
+        return cls(
+            str(saved.get("key") or ""),
+            str(saved.get("title") or ""),
+            str(saved.get("status") or CHECK),
+            str(saved.get("seen") or ""),
+            saved.get("to_try"),
+            site,
+            str(saved.get("reason") or ""),
+            bool(saved.get("bears_on_verdict")),
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "key": self.key,
@@ -148,6 +164,9 @@ class Facts:
     busiest_line: LineSeen | None = None  # the body statement with the most host time
     tuned: Mapping[str, Any] | None = None  # the last `%traceml tune` of this loader (to_dict())
     epoch_startup: Mapping[str, Any] | None = None  # each pass's start-up wait (summary key)
+    cpu_saturated: bool | None = None  # CPU SATURATED (analysis/resources.py); None: not measured
+    cpu_sentence: str | None = None  # the cores busy, in words ("the training process and ...")
+    workers_cores: float | None = None  # median cores the DataLoader workers kept busy
 
 
 # -- reading code (pure AST) -----------------------------------------------------------------
@@ -428,12 +447,40 @@ def tuned_workers_item(f: Facts, title: str, bears: bool) -> Item | None:
     return Item("num_workers", title, status, str(n), to_try, f.loader_site, reason, bears)
 
 
+IDLE_WORKER_CORES = 0.5  # a worker busy less than half a core waits (I/O, sleep, a lock)
+
+
+def saturated_workers_item(f: Facts, title: str, bears: bool) -> Item:
+    """CPU SATURATED: no more workers, whatever the rule of thumb or tune say."""
+    n = _workers(f)
+    return Item(
+        "num_workers", title, CHECK if bears else OK, str(n), None, f.loader_site,
+        f"The CPU is saturated: {f.cpu_sentence or 'every usable core is busy.'} More workers "
+        "won't help: they would share "
+        "the same cores. Make per-sample work cheaper, cache decoded samples, or move the work to "
+        "the GPU.",
+        bears,
+    )
+
+
 def num_workers_item(f: Facts) -> Item:
     n, cpus = _workers(f), f.cpu_count
     want = suggested_workers(cpus)
     bears = f.verdict in WORKER_VERDICTS
     of_cpus = f"about half of {cpus} CPUs" if cpus else "at least 2"
     title = "Worker processes (num_workers)"
+    if f.cpu_saturated:
+        return saturated_workers_item(f, title, bears)
+    idle = f.workers_cores is not None and n > 0 and f.workers_cores / n < IDLE_WORKER_CORES
+    if idle and f.verdict in INPUT_VERDICTS and f.tuned is None:
+        busy = f.workers_cores or 0.0
+        return Item(
+            "num_workers", title, FIX, str(n), str(max(2 * n, want)), f.loader_site,
+            f"The {n} worker(s) kept {busy:.1f} core(s) busy while the loop waited for data: they "
+            "wait (disk, network, sleep) more than they compute, so more workers overlap more of "
+            "the waiting, beyond the number of cores." + TUNE_HINT,
+            bears,
+        )
     if f.tuned is not None:
         tuned = tuned_workers_item(f, title, bears)
         if tuned is not None:

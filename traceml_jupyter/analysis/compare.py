@@ -1,16 +1,21 @@
 """Two runs side by side: step time A -> B and the speed-up, data wait and compute deltas, the
-verdict change, and a one-line conclusion. `compare_summaries` is the pure rule."""
+verdict change, and a one-line conclusion. `compare_summaries` is the pure rule; given the runs'
+per-step samples it judges the change against the noise (noise.py) and says first what makes
+the runs unlike (comparable.py)."""
 
 from __future__ import annotations
 
 import html
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .comparable import caveats as unlike
+from .comparable import samples_per_step
 from .figures import ms as _ms
 from .figures import pct as _pct
+from .noise import LEVEL, ColumnChange, Judgement, analysed_samples, judge
+from .resources import mib
 
 if TYPE_CHECKING:
     pass
@@ -32,15 +37,28 @@ class Comparison:
     conclusion: str
     rows: list[tuple[str, str, str, str]] = field(default_factory=list)  # what, A, B, change
     notes: list[str] = field(default_factory=list)
+    # Judged against the noise (from per-step samples; None from summaries alone):
+    change: str | None = None  # IMPROVEMENT, REGRESSION, NO CHANGE or MIXED (noise.Change)
+    speedup_low: float | None = None  # the speed-up's 95 % interval
+    speedup_high: float | None = None
+    caveats: list[str] = field(default_factory=list)  # what makes the runs unlike: said first
+    per_step: list[ColumnChange] = field(default_factory=list)  # mean per step, A and B
 
     def text(self) -> str:
-        widths = [max(len(row[i]) for row in self._table()) for i in range(4)]
-        lines = [f"traceml compare: {self.name_a} -> {self.name_b}", f"  {self.conclusion}"]
-        for row in self._table():
-            cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
-            lines.append(("  " + "   ".join(cells)).rstrip())
+        lines = [f"traceml compare: {self.name_a} -> {self.name_b}"]
+        lines.extend(f"  {caveat}" for caveat in self.caveats)
+        lines.append(f"  {self.conclusion}")
+        lines.extend(_aligned(self._table()))
+        if self.per_step:
+            lines.extend(_aligned(self._per_step_table()))
         lines.extend(f"  Note: {note}" for note in self.notes)
+        if self.per_step:
+            lines.append(f"  {NOISE_RULE}")
         return "\n".join(lines)
+
+    def _per_step_table(self) -> list[tuple[str, str, str, str]]:
+        head = ("Mean per step", self.name_a, self.name_b, f"change ({PERCENT} interval)")
+        return [head, *(per_step_row(c) for c in self.per_step)]
 
     def _table(self) -> list[tuple[str, str, str, str]]:
         return [("", self.name_a, self.name_b, "change"), *self.rows]
@@ -67,7 +85,46 @@ class Comparison:
             "conclusion": self.conclusion,
             "rows": [list(row) for row in self.rows],
             "notes": list(self.notes),
+            "change": self.change,
+            "speedup_interval": (
+                None if self.speedup_low is None else [self.speedup_low, self.speedup_high]
+            ),
+            "caveats": list(self.caveats),
+            "per_step": [c.to_dict() for c in self.per_step],
         }
+
+
+PERCENT = f"{100 * LEVEL:.0f} %"
+NOISE_RULE = (
+    f"A change counts when its {PERCENT} interval (block bootstrap of the per-step means) "
+    "excludes no change and it is 5 % or more; a part's change, 2 % of the step or more."
+)
+
+
+def _aligned(table: list[tuple[str, str, str, str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    return [
+        ("  " + "   ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))).rstrip()
+        for row in table
+    ]
+
+
+def _amount(value: float, unit: str) -> str:
+    if unit == "ms":
+        return _ms(value)
+    return f"{value:,.4g} {unit}".rstrip()
+
+
+def per_step_row(c: ColumnChange) -> tuple[str, str, str, str]:
+    """One row of the mean-per-step table: A, B, and B - A with its interval and its meaning."""
+    name = c.name if c.unit in ("", "ms") or c.unit in c.name else f"{c.name} ({c.unit})"
+    if c.unit == "ms":
+        change = f"{c.diff:+.1f} ms ({c.diff_low:+.1f} to {c.diff_high:+.1f})"
+    else:
+        change = f"{c.diff:+.4g} ({c.diff_low:+.4g} to {c.diff_high:+.4g})"
+    if c.ratio is not None:
+        change += f", {100 * (c.ratio - 1):+.0f} %"
+    return name, _amount(c.a, c.unit), _amount(c.b, c.unit), f"{change}: {c.verdict}"
 
 
 # -- the pure rule ------------------------------------------------------------------------------
@@ -105,7 +162,7 @@ def still_because(
 ) -> str:
     """Why a verdict that did not change still holds, in a few words (empty when nothing to add)."""
     if label == "INPUT-BOUND":
-        if workers_b and cpus and workers_b >= cpus:
+        if summary_b.get("cpu_saturated") or (workers_b and cpus and workers_b >= cpus):
             return "the CPU is now the ceiling"
         return f"data wait is still {_pct(summary_b.get('data_wait_share'))} of the step"
     if label == "INPUT STRAGGLER":
@@ -113,6 +170,45 @@ def still_because(
     if label == "COMPUTE-BOUND":
         return "the step itself is the ceiling"
     return ""
+
+
+def _delta(a: float | None, b: float | None, unit: str) -> str:
+    if a is None or b is None:
+        return ""
+    if unit == "MiB":
+        text = ("+" if b >= a else "-") + mib(abs(b - a))
+    else:
+        text = f"{b - a:+.1f} {unit}"
+    return text + (f" ({100 * (b - a) / a:+.0f} %)" if a > 0 else "")
+
+
+def _resource_value(value: float | None, unit: str, summary: Mapping[str, Any]) -> str:
+    if value is None:
+        return "n/a"
+    if unit == "MiB":
+        return mib(value)
+    text = f"{value:.1f} of {summary.get('cpu_usable_cores') or 0:g}"
+    return text + (" (saturated)" if summary.get("cpu_saturated") else "")
+
+
+def resource_rows(summary_a: Mapping[str, Any], summary_b: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
+    """Memory and CPU side by side (rows where either run measured them): the GPU memory peak,
+    the cores busy in the process and its workers (and whether the CPU was saturated), the
+    process's RSS, the growth of a worker's private memory."""
+    rows = []
+    for key, what, unit in (
+        ("gpu_mem_peak_mib", "GPU memory peak (step)", "MiB"),
+        ("cpu_cores", "CPU cores busy (process + workers)", "cores"),
+        ("host_rss_mib", "Host memory (RSS, max)", "MiB"),
+        ("worker_uss_growth_mib", "Worker memory growth", "MiB"),
+    ):
+        a, b = summary_a.get(key), summary_b.get(key)
+        if a is None and b is None:
+            continue
+        rows.append(
+            (what, _resource_value(a, unit, summary_a), _resource_value(b, unit, summary_b), _delta(a, b, unit))
+        )
+    return rows
 
 
 def compare_summaries(
@@ -124,12 +220,21 @@ def compare_summaries(
     label_b: str,
     workers_b: int | None = None,
     cpus: int | None = None,
+    steps_a: Mapping[str, Any] | None = None,
+    steps_b: Mapping[str, Any] | None = None,
+    machine_a: Mapping[str, Any] | None = None,
+    machine_b: Mapping[str, Any] | None = None,
 ) -> Comparison:
     """Compare two runs from their summaries (see `Run.summary`) and verdict labels.
 
     The speed-up is the ratio of throughputs (mean over the analysed steps, stalls included):
     samples/s when both batch sizes are known, else steps/s. `workers_b` (B's DataLoader
     workers) and `cpus` let the conclusion say when the CPU has become the ceiling.
+
+    With both runs' per-step columns (`Run.steps`), the change is judged against the noise
+    (noise.judge: IMPROVEMENT, REGRESSION, NO CHANGE or MIXED, with the speed-up's interval and
+    each per-step quantity's change), and what makes the runs unlike is said first, from
+    their summaries and `Run.machine` (None: not recorded).
     """
     unit_a, rate_a = _rate(summary_a)
     unit_b, rate_b = _rate(summary_b)
@@ -183,72 +288,151 @@ def compare_summaries(
             str(summary_b.get("n_analysed", "n/a")),
             "",
         ),
+        *resource_rows(summary_a, summary_b),
     ]
-    notes = []
-    if summary_a.get("clock") != summary_b.get("clock"):
-        notes.append(
-            f"{name_a} was timed on the {str(summary_a.get('clock')).upper()} clock and "
-            f"{name_b} on the {str(summary_b.get('clock')).upper()} clock."
+    sampled = steps_a is not None and steps_b is not None
+    said_first = unlike(name_a, summary_a, machine_a, name_b, summary_b, machine_b, sampled)
+    judgement = None
+    if label_a not in NO_VERDICT and label_b not in NO_VERDICT and sampled:
+        assert steps_a is not None and steps_b is not None
+        per_a, per_b = samples_per_step(summary_a), samples_per_step(summary_b)
+        per_sample = per_a is not None and per_b is not None and per_a != per_b
+        judgement = judge(
+            analysed_samples(summary_a, steps_a, per_a if per_sample else None),
+            analysed_samples(summary_b, steps_b, per_b if per_sample else None),
+            "sample" if per_sample else "step",
+            compute_name,
         )
 
     if label_a in NO_VERDICT or label_b in NO_VERDICT or speedup is None:
         empty = name_a if label_a in NO_VERDICT or not rate_a else name_b
         conclusion = f"No comparison: {empty} has too few analysed steps."
-    elif label_a != label_b:
-        conclusion = f"{speed_words(speedup)}: {label_a} -> {label_b}"
     else:
-        reason = still_because(label_b, summary_b, workers_b, cpus)
-        conclusion = f"{speed_words(speedup)}; still {label_b}" + (f": {reason}" if reason else "")
-    return Comparison(name_a, name_b, label_a, label_b, speedup, conclusion, rows, notes)
+        if label_a != label_b:
+            verdicts = f"{label_a} -> {label_b}"
+        else:
+            reason = still_because(label_b, summary_b, workers_b, cpus)
+            verdicts = f"still {label_b}" + (f": {reason}" if reason else "")
+        if judgement is None:
+            conclusion = f"{speed_words(speedup)}{':' if label_a != label_b else ';'} {verdicts}"
+        else:
+            conclusion = judged_words(judgement, verdicts)
+    if judgement is None:
+        return Comparison(
+            name_a, name_b, label_a, label_b, speedup, conclusion, rows, [], caveats=said_first
+        )
+    if judgement.change.value == "NO CHANGE" and speedup:
+        # the throughput row says what the conclusion says: no "1.1x faster" within the noise
+        what, a, b, _ = rows[1]
+        rows[1] = (what, a, b, f"{speedup:.2f}x: within noise")
+    return Comparison(
+        name_a,
+        name_b,
+        label_a,
+        label_b,
+        speedup,
+        conclusion,
+        rows,
+        [],
+        judgement.change.value,
+        judgement.speedup_low,
+        judgement.speedup_high,
+        said_first,
+        judgement.columns,
+    )
+
+
+def _times(speedup: float) -> str:
+    return f"{speedup:.2f}x" if speedup < 10 else f"{speedup:.0f}x"
+
+
+def judged_words(j: Judgement, verdicts: str) -> str:
+    """The conclusion of a comparison judged against the noise: the label, the speed-up with its
+    interval, what got slower when the step got faster, then the verdicts."""
+    low, high = j.speedup_low, j.speedup_high
+    per = " per sample" if j.per == "sample" else ""
+    if j.change.value in ("IMPROVEMENT", "MIXED"):
+        words = f"{_times(j.speedup)} faster{per} ({PERCENT} interval {_times(low)} to {_times(high)})"
+    elif j.change.value == "REGRESSION":
+        words = (
+            f"{_times(1 / j.speedup)} slower{per} ({PERCENT} interval {_times(1 / high)} to "
+            f"{_times(1 / low)})"
+        )
+    else:
+        words = (
+            f"{_times(j.speedup)}{per}, {PERCENT} interval {_times(low)} to {_times(high)}"
+        )
+    if j.change.value == "MIXED":
+        slower = ", ".join(
+            f"{c.name} ({c.diff:+.1f} ms a step"
+            + (f", {100 * (c.ratio - 1):+.0f} %)" if c.ratio is not None else ")")
+            for c in j.slower_parts
+        )
+        words += f", but slower: {slower}"
+    label = "NO CHANGE (within noise)" if j.change.value == "NO CHANGE" else j.change.value
+    return f"{label}: {words}; {verdicts}"
 
 
 # -- the HTML view ------------------------------------------------------------------------------
 
-_COLOURS = {"faster": "#1a7f37", "slower": "#b42318", "same": "#57606a"}
+_COLOURS = {"faster": "#1a7f37", "slower": "#b42318", "same": "#57606a", "mixed": "#a35200"}
+_TONE_OF_CHANGE = {
+    "IMPROVEMENT": "faster",
+    "REGRESSION": "slower",
+    "NO CHANGE": "same",
+    "MIXED": "mixed",
+}
 
 
 def comparison_html(c: Comparison) -> str:
     """Static HTML with inline CSS: survives nbconvert, nbviewer, GitHub and a page reload."""
     esc = html.escape
     tone = "same"
-    if c.speedup is not None and c.speedup >= SAME_SPEED:
+    if c.change is not None:
+        tone = _TONE_OF_CHANGE.get(c.change, "same")
+    elif c.speedup is not None and c.speedup >= SAME_SPEED:
         tone = "faster"
     elif c.speedup is not None and c.speedup <= 1 / SAME_SPEED:
         tone = "slower"
     cell = "padding:3px 10px;border-bottom:1px solid #e1e4e8;text-align:left"
     head = f"{cell};font-weight:600;background:#f6f8fa"
-    rows = "".join(
-        "<tr>"
-        + f'<td style="{cell};color:#57606a">{esc(what)}</td>'
-        + f'<td style="{cell}">{esc(a)}</td>'
-        + f'<td style="{cell}">{esc(b)}</td>'
-        + f'<td style="{cell};font-weight:600">{esc(change)}</td>'
-        + "</tr>"
-        for what, a, b, change in c.rows
+
+    def table(rows: list[tuple[str, str, str, str]], css: str) -> str:
+        body = "".join(
+            "<tr>"
+            + f'<td style="{cell};color:#57606a">{esc(what)}</td>'
+            + f'<td style="{cell}">{esc(a)}</td>'
+            + f'<td style="{cell}">{esc(b)}</td>'
+            + f'<td style="{cell};font-weight:600">{esc(change)}</td>'
+            + "</tr>"
+            for what, a, b, change in rows[1:]
+        )
+        heads = "".join(f'<th style="{head}">{esc(h)}</th>' for h in rows[0])
+        return f'<table class="{css}" style="border-collapse:collapse;width:100%;margin-top:8px">' + (
+            f"<tr>{heads}</tr>{body}</table>"
+        )
+
+    said_first = "".join(
+        f'<div class="tml-caveat" style="color:#a35200;margin:2px 0">{esc(x)}</div>'
+        for x in c.caveats
     )
     notes = "".join(
         f'<div style="color:#57606a;margin-top:4px">Note: {esc(note)}</div>' for note in c.notes
     )
+    per_step = table(c._per_step_table(), "tml-per-step") if c.per_step else ""
+    rule = (
+        f'<div style="color:#57606a;margin-top:6px;font-size:12px">{esc(NOISE_RULE)}</div>'
+        if c.per_step
+        else ""
+    )
     return (
         '<div class="traceml-compare" style="font-family:system-ui,-apple-system,sans-serif;'
-        "font-size:13px;line-height:1.4;max-width:760px;border:1px solid #d0d7de;"
+        "font-size:13px;line-height:1.4;max-width:860px;border:1px solid #d0d7de;"
         'border-radius:6px;padding:10px 12px">'
         f'<div style="color:#57606a">traceml compare: <b>{esc(c.name_a)}</b> &rarr; '
-        f"<b>{esc(c.name_b)}</b></div>"
-        f'<div style="font-size:16px;font-weight:600;margin:4px 0 8px;color:{_COLOURS[tone]}">'
-        f"{esc(c.conclusion)}</div>"
-        '<table style="border-collapse:collapse;width:100%">'
-        f'<tr><th style="{head}"></th><th style="{head}">{esc(c.name_a)}</th>'
-        f'<th style="{head}">{esc(c.name_b)}</th><th style="{head}">change</th></tr>'
-        f"{rows}</table>{notes}</div>"
+        f"<b>{esc(c.name_b)}</b></div>{said_first}"
+        f'<div class="tml-conclusion" style="font-size:16px;font-weight:600;margin:4px 0 0;'
+        f'color:{_COLOURS[tone]}">{esc(c.conclusion)}</div>'
+        f"{table(c._table(), 'tml-rows')}{per_step}{notes}{rule}</div>"
     )
 
-
-# -- runs by name ------------------------------------------------------------------------------
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1

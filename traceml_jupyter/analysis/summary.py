@@ -121,6 +121,7 @@ GPU_WORK_KEYS = (
     # (None: syncs not watched, or most steps had an untimed one: the host's time is unknown)
     "host_issue_ms",
     "gpu_backlog_ms",  # median GPU work still queued when a step ended (sampled steps)
+    "own_host_ms",  # median host time of traceml's own GPU-path hooks per step (taken out of host_issue_ms)
     "gpu_busy_share",  # median NVML utilisation / 100
     "host_share",  # 1 - busy - data wait share - h2d share: GPU idle inside steps (needs NVML)
 )
@@ -175,9 +176,14 @@ def gpu_work(
     sync = _measured(columns, "sync_ms", analysed)
     out["sync_ms"] = _median(sync)
     out["sync_calls"] = _median(_measured(columns, "sync_calls", analysed))
+    own = columns.get("own_host_ms")
+    if own is not None:
+        out["own_host_ms"] = _median(_measured(columns, "own_host_ms", analysed))
     if sync is not None:  # the body minus an unknown wait would be unknown
         host = np.asarray(columns["compute_ms"], dtype=np.float64)[analysed]
         issue = host - np.asarray(columns["sync_ms"], dtype=np.float64)[analysed]
+        if own is not None:  # our hooks' host time is no work of the user's
+            issue = issue - np.nan_to_num(np.asarray(own, dtype=np.float64)[analysed])
         untimed = columns.get("sync_untimed")
         if untimed is not None:  # a step with an untimed wait for the GPU: its issue time is unknown
             waited = np.asarray(untimed, dtype=np.float64)[analysed] > 0

@@ -416,9 +416,15 @@ def conclude(
     cpus: int,
     split: Split | None = None,
     model_on_cpu: bool = False,
+    saturated: str | None = None,
 ) -> Conclusion:
-    """The best setting, the kwargs to change, the predicted step and speed-up, and the advice."""
+    """The best setting, the kwargs to change, the predicted step and speed-up, and the advice.
+    `saturated` (the run's CPU SATURATED, in a sentence): no setting with more workers than the
+    loader has is chosen, whatever it made alone (training shares those cores)."""
     model_rate = model.batches_per_s if model is not None else None
+    if saturated is not None:
+        workers = int(current.get("num_workers") or 0)
+        rows = [r for r in rows if r.setting.num_workers <= workers] or list(rows)
     best, fed = choose(rows, model_rate)
     notes: list[str] = []
     if best is None:
@@ -467,6 +473,12 @@ def conclude(
     note = optimistic_note(split, best.setting.num_workers, cpus, model_on_cpu)
     if note is not None and model is not None:
         notes.append(note)
+    if saturated is not None:
+        what = costliest(split) if split is not None else "each sample's work"
+        advice.append(
+            f"{saturated} More workers won't help while training shares these cores: make {what} "
+            "cheaper, cache decoded samples, or move the work to the GPU."
+        )
     return Conclusion(best, changes, fed, step, speedup, advice, notes)
 
 

@@ -137,6 +137,12 @@ def gpu_busy_evidence(summary: Mapping[str, Any]) -> str | None:
     return None
 
 
+def hidden_waits_sentence(summary: Mapping[str, Any]) -> str:
+    """" Waits nobody reports may hide: CUDA_LAUNCH_BLOCKING=1 ..." or ""."""
+    hidden = list(summary.get("syncs_hidden") or [])
+    return f" Waits nobody reports may hide there: {'; '.join(hidden)}." if hidden else ""
+
+
 def sync_sentence(top: Mapping[str, Any] | None) -> str | None:
     """"`loss.item()` on line 7 synchronises every step: the host waits there 31.0 % of the
     step." for the costliest syncing line of the cell, or None."""
@@ -177,7 +183,7 @@ def _h2d_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tuple
     if waited:
         why += (
             f" The copy{_lines(waited)} runs on a side stream, but the loop's stream waits for it "
-            "(wait_stream) before it is done, so most of it does not overlap compute: start the next "
+            "(wait_stream, wait_event) before it is done, so most of it does not overlap compute: start the next "
             "batch's copy before this step's compute (a prefetch), and make the copy cheaper."
         )
     # Pinning makes a copy about twice as fast; on the loop's stream it still runs between
@@ -232,13 +238,17 @@ def _host_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tupl
             f" Line {top['line']}{text} takes the host most time: {_ms(top['ms_per_step'])} a "
             "step; if it fetches data, the GPU is starved by input, not by launches."
         )
+    own = summary.get("own_host_ms")
+    if own:
+        why += f" (traceml's own hooks took {_ms(own)} of the host's time a step; it is not counted.)"
     calls = summary.get("sync_calls")
+    graphs = "" if summary.get("cuda_graphs_used") else "CUDA graphs, "
     return Verdict(
         "HOST-BOUND",
         severity,
         why,
         "Give the GPU more work per launch: a larger batch, mixed precision (torch.autocast), "
-        "torch.compile, CUDA graphs, fewer small ops, and no .item() or other sync every step "
+        f"torch.compile, {graphs}fewer small ops, and no .item() or other sync every step "
         "(log every N steps).",
         evidence
         + [
@@ -260,7 +270,30 @@ def cheaper_step_ideas(summary: Mapping[str, Any]) -> list[str]:
         ideas.append("mixed precision")
     if not summary.get("model_compiled"):
         ideas.append("torch.compile")
-    return ideas + ["a larger batch", "a smaller model"]
+    return ideas + [larger_batch(summary), "a smaller model"]
+
+
+def larger_batch(summary: Mapping[str, Any]) -> str:
+    """"a larger batch", with the room the GPU memory peak leaves when it was measured."""
+    room, share = summary.get("gpu_batch_room"), summary.get("gpu_mem_peak_share")
+    if room is None or share is None:
+        return "a larger batch"
+    if room < 1.2:
+        return f"a larger batch only with less memory per sample: the peak is {_pct(share)} of the GPU"
+    return f"a larger batch: the memory peak is {_pct(share)} of the GPU, room for about {room:.1f}x the batch"
+
+
+def input_next(summary: Mapping[str, Any]) -> str:
+    """INPUT-BOUND's next step: more workers, unless the CPU is already saturated."""
+    if summary.get("cpu_saturated"):
+        return (
+            "Make each sample cheaper: the CPU is saturated, so more DataLoader workers won't help; "
+            "cache decoded samples, precompute, or move the per-sample work to the GPU (see the checklist)."
+        )
+    return (
+        "Feed the loop faster: more DataLoader workers, persistent workers, pinned memory, "
+        "and less per-sample work (see the checklist)."
+    )
 
 
 def diagnose(summary: Mapping[str, Any]) -> Verdict:
@@ -314,8 +347,7 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
             f"The loop spends {_pct(wait_share)} of a typical step waiting for data (median "
             f"wait {_ms(wait)}, median step {_ms(step)}, {compute_name.lower()} {_ms(compute)}), "
             f"over {n} steps.",
-            "Feed the loop faster: more DataLoader workers, persistent workers, pinned memory, "
-            "and less per-sample work (see the checklist).",
+            input_next(summary),
             evidence,
         )
     lost = summary.get("straggler_share") or 0.0
@@ -347,7 +379,8 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
             f"{_pct(compute_share)} of the median step ({_ms(compute)} of {_ms(step)}) and data "
             f"wait is {_pct(wait_share)}, but GPU busy is unknown: no work was queued when steps "
             "ended, GPU utilisation was not measured, and the host's waits for the GPU were not "
-            "timed, so whether the GPU or the host sets the pace can't be told.",
+            "timed, so whether the GPU or the host sets the pace can't be told."
+            + hidden_waits_sentence(summary),
             "Install nvidia-ml-py (GPU utilisation) and run again; replace untimed syncs "
             "(torch.nonzero, boolean masks) or log them every N steps.",
             evidence,

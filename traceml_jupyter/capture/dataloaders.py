@@ -56,7 +56,38 @@ def describe_loader(loader: Any) -> dict[str, Any]:
         "dataset_module": str(attribute(ds_type, "__module__") or ""),
         "len": safe_len(loader),
         "n_samples": safe_len(dataset),
+        "python_objects": python_objects(dataset),
     }
+
+
+PYTHON_OBJECTS_MIN = 10_000  # a container this long makes copy-on-read growth worth naming
+
+
+def python_objects(dataset: Any, prefix: str = "", depth: int = 1) -> list[dict[str, Any]]:
+    """The dataset's attributes that hold a list, tuple, dict or set of many Python objects
+    (workers that read them copy the pages they sit on: copy-on-read), longest first; also
+    those of a dataset it wraps (`Subset.dataset`). Every read is guarded."""
+    found: list[dict[str, Any]] = []
+    try:
+        attrs = vars(dataset)
+    except TypeError:
+        return found
+    if type(attrs) is not dict:
+        return found
+    for name, value in list(attrs.items()):
+        kind = type(value)
+        if kind in (list, tuple, dict, set):
+            n = safe_len(value)
+            if n is None or n < PYTHON_OBJECTS_MIN:
+                continue
+            try:
+                first = next(iter(value.values() if kind is dict else value))
+            except Exception:
+                continue
+            found.append({"attribute": prefix + name, "kind": kind.__name__, "length": n, "items": type_name(first)})
+        elif depth > 0 and name == "dataset":
+            found += python_objects(value, f"{prefix}{name}.", depth - 1)
+    return sorted(found, key=lambda row: -int(row["length"]))
 
 
 def _flag(value: Any) -> bool | None:

@@ -21,6 +21,7 @@ from types import FrameType
 from typing import Any
 
 from .cell_functions import is_cell_file
+from .cuda_graphs import capturing
 from .patches import patched
 from .step_tally import StepTally
 
@@ -195,6 +196,7 @@ class _Copy:
     site: CopySite
     waited_at: Any = None  # an event on the loop's stream, just before it waited for `stream`
     waited_step: int = 0  # the step that waited
+    read: bool = False  # its events were read (it is no longer pending)
 
 
 class CopyWatch:
@@ -206,8 +208,9 @@ class CopyWatch:
     stream, `current_device()` the current device; `loop_device` the loop's. `loop_stream`
     (set by the GPU watch) is the stream the loop's steps run on: a copy on another stream can
     overlap compute and is not step time, except for the part of it the loop's stream waits for
-    (`stream_waits`, called by a patched `Stream.wait_stream`): a copy made on a side stream and
-    waited for at once runs between the kernels as one on the loop's stream does.
+    (`stream_waits`, called by a patched `Stream.wait_stream`, and `event_waits`, by a patched
+    `Event.wait`, which `Stream.wait_event` calls): a copy made on a side stream and waited for
+    at once runs between the kernels as one on the loop's stream does.
     """
 
     def __init__(
@@ -231,11 +234,15 @@ class CopyWatch:
         self.tallies = {name: StepTally() for name in COPY_COLUMNS}
         self.sites: dict[tuple[str, int], CopySite] = {}
         self._pending: deque[_Copy] = deque()
+        self.side_pending = 0  # side-stream copies not read yet: events recorded then may mark them
+        self._marked: dict[int, tuple[Any, _Copy]] = {}  # id(event) -> (event, copy it follows)
 
     def turn_off(self, exc: BaseException) -> None:
         if self.off is None:
             self.off = f"Copies to the GPU were not timed after an error: {type(exc).__name__}: {exc}"
         self._pending.clear()
+        self._marked.clear()
+        self.side_pending = 0
 
     def begin(self, device: int) -> tuple[Any, Any]:
         """(stream, event): an event recorded just before a copy to `device` is issued, on the
@@ -275,6 +282,7 @@ class CopyWatch:
         tallies["h2d_pinned_bytes"].add(step, nbytes if pinned else 0)
         tallies["h2d_async_bytes"].add(step, nbytes if non_blocking and pinned else 0)
         self._pending.append(_Copy(step, device, stream, start, end, side, site))
+        self.side_pending += side
         self.poll()
 
     def stream_waits(self, waiter: Any, other: Any) -> None:
@@ -289,13 +297,44 @@ class CopyWatch:
             return
         for copy in reversed(self._pending):
             if copy.stream == other:  # copies on one stream run in order: the newest ends last
-                if copy.waited_at is None and copy.side and copy.device == self.loop_device:
-                    copy.waited_at = self.pool.record(copy.device, waiter)
-                    copy.waited_step = step
+                self._waits_for(copy, waiter, step)
                 return
+
+    def _waits_for(self, copy: _Copy, waiter: Any, step: int) -> None:
+        """The loop's stream `waiter` waits for side-stream `copy` from now on (not read yet)."""
+        if copy.waited_at is None and copy.side and not copy.read and copy.device == self.loop_device:
+            copy.waited_at = self.pool.record(copy.device, waiter)
+            copy.waited_step = step
+
+    def event_recorded(self, event: Any, stream: Any) -> None:
+        """`event.record(stream)` (None: the current stream) while side-stream copies are
+        pending: the event marks the newest copy on that stream (a later `wait_event` on it
+        waits for that copy: the prefetcher's `record_event` then `wait_event`)."""
+        if stream is None and self.stream_of is not None:
+            stream = self.stream_of(int(self.current_device()))
+        for copy in reversed(self._pending):
+            if copy.stream == stream:
+                if copy.side:
+                    if len(self._marked) > 64:  # events of copies long read
+                        self._marked = {k: v for k, v in self._marked.items() if not v[1].read}
+                    self._marked[id(event)] = (event, copy)
+                return
+
+    def event_waits(self, waiter: Any, event: Any) -> None:
+        """`waiter.wait_event(event)` / `event.wait(waiter)` is about to be queued: as
+        `stream_waits`, for the copy the event marks."""
+        if waiter != self.loop_stream:
+            return
+        marked = self._marked.pop(id(event), None)
+        step = self.current_step()
+        if marked is None or marked[0] is not event or step is None:
+            return
+        self._waits_for(marked[1], waiter, step)
 
     def _read(self, copy: _Copy) -> None:
         ms = float(copy.start.elapsed_time(copy.end))
+        copy.read = True
+        self.side_pending -= copy.side
         site = copy.site
         site.ms += ms
         site.timed += 1
@@ -343,6 +382,8 @@ class CopyWatch:
     def release(self) -> None:
         """Drop every event (the run outlives the cell)."""
         self._pending.clear()
+        self._marked.clear()
+        self.side_pending = 0
         self.pool.clear()
 
     def watch_from(self, step: int) -> None:
@@ -394,10 +435,14 @@ def copies_timed(
     clock: Callable[[], int] = perf_counter_ns,
     compiling: Callable[[], bool] = lambda: False,
     stream_type: Any = None,
+    event_type: Any = None,
+    own: Callable[[int, int], None] | None = None,
 ) -> Iterator[None]:
     """`tensor_type.to` and `tensor_type.cuda` time host-to-device copies for the duration, and
-    `stream_type.wait_stream` (torch.cuda.Stream's) tells the watch when the loop's stream
-    waits for a side stream's copies.
+    `stream_type.wait_stream` (torch.cuda.Stream's) and `event_type.wait` (torch.cuda.Event's,
+    which `Stream.wait_event` calls; `event_type.record` tells which copy an event follows) tell
+    the watch when the loop's stream waits for a side stream's copies. `own(step, ns)` gets
+    the hooks' own host time around each timed copy.
 
     A copy that makes the host wait for the GPU (a blocking one, or a `non_blocking` one from
     pageable memory, which CUDA runs synchronously) and a blocking `.to("cpu")` of a CUDA
@@ -410,6 +455,7 @@ def copies_timed(
     get_ident = threading.get_ident
 
     def timed(method: Callable[..., Any], self: Any, args: Any, kwargs: Any, step: int, device: int) -> Any:
+        t_in = clock()
         try:
             if device == CURRENT:
                 device = int(watch.current_device())
@@ -431,6 +477,8 @@ def copies_timed(
             watch.copied(step, device, stream, start, self, nb, pinned, frame)
             if synced is not None and not (nb and pinned):
                 synced(step, "blocking copy" if not nb else "pageable non_blocking copy", ns, frame)
+            if own is not None:
+                own(step, clock() - t_in - ns)
         except Exception as exc:
             watch.turn_off(exc)
         return out
@@ -468,7 +516,7 @@ def copies_timed(
         if device is None:
             return to(self, *args, **kwargs)
         step = watch.current_step()
-        if step is None or compiling():
+        if step is None or compiling() or capturing(True):  # a copy into a CUDA graph runs at replay
             return to(self, *args, **kwargs)
         return timed(to, self, args, kwargs, step, device)
 
@@ -476,7 +524,7 @@ def copies_timed(
         if watch.off is not None or get_ident() != watch.thread or self.is_cuda:
             return cuda(self, *args, **kwargs)
         step = watch.current_step()
-        if step is None or compiling():
+        if step is None or compiling() or capturing(True):
             return cuda(self, *args, **kwargs)
         target = _device_arg(args, kwargs)
         device = CURRENT if target is None or isinstance(target, bool) else cuda_index(target)
@@ -485,17 +533,53 @@ def copies_timed(
         return timed(cuda, self, args, kwargs, step, CURRENT if device is None else device)
 
     wait_stream: Any = getattr(stream_type, "wait_stream", None)
+    in_wait_stream = [False]  # torch's wait_stream is wait_event(stream.record_event()): seen once
 
     def watched_wait_stream(self: Any, stream: Any) -> Any:
-        if watch.off is None and get_ident() == watch.thread:
+        if watch.off is None and get_ident() == watch.thread and not capturing(True):
             try:
                 watch.stream_waits(self, stream)
             except Exception as exc:  # ours: the wait itself still runs
                 watch.turn_off(exc)
-        return wait_stream(self, stream)
+        in_wait_stream[0] = True
+        try:
+            return wait_stream(self, stream)
+        finally:
+            in_wait_stream[0] = False
+
+    record: Any = getattr(event_type, "record", None)
+    event_wait: Any = getattr(event_type, "wait", None)
+
+    def watched_record(self: Any, stream: Any = None) -> Any:
+        if watch.side_pending and watch.off is None and get_ident() == watch.thread and not capturing(True):
+            try:
+                watch.event_recorded(self, stream)
+            except Exception as exc:
+                watch.turn_off(exc)
+        return record(self, stream)
+
+    def watched_wait(self: Any, stream: Any = None) -> Any:
+        if (
+            watch.side_pending
+            and not in_wait_stream[0]
+            and watch.off is None
+            and get_ident() == watch.thread
+            and not capturing(True)
+        ):
+            try:
+                waiter = stream
+                if waiter is None and watch.stream_of is not None:
+                    waiter = watch.stream_of(int(watch.current_device()))
+                watch.event_waits(waiter, self)
+            except Exception as exc:
+                watch.turn_off(exc)
+        return event_wait(self, stream)
 
     timed_to.__doc__, timed_cuda.__doc__ = to.__doc__, cuda.__doc__
     watched_wait_stream.__doc__ = getattr(wait_stream, "__doc__", None)
+    watched_record.__doc__ = getattr(record, "__doc__", None)
+    watched_wait.__doc__ = getattr(event_wait, "__doc__", None)
     waits = {"wait_stream": watched_wait_stream} if callable(wait_stream) else {}
-    with patched(tensor_type, {"to": timed_to, "cuda": timed_cuda}), patched(stream_type, waits):
+    events = {"record": watched_record, "wait": watched_wait} if callable(record) and callable(event_wait) else {}
+    with patched(tensor_type, {"to": timed_to, "cuda": timed_cuda}), patched(stream_type, waits), patched(event_type, events):
         yield

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
 
+from .cuda_graphs import capturing
 from .hooks import LINES
 from .locate import LoopChoice, find_node
 
@@ -202,6 +203,7 @@ class CudaLineClock(LineClock):
         self._mark_stream: Any = None
         self._pending: deque[list[tuple[int, Any]]] = deque()
         self._free: list[Any] = []
+        self.own: Callable[[int], None] = lambda ns: None  # our event records' host time in a step
 
     def _ready(self) -> bool:
         """Events can be made: a factory was given, or torch's CUDA API for the loop's device."""
@@ -242,7 +244,7 @@ class CudaLineClock(LineClock):
         k = self.timed - 1
         step = step_of_sample(k, self.full, self.every)
         due = step >= self.full or step % GPU_EARLY_EVERY == 0
-        if due and step > self.warmup_until:
+        if due and step > self.warmup_until and not capturing(True):
             try:
                 if not self._ready():
                     return
@@ -261,16 +263,23 @@ class CudaLineClock(LineClock):
         self.ns[i] += now - self._prev
         self.runs[i] += 1
         marks = self._marks
+        if marks is not None and capturing(True):  # no event inside a CUDA graph capture: drop the step's
+            self._free.extend(ev for _, ev in marks)
+            self._marks = marks = None
         if marks is not None:
             try:
                 marks.append((i, self._event(self._mark_stream)))
             except Exception as exc:  # runs in the user's `finally`: must not replace their error
                 self._turn_off(exc)
-            now = perf_counter_ns()
+            after = perf_counter_ns()
+            self.own(after - now)
+            now = after
         self._prev = now
 
     def _poll(self) -> None:
         pending, sums, free = self._pending, self.gpu_sums, self._free
+        if capturing():
+            return
         try:
             while pending:
                 marks = pending[0]
@@ -290,6 +299,8 @@ class CudaLineClock(LineClock):
         if self._marks is not None:
             self._pending.append(self._marks)
             self._marks = None
+        if self._pending and self.gpu_off is None and capturing():
+            self._turn_off(RuntimeError("a CUDA graph capture was still under way when the cell ended"))
         if self._pending and self.gpu_off is None:
             try:  # every mark: a body that switched streams leaves them on several
                 for marks in self._pending:
@@ -381,4 +392,11 @@ def new_clock(statements: list[Statement], run: Any, warmup: int | None) -> Line
     def api() -> Any:
         return sync_stalls.torch_cuda_api(getattr(run, "cuda_device", None))
 
-    return CudaLineClock(statements, None, on_gpu, until, api_for=api)
+    def own(ns: int) -> None:
+        watch = getattr(run, "gpu_watch", None)
+        if watch is not None and watch.syncs is not None:
+            watch.own_time(ns)
+
+    clock = CudaLineClock(statements, None, on_gpu, until, api_for=api)
+    clock.own = own
+    return clock

@@ -20,7 +20,7 @@ class LoopChoice:
 
     lineno: int
     col_offset: int
-    reason: str  # "--loop", "marked", "trains", "steps", "innermost"
+    reason: str  # "--loop", "marked", "replays", "trains", "steps", "innermost"
     function: str | None = None  # name of the enclosing function, if any
 
 
@@ -122,13 +122,18 @@ def find_marked_loop(tree: ast.AST, lines: Sequence[str] = ()) -> LoopChoice | N
 
 
 def find_training_loop(tree: ast.AST, lines: Sequence[str] = ()) -> LoopChoice | None:
-    """A loop marked `# traceml: loop`; else the first whose own body calls `.backward(`;
-    else the innermost whose own body steps an optimizer (`.step(` of anything that is not a
-    scheduler or a GradScaler)."""
+    """A loop marked `# traceml: loop`; else the first whose own body replays a CUDA graph
+    (`g.replay()`: the training step was captured, and warm-up loops before the capture call
+    `.backward(` too); else the first whose own body calls `.backward(`; else the innermost
+    whose own body steps an optimizer (`.step(` of anything that is not a scheduler or a
+    GradScaler)."""
     marked = find_marked_loop(tree, lines)
     if marked is not None:
         return marked
     loops = sorted(_for_loops(tree), key=lambda t: (t[0].lineno, t[0].col_offset))
+    for loop, _, func in loops:
+        if _calls_method(loop, "replay"):
+            return _choice(loop, "replays", func)
     for loop, _, func in loops:
         if _calls_method(loop, "backward"):
             return _choice(loop, "trains", func)

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from .samples import SampleBuffer
+
 SAMPLE_PERIOD_S = 0.2  # at most 5 samples a second
 CAPACITY = 2048  # samples kept; when full, every other one goes and the period doubles
 THREAD_NAME = "traceml-nvml"
@@ -124,41 +126,21 @@ def clock_and_temperature(nvml: Any, handle: Any) -> tuple[float, float]:
     return clock, temp
 
 
-class GpuSamples:
+class GpuSamples(SampleBuffer):
     """Bounded sample buffer: written by the sampler thread, read (copied) by the main thread."""
 
     def __init__(self, capacity: int = CAPACITY) -> None:
-        self._lock = threading.Lock()
-        self._data = np.full((len(SAMPLE_COLUMNS), capacity), np.nan)
-        self._n = 0
-        self.decimations = 0  # each one halved the kept samples (and the sampling rate)
+        super().__init__(SAMPLE_COLUMNS, capacity)
 
     def add(
         self, time_s: float, util_pct: float, mem_used_mib: float, clock_mhz: float = NAN, temp_c: float = NAN
     ) -> None:
-        with self._lock:
-            if self._n == self._data.shape[1]:
-                half = self._data[:, ::2].copy()
-                self._data[:] = np.nan
-                self._data[:, : half.shape[1]] = half
-                self._n = half.shape[1]
-                self.decimations += 1
-            self._data[:, self._n] = (time_s, util_pct, mem_used_mib, clock_mhz, temp_c)
-            self._n += 1
-
-    def __len__(self) -> int:
-        return self._n
+        self.add_row((time_s, util_pct, mem_used_mib, clock_mhz, temp_c))
 
     def latest(self) -> tuple[float, float] | None:
         """(utilisation %, memory used MiB) of the newest sample."""
-        with self._lock:
-            if not self._n:
-                return None
-            return float(self._data[1, self._n - 1]), float(self._data[2, self._n - 1])
-
-    def columns(self) -> dict[str, np.ndarray]:
-        with self._lock:
-            return {name: self._data[i, : self._n].copy() for i, name in enumerate(SAMPLE_COLUMNS)}
+        row = self.last_row()
+        return None if row is None else (row["gpu_util_pct"], row["gpu_mem_used_mib"])
 
 
 def gpu_time_of_steps(step_time_s: np.ndarray, gpu_lag_ms: np.ndarray | None) -> np.ndarray:

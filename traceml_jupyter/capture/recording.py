@@ -19,7 +19,7 @@ from threading import get_ident
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
-from . import hooks
+from . import cuda_graphs, gpu_activity, hooks
 from .cuda_clock import (
     CudaSteps,
     Marks,
@@ -32,6 +32,7 @@ from .cuda_clock import (
 )
 from .patches import patched
 from .probes import batch_size_of, type_name
+from .resources import resources_watched
 from .step_model import BACKWARD, FETCH, OPTIMIZER, Pass, Source, Span, StepModel
 from .step_parts import StepParts
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 DECIDE_STEPS = 3  # the loop's device is decided from the allocations of its first steps
 MAX_PASS_STARTS = 1 << 16
+_CAPTURES = cuda_graphs._STATE  # CUDA graph captures under way (read on the training-event path)
 _tokens = iter(range(1, 1 << 62))
 
 
@@ -77,6 +79,16 @@ class Capture:
         self.parts = StepParts(model, self.thread, lambda: self.cuda)
         model.on_sample = self.parts.sample_due
         self.pass_starts: list[tuple[Source, int]] = []
+        # Set by resources.py while the run's resources are watched: the GPU memory per step
+        # (gpu_memory.GpuMemory) and who hears of DataLoader workers (host.HostSampler).
+        self.memory: Any = None
+        self.on_workers: Callable[[list[int], int], None] | None = None
+        # CUDA graphs (cuda_graphs.py) and the loop's device without the allocator's counts
+        # (gpu_activity.py): replays are steps, nothing of ours runs inside a capture.
+        self.graphs = cuda_graphs.GraphWatch(self.thread, self._graph_replayed)
+        self.work = gpu_activity.WorkSeen(lambda ds: busy_devices(ds), lambda: current_device(), self.thread)
+        self._bytes_before: dict[int, tuple[int, int]] = {}
+        self._own_ns = 0  # our GPU bookkeeping's host time in the open step (the GPU watch sums it)
 
     # -- the located loop -------------------------------------------------------------------
     def loop(self, iterable: Iterable[Any]) -> Iterator[Any]:
@@ -179,21 +191,25 @@ class Capture:
     # -- fetches ------------------------------------------------------------------------------
     def _fetch_begin(self) -> None:
         model = self.model
-        if self.cuda is not None and not model._stack:
+        if self.cuda is not None and not model._stack and not cuda_graphs.capturing():
+            t_in = perf_counter_ns()
             try:
                 self.cuda.before_fetch(model.recorder.n_steps)
             except Exception as exc:
                 self._gpu_failed(exc)
+            self._own_ns += perf_counter_ns() - t_in
         model.fetch_begin()
 
     def _fetch_end(self, t0: int, t1: int, source: Source | None, pass_: Pass | None, batch: bool) -> None:
         model = self.model
         model.fetch_end(t0, t1, source, pass_, batch)
-        if self.cuda is not None and not model._stack:
+        if self.cuda is not None and not model._stack and not cuda_graphs.capturing():
+            t_in = perf_counter_ns()
             try:
                 self.cuda.after_fetch(model.fetch_serial - 1)
             except Exception as exc:
                 self._gpu_failed(exc)
+            self._own_ns += perf_counter_ns() - t_in
 
     def fetch(self, site: int, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """A fetch call in the loop body (`next(it)`, `get_batch()`): its time is data wait."""
@@ -231,7 +247,18 @@ class Capture:
         finally:
             self._fetch_end(t0, clock(), None, pass_, False)
         self._iter_passes[id(it)] = pass_
+        if self.on_workers is not None:
+            self._workers_of(it, loader)
         return it
+
+    def _workers_of(self, it: Any, loader: Any) -> None:
+        """The worker processes of a DataLoader iterator, for the host sampler (once a pass)."""
+        try:
+            pids = [int(w.pid) for w in getattr(it, "_workers", None) or () if w.pid is not None]
+            if pids and self.on_workers is not None:
+                self.on_workers(pids, id(loader))
+        except Exception:  # an iterator of another kind, a worker not started: nothing to watch
+            pass
 
     def dataloader_next(self, it: Any, original: Callable[[Any], Any]) -> Any:
         __tracebackhide__ = True  # noqa: F841
@@ -239,6 +266,8 @@ class Capture:
         pass_ = self._iter_passes.get(id(it))
         if pass_ is None:  # an iterator made before the capture started
             pass_ = self._iter_passes[id(it)] = Pass(self._iterator_source(it), grad_disabled=not _grad_enabled())
+            if self.on_workers is not None:
+                self._workers_of(it, pass_.source.ref() if pass_.source.ref is not None else it)
         source = pass_.source
         clock = perf_counter_ns
         if model.level <= FETCH and not model._stack:
@@ -287,7 +316,19 @@ class Capture:
             self.optimizer_name = type_name(optimizer)
         elif level == BACKWARD:
             self.backward_seen = True
+        if _CAPTURES.active and self.graphs.held(level, optimizer):
+            return  # recorded into a CUDA graph, not run: it ends no step (its replays do)
+        if self._deciding:
+            self.work.look("work queued when a training event ended")
         self.model.training_event(level, t, optimizer)
+
+    def _graph_replayed(self, level: int | None, optimizer: Any) -> None:
+        """A CUDA graph replayed on the loop's thread: work launched on the current device, and
+        the training event its capture held (an optimizer step: a step ends)."""
+        if self._deciding:
+            self.work.saw(current_device(), "a CUDA graph replay")
+        if level is not None and self.active:
+            self.training_event(level, optimizer)
 
     # -- steps ------------------------------------------------------------------------------------
     def _step_closed(self, t: int, next_serial: int) -> None:
@@ -299,7 +340,7 @@ class Capture:
         if t >= run._next_tick:
             run._tick(t)
             self.model.exclude_time(perf_counter_ns() - t)  # the view's own time is nobody's step
-            if self.cuda is not None:
+            if self.cuda is not None and not cuda_graphs.capturing():
                 try:
                     self.cuda.open(run.recorder.n_steps)
                 except Exception as exc:
@@ -314,16 +355,33 @@ class Capture:
         model.notify_from = self.run._next_tick
 
     def _gpu_step_closed(self, index: int, t: int, next_serial: int) -> None:
+        t_in = perf_counter_ns()
+        self._gpu_bookkeeping(index, t, next_serial)
+        # Our host time in the step that closed goes to the GPU watch (it is taken out of the
+        # host's issue time); this bookkeeping's own lands in the next step.
+        watch = self.run.gpu_watch
+        if self.cuda is not None and watch is not None and watch.syncs is not None:
+            watch.own_at(index, self._own_ns)
+        self._own_ns = perf_counter_ns() - t_in
+
+    def _gpu_bookkeeping(self, index: int, t: int, next_serial: int) -> None:
+        if cuda_graphs.notice_foreign_capture():  # no CUDA call of ours inside a graph capture
+            if self.cuda is not None:
+                self.cuda.step_captured(index, next_serial)
+            return
         if self.cuda is not None:
             try:
                 self.cuda.step_closed(index, next_serial)
             except Exception as exc:
                 self._gpu_failed(exc)
+            if self.memory is not None:  # the allocator's figures of the step (never raises)
+                self.memory.step_ended(index, t)
         if self._deciding:
             if index - self._first_step < DECIDE_STEPS:
                 self._decide_device(index)
             else:
                 self._deciding = False
+                self.work.stop_probing()
         run = self.run
         if self.cuda is not None and run.gpu_watch is not None:
             try:
@@ -334,6 +392,8 @@ class Capture:
 
     def _steps_merged(self, n: int) -> None:
         self.parts.merged(n)
+        if self.memory is not None:
+            self.memory.merged(self.run.recorder.n_steps)
         if self.cuda is not None:
             self.cuda.merged(n)
             watch = self.run.gpu_watch
@@ -352,9 +412,22 @@ class Capture:
         """At the start: if CUDA is already initialised, time the first steps on the current
         device until the loop shows where it runs (never initialises CUDA)."""
         self._alloc_before = allocation_counts()
+        self._bytes_before = gpu_activity.bytes_in_use()
+        self._probe_waits()
         device = current_device()
         if device is not None:
             self._use_device(device, confirmed=False)
+
+    def _probe_waits(self) -> None:
+        """While the loop's device is decided, its waits for the GPU look for queued work."""
+        from .sync_stalls import SYNC_METHODS, torch_cuda_api
+
+        try:
+            api = torch_cuda_api(None)
+            if api is not None:
+                self.work.probe_waits(api.tensor_type, SYNC_METHODS, api.sync_points)
+        except Exception:
+            self.work.stop_probing()
 
     def _use_device(self, device: int, confirmed: bool) -> None:
         try:
@@ -372,18 +445,18 @@ class Capture:
         counts = allocation_counts()
         device = busiest_device(self._alloc_before, counts)
         if device is None and counts:
-            current = current_device()
-            candidates = [d for d, n in counts.items() if n > 0 or d == current]
-            busy = busy_devices(candidates)
-            device = current if current in busy else min(busy, default=None)
+            device = self._device_without_allocations(counts)
         if device is None:
             if index - self._first_step >= DECIDE_STEPS - 1:
                 self._deciding = False
+                self.work.stop_probing()
                 self.cuda = None  # a CPU loop: no GPU clock, whatever sits on the GPU
                 self.run.recorder.has_gpu = False
+                self._cpu_loop_noted(counts)
                 self.listen()
             return
         self._deciding = False
+        self.work.stop_probing()
         if self.cuda is not None and self.cuda.device == device:
             self._gpu_confirmed(device)
             return
@@ -391,10 +464,38 @@ class Capture:
         if self.cuda is not None:
             self.cuda.open(index + 1)
 
+    def _device_without_allocations(self, counts: dict[int, int]) -> int | None:
+        """No allocation counted: the device whose bytes in use moved (cudaMallocAsync counts
+        nothing), else the one the loop was seen working on (gpu_activity.py)."""
+        current = current_device()
+        moved = gpu_activity.bytes_moved(self._bytes_before, gpu_activity.bytes_in_use())
+        if moved:
+            return current if current in moved else min(moved)
+        candidates = [d for d, n in counts.items() if n > 0 or d == current]
+        self.work.look("work queued when a step ended", candidates)
+        seen = self.work.seen
+        if not seen:
+            return None
+        return max(seen, key=lambda d: (seen[d], d == current, -d))
+
+    def _cpu_loop_noted(self, counts: dict[int, int]) -> None:
+        """A loop taken for a CPU loop while CUDA is initialised says so (never in silence)."""
+        if not counts:
+            return
+        backend = gpu_activity.allocator_backend()
+        why = " (the cudaMallocAsync allocator counts no allocations)" if backend == "cudaMallocAsync" else ""
+        self.run.notes.append(
+            f"CUDA is initialised, but the loop's first {DECIDE_STEPS} steps showed no work on a GPU "
+            f"(nothing allocated{why}, no graph replayed, no work queued when a step ended or the "
+            "host waited for the GPU): it was timed on the CPU clock."
+        )
+
     def _gpu_confirmed(self, device: int) -> None:
         run = self.run
         run.cuda_device = device
         run._gpu_used = True
+        if self.memory is not None:
+            self.memory.loop_started(device)
         if run.gpu_watch is not None:
             try:
                 run.gpu_watch.loop_started(device)
@@ -412,7 +513,10 @@ class Capture:
     def close(self) -> None:
         """Read the pending GPU timings (one wait for the GPU) and classify what is still open."""
         self.active = False
+        self.work.stop_probing()
         self.model.close()
+        if self.cuda is not None and cuda_graphs.capturing():
+            self._gpu_failed(RuntimeError("a CUDA graph capture was still under way when the cell ended"))
         if self.cuda is not None:
             try:
                 self.cuda.close()
@@ -425,6 +529,18 @@ class Capture:
         if self.parts.note:
             self.run.notes.append(self.parts.note)
         self._iter_passes.clear()
+
+
+def _graphs_read(run: Run, capture: Capture) -> None:
+    """The cell's CUDA graphs on the run (None: it used none), with the report's note."""
+    graphs = capture.graphs
+    run.cuda_graphs = graphs.summary(int(run.recorder.n_steps))
+    if run.cuda_graphs is not None:
+        run.watch_summary["cuda_graphs_used"] = True
+    note = cuda_graphs.graph_note(run.cuda_graphs)
+    if note:
+        run.notes.append(note)
+    run.notes.extend(graphs.notes)
 
 
 def _grad_enabled() -> bool:
@@ -530,6 +646,8 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
     with ExitStack() as stack:
         _dataloader_patches(capture, stack)
         _training_patches(capture, stack)
+        stack.enter_context(resources_watched(run, capture))
+        stack.enter_context(cuda_graphs.graphs_watched(capture.graphs))
         if cuda_initialized():
             capture._start_gpu()
         capture.active = True
@@ -549,4 +667,5 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
             _guarded(run, "closing the capture", capture.close)
             if capture.gpu_note:
                 run.notes.append(capture.gpu_note)
+            _guarded(run, "reading the CUDA graphs", lambda: _graphs_read(run, capture))
             _guarded(run, "reading the capture", lambda: run.captured(capture, perf_counter_ns() - began))

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from .cuda_graphs import capturing
 from .line_costs import FULL_STEPS, LINE_EVERY
 from .model_calls import (
     FOUND,
@@ -93,7 +94,9 @@ def _optimizer_facts(optimizer: Any) -> dict[str, Any]:
 
 class CudaParts:
     """CUDA events at the part boundaries of sampled steps, on the loop's stream; each stamp's
-    own GPU time (its span less its nested stamps' spans) once its events have completed."""
+    own GPU time (its span less its nested stamps' spans) once its events have completed.
+    Nothing of it touches CUDA while a CUDA graph capture is under way (cuda_graphs.py): a part
+    that runs during one has no GPU time (nor has the part around it)."""
 
     def __init__(self, cuda: Any, own: dict[int, float]) -> None:
         self.cuda = cuda
@@ -110,11 +113,12 @@ class CudaParts:
         return ev
 
     def enter(self) -> None:
-        self._open.append((self._event(), []))
+        self._open.append((None if capturing(True) else self._event(), []))
 
     def exit(self, stamp: int) -> None:
         start, nested = self._open.pop()
-        self.pending.append((stamp, start, self._event(), nested))
+        if start is not None and not capturing(True):
+            self.pending.append((stamp, start, self._event(), nested))
         if self._open:
             self._open[-1][1].append(stamp)
 
@@ -124,6 +128,8 @@ class CudaParts:
     def poll(self) -> None:
         """Read every stamp whose events completed, in order (nested stamps come first)."""
         pending = self.pending
+        if not pending or capturing():
+            return
         while pending:
             stamp, start, end, nested = pending[0]
             if not (start.query() and end.query()):
@@ -131,12 +137,13 @@ class CudaParts:
             pending.popleft()
             span = float(start.elapsed_time(end))
             self.spans[stamp] = span
-            self.own[stamp] = span - sum(self.spans.pop(n, 0.0) for n in nested)
+            # a nested part without GPU time (run during a graph capture): this one's is unknown
+            self.own[stamp] = span - sum(self.spans.pop(n, float("nan")) for n in nested)
             self._free += (start, end)
 
     def close(self) -> None:
         """The last events are done once the step clock's last event is (it waited for it)."""
-        if self.pending:
+        if self.pending and not capturing(True):
             end = self.pending[-1][2]
             if hasattr(end, "synchronize"):
                 end.synchronize()

@@ -41,6 +41,8 @@ from typing import Any, cast
 
 import numpy as np
 
+from . import hidden_waits
+from .cuda_graphs import capturing
 from .h2d import COPY_COLUMNS, CopyWatch, EventPool, cell_line, copies_timed
 from .patches import patched
 from .step_tally import StepTally
@@ -54,7 +56,9 @@ BACKLOG_EVERY = 4  # a backlog probe every 4th step: one event record, read when
 MAX_SYNC_WARNINGS = 20_000
 EVERY_STEP = 0.9  # a line that syncs in at least 90 % of the steps "synchronises every step"
 # Methods whose call call_text() quotes: the syncing ones and the copying ones.
-CALL_NAMES = frozenset({"item", "tolist", "cpu", "numpy", "synchronize", "to", "cuda"})
+CALL_NAMES = frozenset({"item", "tolist", "cpu", "numpy", "synchronize", "to", "cuda", "empty_cache"})
+EMPTY_CACHE = "torch.cuda.empty_cache"
+OWN_COLUMN = "own_host_ms"  # traceml's own host time inside each step on the GPU path
 
 
 @dataclass
@@ -75,6 +79,7 @@ class CudaApi:
     sync_points: tuple[tuple[Any, str, str], ...] = ()
     compiling: Callable[[], bool] = lambda: False  # torch.compile is tracing: stay out of it
     stream_type: Any = None  # torch.cuda.Stream: its wait_stream tells when the loop waits for a copy
+    event_type: Any = None  # torch.cuda.Event: record and wait tell when the loop waits for a copy (wait_event)
 
 
 def cuda_module() -> Any:
@@ -118,6 +123,8 @@ def cuda_api(
         )
         if owner is not None and callable(getattr(owner, "synchronize", None))
     )
+    if callable(getattr(cuda, "empty_cache", None)):  # it waits for the device, without a warning
+        points += ((cuda, "empty_cache", EMPTY_CACHE),)
     return CudaApi(
         index,
         event,
@@ -130,6 +137,7 @@ def cuda_api(
         points,
         compiling or (lambda: False),
         getattr(cuda, "Stream", None),
+        getattr(cuda, "Event", None),
     )
 
 
@@ -196,6 +204,9 @@ class SyncWatch:
         self.all_counted = True  # False once untimed syncs stop being counted
         self.off: str | None = None  # why the watch turned itself off
         self.notes: list[str] = []
+        # Our own host time (ns) inside a step: the GPU watch sums it per step (OWN_COLUMN).
+        self.own: Callable[[int, int], None] = lambda step, ns: None
+        self.warning_ns = 0  # host cost of one sync warning in this process (measured at start)
 
     def synced(self, step: int, kind: str, ns: int | None, frame: FrameType | None) -> None:
         """One synchronising call on `step`: timed (`ns`) or not (None). Never raises."""
@@ -225,11 +236,14 @@ class SyncWatch:
     def blocking_copy(self, step: int, ns: int, frame: FrameType | None) -> None:
         self.synced(step, "blocking copy", ns, frame)
 
-    def warned(self, frame: FrameType | None) -> None:
-        """torch warned of a synchronising call that no timed method made."""
+    def warned(self, frame: FrameType | None, t_in: int | None = None) -> None:
+        """torch warned of a synchronising call that no timed method made (`t_in`: when our
+        warning hook was entered: its time, and a warning's own cost, are ours)."""
         step = self.current_step()
         if step is not None:
             self.synced(step, "implicit", None, frame)
+            if t_in is not None:
+                self.own(step, self.clock() - t_in + self.warning_ns)
         self.warnings += 1
         if self.warnings >= MAX_SYNC_WARNINGS and self.stop_warnings is not None:
             self.stop_warnings()
@@ -320,6 +334,7 @@ def _timed_sync(watch: SyncWatch, kind: str, method: Callable[..., Any]) -> Call
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not self.is_cuda or watch.off is not None or get_ident() != watch.thread:
             return method(self, *args, **kwargs)
+        t_in = clock()
         step = watch.current_step()
         if step is None or watch.compiling():
             return method(self, *args, **kwargs)
@@ -328,9 +343,10 @@ def _timed_sync(watch: SyncWatch, kind: str, method: Callable[..., Any]) -> Call
         try:
             return method(self, *args, **kwargs)
         finally:
-            ns = clock() - t0
+            t1 = clock()
             busy[0] -= 1
-            watch.synced(step, kind, ns, sys._getframe(1))
+            watch.synced(step, kind, t1 - t0, sys._getframe(1))
+            watch.own(step, t0 - t_in + clock() - t1)
 
     timed.__doc__ = method.__doc__
     return timed
@@ -349,6 +365,7 @@ def _timed_call(watch: SyncWatch, kind: str, function: Callable[..., Any]) -> Ca
     def timed(*args: Any, **kwargs: Any) -> Any:
         if watch.off is not None or get_ident() != watch.thread:
             return function(*args, **kwargs)
+        t_in = clock()
         step = watch.current_step()
         if step is None or _ours(sys._getframe(1)):  # the capture's own waits are no user sync
             return function(*args, **kwargs)
@@ -357,9 +374,10 @@ def _timed_call(watch: SyncWatch, kind: str, function: Callable[..., Any]) -> Ca
         try:
             return function(*args, **kwargs)
         finally:
-            ns = clock() - t0
+            t1 = clock()
             busy[0] -= 1
-            watch.synced(step, kind, ns, sys._getframe(1))
+            watch.synced(step, kind, t1 - t0, sys._getframe(1))
+            watch.own(step, t0 - t_in + clock() - t1)
 
     timed.__doc__ = function.__doc__
     timed.__wrapped__ = function  # type: ignore[attr-defined]
@@ -424,16 +442,20 @@ def sync_warnings_counted(watch: SyncWatch, api: CudaApi) -> Iterator[bool]:
         if str(message).startswith(SYNC_MESSAGE):
             # Another thread's syncs (DataParallel replicas) are neither counted nor shown: the
             # user did not ask for these warnings.
-            if threading.get_ident() == thread and not watch.inside[0] and watch.off is None:
+            if threading.get_ident() == thread and not watch.inside[0] and watch.off is None and not calibrating:
+                t_in = watch.clock()
                 frame: FrameType | None = sys._getframe(1)
                 while frame is not None and frame.f_code.co_filename == warnings_file:
                     frame = frame.f_back  # the warnings module's own frames
-                watch.warned(frame)
+                watch.warned(frame, t_in)
             return
         original(message, category, filename, lineno, file, line)
 
     warnings.showwarning = showwarning
     watch.stop_warnings = lambda: api.set_sync_debug_mode(previous)
+    calibrating = True
+    watch.warning_ns = _warning_cost(watch.clock)
+    calibrating = False
     try:
         api.set_sync_debug_mode(1)
         yield True
@@ -445,6 +467,18 @@ def sync_warnings_counted(watch: SyncWatch, api: CudaApi) -> Iterator[bool]:
             if warnings.showwarning is showwarning:
                 warnings.showwarning = original
             _drop_filter(entry)
+
+
+def _warning_cost(clock: Callable[[], int], n: int = 16) -> int:
+    """Host ns of one sync warning's trip through Python's warnings machinery to our hook (the
+    hook's own work is timed where it runs): the median of `n`, measured with the hook in place."""
+    costs = []
+    for _ in range(n):
+        t0 = clock()
+        warnings.warn(SYNC_MESSAGE + " (traceml: measuring a warning's cost)", UserWarning, stacklevel=1)
+        costs.append(clock() - t0)
+    costs.sort()
+    return int(costs[len(costs) // 2])
 
 
 # -- the watch of one traced cell ----------------------------------------------------------------
@@ -478,6 +512,10 @@ class GpuWatch:
         self.started = False
         self.counting_sync_warnings = False
         self.notes: list[str] = []
+        # Waits nobody reports (hidden_waits.py), and traceml's own host time per step.
+        self.hidden: list[str] = []
+        self._frees_before: dict[str, int] = {}
+        self.own_tally = StepTally()
         self._patches = ExitStack()
         self._pool: EventPool | None = None
         self._stream: Any = None  # the loop's stream, read every BACKLOG_EVERY steps
@@ -521,11 +559,20 @@ class GpuWatch:
             syncs.compiling = api.compiling
             copies.watch_from(first)
             syncs.watch_from(first)
+            self._watch_hidden_and_own(syncs, first)
             self.copies, self.syncs = copies, syncs
             patches = self._patches
             patches.enter_context(
                 copies_timed(
-                    copies, api.tensor_type, syncs.synced, syncs.inside, self.clock, api.compiling, api.stream_type
+                    copies,
+                    api.tensor_type,
+                    syncs.synced,
+                    syncs.inside,
+                    self.clock,
+                    api.compiling,
+                    api.stream_type,
+                    api.event_type,
+                    syncs.own,
                 )
             )
             patches.enter_context(syncs_timed(syncs, api.tensor_type, api.sync_points))
@@ -547,7 +594,7 @@ class GpuWatch:
         if self._last is None or self.backlog_off is not None:
             return
         self._steps_seen += 1
-        if self._steps_seen % BACKLOG_EVERY:
+        if self._steps_seen % BACKLOG_EVERY or capturing(True):
             return
         try:
             if step is None:
@@ -555,6 +602,29 @@ class GpuWatch:
             self._probe(step)
         except Exception as exc:
             self._backlog_failed(exc)
+
+    # -- waits nobody reports, and our own host time (issue 23) ---------------------------
+    def _watch_hidden_and_own(self, syncs: SyncWatch, first: int) -> None:
+        self.hidden = hidden_waits.at_loop_start()
+        self._frees_before = self._allocator_frees()
+        self.own_tally.watch_from(first)
+        syncs.own = self.own_at
+
+    def _allocator_frees(self) -> dict[str, int]:
+        from .gpu_activity import memory_stats
+
+        return hidden_waits.allocator_frees(memory_stats().get(self.device or 0))
+
+    def own_at(self, step: int, ns: int) -> None:
+        """`ns` of traceml's own host time inside step `step` (a hook on the GPU path)."""
+        if ns > 0:
+            self.own_tally.add(step, ns / 1e6)
+
+    def own_time(self, ns: int) -> None:
+        """`ns` of traceml's own host time in the step running now."""
+        step = self.current_step()
+        if step is not None:
+            self.own_at(step, ns)
 
     def merged(self, n: int) -> None:
         """The capture merged its last `n` closed steps into the open one (now step
@@ -565,6 +635,7 @@ class GpuWatch:
                 if part is not None:
                     for tally in part.tallies.values():
                         tally.merge_from(first)
+            self.own_tally.merge_from(first)
             self.backlog_raw.merge_from(first)
             self.backlog_at.merge_from(first)
         except Exception as exc:
@@ -639,6 +710,8 @@ class GpuWatch:
             cols.update({name: tally.column for name, tally in self.syncs.tallies.items()})
         if self.backlog_on and self.backlog_off is None:
             cols["gpu_backlog_ms"] = self.backlog_column
+        if self.syncs is not None:
+            cols[OWN_COLUMN] = self.own_tally.column
         return cols
 
     # -- the end ---------------------------------------------------------------------------
@@ -655,6 +728,8 @@ class GpuWatch:
             self.run.notes.extend(self.notes)
             return
         try:
+            if capturing():  # a capture left open: a wait now would invalidate it
+                raise RuntimeError("a CUDA graph capture was still under way when the cell ended")
             self._read_at_end(self.api, self.device)
         except Exception as exc:
             self.notes.append(f"GPU timings of copies and syncs incomplete: {_why(exc)}")
@@ -716,6 +791,8 @@ class GpuWatch:
             run.sync_stalls = syncs.result(n, total, run.cell_source)
             run.sync_stalls["counted_implicit"] = self.counting_sync_warnings
             run.sync_stalls["all_counted"] = syncs.all_counted
+            run.sync_stalls["hidden"] = self.hidden_reasons(syncs)
+            run.sync_stalls["warning_us"] = syncs.warning_ns / 1e3 if self.counting_sync_warnings else None
             notes.extend(syncs.notes)
         else:
             run.sync_stalls = None
@@ -723,6 +800,16 @@ class GpuWatch:
         summary["host_top_line"] = costliest_host_line(getattr(run, "line_costs", None))
         run.watch_summary.update(summary)
         run.notes.extend(notes)
+
+
+    def hidden_reasons(self, syncs: SyncWatch) -> list[str]:
+        """Why some waits for the GPU may have gone unseen (empty: none known)."""
+        emptied = sum(s.calls for s in syncs.sites.values() if EMPTY_CACHE in s.kinds)
+        try:
+            after = self._allocator_frees()
+        except Exception:
+            after = self._frees_before
+        return self.hidden + hidden_waits.at_loop_end(self._frees_before, after, emptied)
 
 
 def costliest_host_line(costs: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -754,7 +841,10 @@ def watch_summary(h2d: dict[str, Any] | None, syncs: dict[str, Any] | None) -> d
             }
         )
     if syncs:
-        out["syncs_all_seen"] = bool(syncs.get("counted_implicit") and syncs.get("all_counted", True))
+        out["syncs_hidden"] = list(syncs.get("hidden") or [])
+        out["syncs_all_seen"] = bool(
+            syncs.get("counted_implicit") and syncs.get("all_counted", True) and not out["syncs_hidden"]
+        )
         if syncs["sites"]:
             top = syncs["sites"][0]
             out["sync_top"] = {

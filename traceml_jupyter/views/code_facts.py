@@ -38,6 +38,8 @@ from ..analysis.checklist import (
     transfers_in,
 )
 from ..analysis.rank_verdict import checklist_verdict
+from ..analysis.resources import cpu_sentence
+from ..capture.host import usable_cpus as cpu_count
 from ..capture.locate import dataloader_lines
 from ..run import tuned_for
 
@@ -61,6 +63,38 @@ def history_cells(shell: Any) -> list[str]:
     if not isinstance(raw, list) or not raw:
         raw = getattr(shell, "user_ns", {}).get("In")
     return [str(cell) for cell in raw] if isinstance(raw, list) else []
+
+
+CELL_LABEL = re.compile(r"In \[(\d+)\]$")
+
+
+def run_cells(run: Run, shell: Any) -> list[str]:
+    """The cells a run's report reads: the kernel's history; for a run read back from its file,
+    the cells it quoted (`run.quoted_cells`), at their numbers (the others empty)."""
+    if not run.frozen:
+        return history_cells(shell)
+    numbers = {}
+    for label, text in (run.quoted_cells or {}).items():
+        match = CELL_LABEL.match(str(label))
+        if match is not None:
+            numbers[int(match.group(1))] = str(text)
+    cells = [""] * (max(numbers, default=0) + 1)
+    for number, text in numbers.items():
+        cells[number] = text
+    return cells
+
+
+def quoted_cells(ctx: CodeContext, items: Sequence[Item]) -> dict[str, str]:
+    """The earlier cells the report quotes, by label ("In [2]"): the loop's, the DataLoader's,
+    and those of the lines the checklist points at."""
+    labels = {ctx.loop_cell, ctx.loader_site.cell if ctx.loader_site is not None else None}
+    labels |= {item.site.cell for item in items if item.site is not None}
+    out = {}
+    for label in sorted(x for x in labels if x):
+        match = CELL_LABEL.match(label)
+        if match is not None and 0 < int(match.group(1)) < len(ctx.cells):
+            out[label] = ctx.cells[int(match.group(1))]
+    return out
 
 
 def _body(source: str) -> str:
@@ -449,13 +483,6 @@ def _process_start_method() -> str:
     )
 
 
-def cpu_count() -> int | None:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count()
-
-
 def run_shell() -> Any:
     from .environment import ipython_shell
 
@@ -477,7 +504,7 @@ class CodeContext:
 
     @classmethod
     def of(cls, run: Run, shell: Any) -> CodeContext:
-        ctx = cls(history_cells(shell))
+        ctx = cls(run_cells(run, shell))
         ctx.current = current_cell_index(ctx.cells, run.cell_source)
         ctx.earlier = EarlierCells(shell, ctx.cells, ctx.current)
         ctx.tree = parse_cell(run.cell_source, _transform(shell)) if run.cell_source else None
@@ -496,7 +523,7 @@ class CodeContext:
 
     def cell_line(self, site: CodeSite) -> str | None:
         """The text of `site` when it is a line of an earlier cell."""
-        match = re.match(r"In \[(\d+)\]$", site.cell or "")
+        match = CELL_LABEL.match(site.cell or "")
         if match is None or not 0 < int(match.group(1)) < len(self.cells):
             return None
         lines = self.cells[int(match.group(1))].splitlines()
@@ -583,6 +610,9 @@ def facts_for(
         busiest_line=busiest_line(run),
         tuned=tuned_for(_loader_object(run)),
         epoch_startup=summary.get("epoch_startup"),
+        cpu_saturated=summary.get("cpu_saturated"),
+        cpu_sentence=cpu_sentence(summary) if summary.get("cpu_cores") is not None and summary.get("cpu_usable_cores") else None,
+        workers_cores=summary.get("cpu_workers_cores"),
     )
 
 
@@ -599,7 +629,10 @@ def keep_checklist(run: Run) -> list[Item] | None:
     """Evaluate the checklist once, leave it on the run (`run.checklist`, what `to_dict` and
     `--save` write) and return it for the report. Never raises: a failure is a note."""
     try:
-        items = checklist_items(run, run_shell())
+        shell = run_shell()
+        ctx = CodeContext.of(run, shell)
+        items = checklist_items(run, shell, ctx)
+        run.quoted_cells = quoted_cells(ctx, items)
     except Exception as exc:
         run.notes.append(f"The checklist could not be evaluated: {type(exc).__name__}: {exc}")
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from . import report_file  # noqa: F401  (Run.save writes .html through it)
 from .environment import ipython_shell
 
 if TYPE_CHECKING:

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..analysis.figures import pct as _pct
-from ..capture.nvml import GpuSampler
 from . import environment
 
 if TYPE_CHECKING:
@@ -393,6 +392,67 @@ def header_parts(numbers: Mapping[str, Any], gpu: str) -> list[str]:
     parts.append(f"{numbers['verdict']}: {numbers['share']}")
     parts.append(gpu)
     return parts
+
+
+def gpu_text(run: Run) -> str:
+    """"GPU 87 % | mem 10.2 / 80 GiB" while it runs (the allocator's figure for this process
+    on a CUDA loop, else NVML's device-wide one), "GPU 87 % on average" at the end, else why
+    there is no GPU figure."""
+    watch = run.resource_watch
+    if watch is None:
+        samples = run.gpu_samples or {}
+        utils = np.asarray(samples.get("gpu_util_pct", ()), dtype=np.float64)
+        utils = utils[np.isfinite(utils)]
+        if len(utils):
+            return f"GPU {float(np.mean(utils)):.0f} % on average"
+        return run.gpu_note or ("GPU n/a" if not run._gpu_used else "GPU: not sampled")
+    sampler, memory = watch.gpu, watch.memory
+    latest = sampler.samples.latest()
+    mem = None
+    total = memory.capacity_mib or sampler.mem_total_mib
+    if memory.last is not None:
+        used: float | None = memory.last["allocated_mib"]
+    else:
+        used = latest[1] if latest is not None else None
+    if used is not None:
+        mem = f"{used / 1024:.1f} / {total / 1024:.0f} GiB" if total else f"{used / 1024:.1f} GiB"
+    if latest is not None:
+        util = latest[0]
+        busy = f"{util:.0f} %" if np.isfinite(util) else "n/a"  # a MIG slice: no utilisation
+        return f"GPU {busy} | mem {mem}"
+    if mem is not None:
+        return f"GPU mem {mem}"
+    return sampler.note or "GPU: starting NVML"
+
+
+def host_text(run: Run) -> str | None:
+    """"CPU 1.8 / 2 cores | RSS 1.2 GiB": the cores busy in the training process and its
+    DataLoader workers, of the usable ones, and the process's memory (newest sample while it
+    runs, the loop's median at the end); None before the sampler has two samples."""
+    watch = run.resource_watch
+    if watch is not None:
+        row = watch.host.latest()
+        if row is None:
+            return None
+        cores = row["process_cores"] + row["workers_cores"]
+        usable, rss = watch.host.usable_cores, row["process_rss_mib"]
+        saturated = False
+    else:
+        s = run.summary if run.finished else {}
+        cores, usable, rss = s.get("cpu_cores"), s.get("cpu_usable_cores"), s.get("host_rss_mib")
+        saturated = bool(s.get("cpu_saturated"))
+        if cores is None or not usable:
+            return None
+    text = f"CPU {cores:.1f} / {usable:g} cores" + (" (saturated)" if saturated else "")
+    if rss is not None and np.isfinite(rss):
+        text += f" | RSS {rss / 1024:.1f} GiB" if rss >= 1024 else f" | RSS {rss:.0f} MiB"
+    return text
+
+
+def resources_text(run: Run) -> str:
+    """The header's last part: GPU, then CPU and memory."""
+    host = host_text(run)
+    return gpu_text(run) + (f" | {host}" if host else "")
 
 
 def header_text(numbers: Mapping[str, Any], gpu: str) -> str:
@@ -772,13 +832,11 @@ class LiveView:
         # A widget front-end: the HTML chart becomes the bqplot chart at the first update
         # (about a second in). Shorter runs never build widgets: their final picture is HTML.
         self.widgets_wanted = widgets
-        self.sampler = GpuSampler(run.recorder.origin_ns, device_of_loop=lambda: run.cuda_device)
         self.overview = Overview()
         self.refreshes = 0  # refreshes done (the final one included)
         self.refresh_ns = 0  # time spent refreshing, for the overhead benchmark
         self.final_done = False
         self.closed = False
-        self._handed_over = False
         self._seen = 0
         self._overview_of: Any = run.recorder  # the recorder the overview has read
         self._loops: list[ast.For] | None = None
@@ -835,21 +893,9 @@ class LiveView:
         return None, (in_pass, per_pass, started)
 
     def _gpu_text(self) -> str:
-        sampler = self.sampler
-        if self.run.finished:
-            utils = sampler.samples.columns()["gpu_util_pct"]
-            if len(utils):
-                return f"GPU {float(np.mean(utils)):.0f} % on average"
-        latest = sampler.samples.latest()
-        if latest is not None:
-            util, used = latest
-            total = sampler.mem_total_mib
-            mem = (
-                f"{used / 1024:.1f} / {total / 1024:.0f} GiB" if total else f"{used / 1024:.1f} GiB"
-            )
-            busy = f"{util:.0f} %" if np.isfinite(util) else "n/a"  # a MIG slice: no utilisation
-            return f"GPU {busy} | mem {mem}"
-        return sampler.note or "GPU: starting NVML"
+        """GPU, CPU and memory for the header, read from what capture samples (never sampled
+        here): the run's resource watch while it runs, what the run kept once it ended."""
+        return resources_text(self.run)
 
     # -- the observer ----------------------------------------------------------------------
     def refresh(self, run: Run | None = None) -> None:
@@ -858,12 +904,7 @@ class LiveView:
         began = perf_counter_ns()
         run = self.run
         final = run.finished
-        if final:
-            # The loop is over: stop sampling now (close() may come late, or not at all on a
-            # failure) and give the run its samples before its summary is computed below.
-            self._hand_over_gpu_samples()
-        else:
-            self.sampler.start_when_ready()
+        if not final:
             if self.chart is not None and not self._within_budget(began):
                 return  # a refresh skipped costs nothing: the next tick tries again
             if self.widgets_wanted:
@@ -928,22 +969,9 @@ class LiveView:
         if isinstance(chart, HtmlChart):
             chart.publish(header_text(numbers, gpu))
 
-    def _hand_over_gpu_samples(self) -> None:
-        """Stop the sampler and leave what it saw on the run, for the report: `gpu_samples`
-        (numpy columns time_s, gpu_util_pct, gpu_mem_used_mib), `gpu_note` (why there are no
-        GPU figures, else None) and `gpu_device` (name, bus id, memory; None without NVML)."""
-        if self._handed_over:
-            return
-        self._handed_over = True
-        self.sampler.stop()
-        samples = self.sampler.samples.columns()
-        self.run.gpu_samples = samples
-        self.run.gpu_note = None if len(samples["time_s"]) else self.sampler.note
-        self.run.gpu_device = self.sampler.device
-
     def close(self) -> None:
-        """Final refresh (if the run's own did not happen), stop the GPU sampler, and hand its
-        samples to the run. The chart stays displayed: its saved state is the run's evidence."""
+        """Final refresh (if the run's own did not happen). The chart stays displayed: its
+        saved state is the run's evidence."""
         if self.closed:
             return
         try:
@@ -951,7 +979,6 @@ class LiveView:
                 self.refresh(self.run)
         finally:
             self.closed = True
-            self._hand_over_gpu_samples()
         if isinstance(self.chart, WidgetChart):
             _live_charts.append(self)
             release_charts(KEEP_LIVE_CHARTS)

@@ -22,6 +22,7 @@ from ..analysis.checklist import (
 )
 from ..analysis.figures import pct as fmt_pct
 from ..analysis.phases import phase_sentence, phase_verdict
+from ..analysis.resources import mib
 from ..analysis.step_parts import parts_sentence
 from ..analysis.verdict import sync_sentence
 from ..capture.locate import dataloader_lines
@@ -333,10 +334,10 @@ def _code_pane(run: Run, ctx: CodeContext, items: Sequence[Item]) -> str:
     where = run.loop_where or ""
     parts = [_section_title("Cell")]
     if run.cell_source is None:
-        parts.append(
-            f'<div style="color:{MUTED}">No cell source: this run was traced from code '
-            "(traceml_jupyter.trace).</div>"
-        )
+        why = "this run was traced from code (traceml_jupyter.trace)."
+        if "cell_source" in getattr(run, "unsaved", ()):
+            why = "its saved file does not hold it (written by an older traceml_jupyter)."
+        parts.append(f'<div style="color:{MUTED}">No cell source: {_e(why)}</div>')
         return "".join(parts)
     if run.loop_cell_source and run.loop_line is not None:
         parts = [_loop_cell_pane(run)] + parts
@@ -348,6 +349,10 @@ def _code_pane(run: Run, ctx: CodeContext, items: Sequence[Item]) -> str:
     for item in items:
         if item.status == FIX and item.site is not None and item.site.cell is None:
             marks.setdefault(item.site.line, []).append(item.key)
+    if not run.loop_cell_source:  # a resource finding's line (a kept graph) is a line of this cell
+        for finding in run.summary.get("resource_findings") or []:
+            if finding.get("line") is not None and finding["severity"] != "info":
+                marks.setdefault(int(finding["line"]), []).append(str(finding["label"]).lower())
     costs = getattr(run, "line_costs", None) if not run.loop_cell_source else None
     bars = line_bars(costs, len(lines))
     parts.append(
@@ -816,6 +821,8 @@ def render_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
     external asset, so it reads the same after a reload, on nbviewer, GitHub and Kaggle."""
     shell = run_shell()
     problem = None
+    if checklist is None and run.frozen:  # read back from its file: the checklist as evaluated
+        checklist = [Item.from_dict(item) for item in run.checklist or []]
     try:  # the checklist reads live objects and history: never let it cost the report
         ctx = CodeContext.of(run, shell)
         items = list(checklist) if checklist is not None else checklist_items(run, shell, ctx)
@@ -831,6 +838,7 @@ def render_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
         + _step_bar(run.summary)
         + _also(run)
         + _phases(run)
+        + _resources(run)
         + _section_title("Evidence")
         + _evidence(run)
         + _section_title("Checklist")
@@ -849,6 +857,96 @@ def render_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
         f'<div class="tml-result-pane" style="{pane};flex-basis:440px">{right}</div>'
         f"</div></div>"
     )
+
+
+def _resource_figures(run: Run) -> str:
+    """One line of the run's resource figures: GPU memory peak, CPU cores busy, RSS, workers."""
+    s = run.summary
+    bits = []
+    if s.get("gpu_mem_peak_mib") is not None:
+        cap = s.get("gpu_mem_capacity_mib")
+        of = f" of {mib(cap)} ({fmt_pct(s.get('gpu_mem_peak_share'))})" if cap else ""
+        bits.append(f"GPU memory peak {mib(s['gpu_mem_peak_mib'])}{of}")
+    if s.get("cpu_cores") is not None:
+        bits.append(
+            f"CPU {s['cpu_cores']:.1f} of {s.get('cpu_usable_cores') or 0:g} usable cores busy"
+            + (" (saturated)" if s.get("cpu_saturated") else "")
+        )
+    if s.get("host_rss_mib") is not None:
+        bits.append(f"process memory (RSS) up to {mib(s['host_rss_mib'])}")
+    if s.get("workers_seen"):
+        bits.append(f"{s['workers_seen']} DataLoader worker process(es)")
+    return " · ".join(bits)
+
+
+def _worker_rows(run: Run) -> str:
+    workers = (run.host or {}).get("workers") or []
+    if not workers:
+        return ""
+    num = CELL + ";text-align:right;white-space:nowrap"
+    left = CELL + ";text-align:left"
+    heads = ("worker pid", "CPU s", "RSS first → last", "private (USS) first → last", "")
+    head = "".join(
+        f'<th style="{left if i == 0 else num};color:{MUTED};font-weight:600">{h}</th>' for i, h in enumerate(heads)
+    )
+    rows = [f'<tr style="{ROW}">{head}</tr>']
+    for w in workers[:8]:
+        rss = f"{mib(w.get('rss_first_mib'))} → {mib(w.get('rss_last_mib'))}"
+        uss = f"{mib(w.get('uss_first_mib'))} → {mib(w.get('uss_last_mib'))}"
+        rows.append(
+            f'<tr style="{ROW}"><td style="{left}">{w["pid"]}</td><td style="{num}">{w["cpu_s"]:.2f}</td>'
+            f'<td style="{num}">{rss}</td><td style="{num}">{uss}</td>'
+            f'<td style="{num};color:{MUTED}">{"exited" if w.get("exited") else ""}</td></tr>'
+        )
+    more = f'<div style="color:{MUTED};font-size:11px">and {len(workers) - 8} more</div>' if len(workers) > 8 else ""
+    return f'<table class="tml-workers" style="{TABLE};margin-top:6px">{"".join(rows)}</table>{more}'
+
+
+def _finding_row(f: Mapping[str, Any]) -> str:
+    colour, background = SEVERITY.get(str(f["severity"]), SEVERITY["info"])
+    where = (
+        f'<span class="tml-where" style="margin-left:8px;padding:0 6px;border-radius:4px;'
+        f'border:1px solid {BORDER};font-size:11px;color:{MUTED};white-space:nowrap">line {f["line"]}</span>'
+        if f.get("line") is not None
+        else ""
+    )
+    text = str(f["text"])
+    return (
+        f'<div class="tml-finding tml-{_e(f["severity"])}" style="margin-top:6px;padding:6px 10px;'
+        f'border-left:4px solid {colour};border-radius:6px;background-color:{background}">'
+        f'<b style="color:{colour}">{_e(f["label"])}</b>{where}'
+        f'<div style="margin-top:2px">{_with_code(text[:1].upper() + text[1:])}</div>'
+        + (f'<div style="margin-top:2px"><b>Next</b> {_with_code(str(f["next"]))}</div>' if f.get("next") else "")
+        + "</div>"
+    )
+
+
+def _resources(run: Run) -> str:
+    """Memory and CPU beside the time: the findings (with the lines to change), small plots
+    of GPU memory per step, CPU cores busy and host memory, and the DataLoader workers."""
+    from .resource_plots import cpu_svg, gpu_memory_svg, host_memory_svg
+
+    s = run.summary
+    host = run.host or {}
+    samples = host.get("samples") or {}
+    plots = [
+        gpu_memory_svg(run.steps, s.get("gpu_mem_capacity_mib")),
+        cpu_svg(samples, host.get("usable_cores")),
+        host_memory_svg(samples),
+    ]
+    plots = [p for p in plots if p]
+    findings = "".join(_finding_row(f) for f in s.get("resource_findings") or [])
+    figures = _resource_figures(run)
+    if not (plots or findings or figures):
+        return ""
+    out = _section_title("Resources")
+    if figures:
+        out += f'<div class="tml-resource-figures" style="color:{MUTED};font-size:12px">{_e(figures)}</div>'
+    out += findings
+    if plots:
+        out += f'<div style="display:flex;flex-wrap:wrap;column-gap:12px;margin-top:6px">{"".join(plots)}</div>'
+    out += _worker_rows(run)
+    return f'<div class="tml-resources">{out}</div>'
 
 
 def _ranks(run: Run) -> str:
