@@ -4,6 +4,8 @@ outlives its cell, and a cell that awaits (run on the kernel's own event loop)."
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -82,9 +84,25 @@ print(json.dumps({name: {"steps": r.n_steps, "kind": r.step_kind, "phases": [p["
                   for name, r in runs.items()} | {"done": len(done), "total": total}))"""
 
 
+TRAIN_SCRIPT = Path(__file__).resolve().parent / "child_scripts" / "train.py"
+# `!python` runs through ipykernel's own system() (its output piped to the cell): the script is
+# a child process, traced by the start-up hook the cell gives it.
+SCRIPT = f"""\
+import os
+env_before = dict(os.environ)
+%%traceml --name script
+!{sys.executable} {TRAIN_SCRIPT} --sleep-ms 3 --steps 20"""
+SCRIPT_FACTS = """\
+r = traceml_jupyter.last()
+print(json.dumps({"verdict": r.verdict, "steps": r.n_steps, "line": r.loader_site["line"],
+                  "env": dict(os.environ) == env_before, "pids": [p["pid"] for p in r.processes],
+                  "threads": [t.name for t in threading.enumerate() if t.name.startswith("traceml")]}))"""
+
+
 def test_training_code_threads_and_awaiting_cells_in_a_real_kernel() -> None:
     ensure_python3_kernel()
-    nb = notebook(SETUP, MNIST, THREAD, AWAIT, FACTS)
+    snapshot, script = SCRIPT.split("%%traceml", 1)
+    nb = notebook(SETUP, MNIST, THREAD, AWAIT, FACTS, snapshot.strip(), "%%traceml" + script, SCRIPT_FACTS)
     nbclient.NotebookClient(nb, timeout=120, startup_timeout=60, kernel_name=KERNEL_NAME).execute()
     facts: dict[str, Any] = json.loads(
         next(o["text"] for o in nb.cells[4].outputs if o.get("name") == "stdout").strip().splitlines()[-1]
@@ -98,3 +116,10 @@ def test_training_code_threads_and_awaiting_cells_in_a_real_kernel() -> None:
     assert "optimizer.step()" in text and "test:" in text
     outputs = [o for cell in nb.cells for o in cell.outputs]
     assert not [o for o in outputs if o.get("output_type") == "error"]
+    script = json.loads(next(o["text"] for o in nb.cells[7].outputs if o.get("name") == "stdout").strip())
+    assert script["verdict"] == "INPUT-BOUND" and script["steps"] == 20 and len(script["pids"]) == 1
+    assert script["env"] and script["threads"] == []
+    with open(TRAIN_SCRIPT) as fh:
+        assert "loader = DataLoader(" in fh.read().splitlines()[script["line"] - 1]
+    shown = json.dumps([o.get("data", {}) for o in nb.cells[6].outputs])
+    assert "train.py, line" in shown  # the checklist reads the script's DataLoader

@@ -119,8 +119,9 @@ class TraceMLMagics(Magics):
         default=None,
         metavar="LINE",
         help="the loop whose iterations are steps: the `for` on this line of the cell (the "
-        "%%%%traceml line is 1), or FUNCTION:LINE for a loop in a function from another cell "
-        "(the line as that cell shows it)",
+        "%%%%traceml line is 1), FUNCTION:LINE for a loop in a function from another cell "
+        "(the line as that cell shows it), or FILE:LINE for a loop in a script the cell runs "
+        "(`!python train.py`)",
     )
     @argument(
         "--lines",

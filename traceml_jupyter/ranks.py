@@ -30,7 +30,6 @@ import multiprocessing.util
 import os
 import selectors
 import socket
-import struct
 import sys
 import threading
 from array import array
@@ -52,21 +51,27 @@ from .capture.probes import attribute, plain_count, safe_len, type_name
 from .capture.recorder import Recorder
 from .capture.recording import Capture, capturing
 from .capture.step_model import BACKWARD
+from .processes.startup_hook import KIND, LENGTH, pack
 
 if TYPE_CHECKING:
     from .run import Run
 
 PART_ROWS = ("forward_ms", "optimizer_ms", "rest_ms")  # the parts of sampled steps (NaN elsewhere)
 ROWS = ("step", "time_s", "data_wait_ms", "compute_ms", "step_ms", "backward_ms", *PART_ROWS)
-HELLO, STEPS, END = 1, 2, 3
-LENGTH = struct.Struct("<I")  # a frame: its length, then kind and header length, header (JSON), rows
-KIND = struct.Struct("<BI")
+HELLO, STEPS, END = 1, 2, 3  # frames: startup_hook.pack (length, kind, JSON header, rows)
+MAX_FRAME = 4 << 20  # bytes: a longer frame is not read (a rank sends its steps in chunks)
+STEPS_PER_FRAME = (MAX_FRAME - 65536) // (8 * len(ROWS))
 DRAIN_S = 3.0  # how long the end of a cell waits for ranks that are still sending steps
 FINAL_SEND_S = 2.0  # how long a rank's exit waits for the kernel to take its last frames
 MAX_QUEUED = 16 << 20  # bytes a rank keeps for a kernel that stopped reading; past it, it stops
 RECV_BYTES = 1 << 16
 # Forks that start no rank: DataLoader workers and subprocesses (their stacks pass here).
-HELPERS = (f"{os.sep}torch{os.sep}utils{os.sep}data{os.sep}", f"{os.sep}subprocess.py")
+HELPERS = (
+    f"{os.sep}torch{os.sep}utils{os.sep}data{os.sep}",
+    f"{os.sep}subprocess.py",
+    f"{os.sep}pty.py",  # IPython's `!cmd` forks a pseudo-terminal (pexpect) to run the command
+    f"{os.sep}ptyprocess{os.sep}",
+)
 INTEGERS = {"rank", "pid", "n_steps", "n_analysed", "warmup_steps", "num_workers", "batch_size"}
 DATAPARALLEL_NOTE = (
     "nn.DataParallel drives every GPU from this one process (one Python thread; the model is "
@@ -80,24 +85,33 @@ DATAPARALLEL_NOTE = (
 # -- frames ------------------------------------------------------------------------------------
 def frame(kind: int, meta: Mapping[str, Any], rows: np.ndarray | None = None) -> bytes:
     """One message: HELLO, STEPS (meta + ROWS as float64 columns) or END."""
-    head = json.dumps(dict(meta)).encode()
     body = b"" if rows is None else np.ascontiguousarray(rows, dtype="<f8").tobytes()
-    return LENGTH.pack(KIND.size + len(head) + len(body)) + KIND.pack(kind, len(head)) + head + body
+    return pack(kind, meta, body)
 
 
 def read_frames(buf: bytearray) -> list[tuple[int, dict[str, Any], np.ndarray | None]]:
-    """The complete frames at the start of `buf` (removed from it); a partial one stays."""
+    """The complete frames at the start of `buf` (removed from it); a partial one stays. What
+    arrives is data: JSON and float64 numbers, never code. ValueError on a frame that is not one
+    (too long, a header that is not a JSON object, rows that are not ROWS columns)."""
     out = []
     pos = 0
     while len(buf) - pos >= LENGTH.size:
         (length,) = LENGTH.unpack_from(buf, pos)
+        if not KIND.size <= length <= MAX_FRAME:
+            raise ValueError(f"a frame of {length} bytes (at most {MAX_FRAME})")
         end = pos + LENGTH.size + length
         if len(buf) < end:
             break
         kind, n_head = KIND.unpack_from(buf, pos + LENGTH.size)
         start = pos + LENGTH.size + KIND.size
+        if n_head > end - start:
+            raise ValueError("a frame whose header is longer than the frame")
         meta = json.loads(bytes(buf[start : start + n_head]))
+        if not isinstance(meta, dict):
+            raise ValueError("a frame whose header is not a JSON object")
         raw = bytes(buf[start + n_head : end])
+        if len(raw) % (8 * len(ROWS)):
+            raise ValueError(f"a frame of {len(raw)} bytes of numbers: not {len(ROWS)} columns")
         rows = np.frombuffer(raw, dtype="<f8").reshape(len(ROWS), -1) if raw else None
         out.append((int(kind), meta, rows))
         pos = end
@@ -218,6 +232,15 @@ class RankParts:
 
     def facts(self) -> dict[str, Any]:
         return dict(self.facts_seen)
+
+
+def shows_parts_of(run: Run, stream: Stream) -> None:
+    """The run shows `stream`'s steps: their parts too, the facts its END said of them, and
+    where its passes over the training loader began (each epoch's start-up)."""
+    end = stream.end or {}
+    stream.parts.facts_seen = dict(end.get("parts") or {})
+    run.step_parts = stream.parts
+    run.pass_starts = [k for k in end.get("pass_steps") or [] if plain_count(k) is not None]
 
 
 class StepTap:
@@ -373,7 +396,7 @@ class Sender:
         who = self._who()
         if rows is not None or who != self.told:  # its rank is known as soon as it is set
             self.told = who
-            self._put(frame(STEPS, who, rows))
+            self._put_steps(who, rows)
         self._push()
 
     def finish(self) -> None:
@@ -385,7 +408,7 @@ class Sender:
             if not self.closed:
                 rows = self.tap.take(final=True)
                 if rows is not None:
-                    self._put(frame(STEPS, self._who(), rows))
+                    self._put_steps(self._who(), rows)
                 self._put(frame(END, self._end()))
                 self._push(deadline=monotonic() + FINAL_SEND_S)
         except Exception:
@@ -423,10 +446,19 @@ class Sender:
                 loader_info=facts.loader_info,
                 loader=loader_facts(facts.loader_info, loader),
                 parts=self.tap.capture.parts.facts(),
+                pass_steps=list(facts.pass_steps),
             )
         except Exception as exc:
             end["note"] = f"its loader could not be read: {type(exc).__name__}: {exc}"
         return end
+
+    def _put_steps(self, who: dict[str, Any], rows: np.ndarray | None) -> None:
+        """STEPS frames, each under MAX_FRAME (a fast loop closes many steps between ticks)."""
+        if rows is None or rows.shape[1] <= STEPS_PER_FRAME:
+            self._put(frame(STEPS, who, rows))
+            return
+        for first in range(0, rows.shape[1], STEPS_PER_FRAME):
+            self._put(frame(STEPS, who, rows[:, first : first + STEPS_PER_FRAME]))
 
     def _put(self, data: bytes) -> None:
         self.queue.append(data)
@@ -507,6 +539,9 @@ class Stream:
             self.rank, self.world = int(meta["rank"]), meta.get("world")
         if kind == HELLO:
             self.pid = plain_count(meta.get("pid"))
+            origin = meta.get("origin_ns")  # a child started apart has a time 0 of its own
+            if isinstance(origin, int) and not self.recorder.n_steps:
+                self.recorder.origin_ns = origin
         elif kind == STEPS and rows is not None:
             self._add(rows)
         elif kind == END:
@@ -673,9 +708,22 @@ class Collector:
             for kind, meta, rows in read_frames(stream.buf):
                 stream.apply(kind, meta, rows)
                 self._changed = self._changed or kind == STEPS
-        except Exception as exc:
+        except Exception as exc:  # dropped, with a note: nothing more is read from it
             stream.eof = True
-            self.notes.append(f"Process {stream.pid} sent what could not be read: {type(exc).__name__}: {exc}")
+            stream.buf.clear()
+            try:
+                self._selector.unregister(stream.sock)
+            except (KeyError, ValueError):
+                pass
+            self.notes.append(f"{self.describe(stream)} sent what could not be read: {type(exc).__name__}: {exc}")
+
+    def describe(self, stream: Stream) -> str:
+        """A stream in the notes: "Process 4242 (rank 1)"."""
+        return f"Process {stream.pid} (rank {stream.label})"
+
+    def adopt_into(self, run: Run, drain_s: float) -> None:
+        """The end of the cell: what the processes sent becomes the run's (see adopt)."""
+        adopt(run, self, drain_s)
 
     def main_stream(self) -> Stream | None:
         """The rank whose steps the run shows: the lowest rank that stepped."""
@@ -748,8 +796,7 @@ class Collector:
         for stream in self.streams:
             if not stream.done:
                 self.notes.append(
-                    f"Process {stream.pid} (rank {stream.label}) was still running {when}; its "
-                    "later steps are not counted."
+                    f"{self.describe(stream)} was still running {when}; its later steps are not counted."
                 )
         for sock in [s.sock for s in self.streams] + [self._wake_r, self._wake_w]:
             try:
@@ -969,7 +1016,7 @@ def capture_ended(run: Run, capture: Capture) -> None:
     interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)
     try:
         if isinstance(feed, Collector) and feed.pid == os.getpid():
-            adopt(run, feed, 0.0 if interrupted else DRAIN_S)
+            feed.adopt_into(run, 0.0 if interrupted else DRAIN_S)
         dataparallel_note(run)
     except Exception as exc:
         run.notes.append(f"The ranks could not be summarised: {type(exc).__name__}: {exc}")
@@ -1001,8 +1048,7 @@ def adopt(run: Run, collector: Collector, drain_s: float) -> None:
     main = late or collector.main_stream() or ranks[0]
     run.recorder = main.recorder
     end = main.end or {}
-    main.parts.facts_seen = dict(end.get("parts") or {})
-    run.step_parts = main.parts
+    shows_parts_of(run, main)
     if run.step_kind == "none" and end.get("step_kind"):
         run.step_kind = str(end["step_kind"])
         run.step_definition = f"{end.get('step_definition')}, on each rank"

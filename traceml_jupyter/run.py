@@ -137,7 +137,30 @@ def clear() -> int:
     """Forget every run of this kernel (their charts stay on screen). Returns how many."""
     n = len(_RUNS)
     _RUNS.clear()
+    _KEPT_LOADER.clear()
     return n
+
+
+# The last run's training loader when the loader itself is gone (built inside a function of a
+# script run with `%run`): a copy without its iterator (no worker processes), kept for
+# `%traceml tune` until the next run or clear().
+_KEPT_LOADER: dict[str, Any] = {}
+TWINS_KEPT = 4  # copies of the run's newest DataLoaders kept while it runs
+
+
+def keep_training_loader(run: Run, twin: Any) -> None:
+    """After `run`'s capture: keep `twin` as its training loader if the loader is gone."""
+    _KEPT_LOADER.clear()
+    ref = run.loader_ref
+    if twin is None or ref is None or ref() is not None:
+        return
+    _KEPT_LOADER.update(run=weakref.ref(run), loader=twin)
+
+    def kept() -> Any:
+        owner = _KEPT_LOADER.get("run")
+        return _KEPT_LOADER.get("loader") if owner is not None and owner() is run else None
+
+    run.loader_ref = kept
 
 
 class Run:
@@ -187,6 +210,7 @@ class Run:
         self._next_tick = 0
         self._loops_started = 0
         self._loader_infos: dict[Any, dict[str, Any]] = {}
+        self._loader_twins: dict[Any, Any] = {}  # stand-ins of its DataLoaders (keep_training_loader)
         self._summary: dict[str, Any] | None = None
         self._verdict: Verdict | None = None
         # Optional watches (sync_stalls.GpuWatch, line_costs): per-step columns they measure,
@@ -224,6 +248,11 @@ class Run:
         self.quoted_cells: dict[str, str] | None = None
         self._machine: dict[str, Any] | None = None
         self.rank_feed: Any = None
+        # Processes the cell started (children.py): each one's pid, command, steps, status; and,
+        # when the run shows a child's steps, where its loader and its dataset's __getitem__ are.
+        self.processes: list[dict[str, Any]] | None = None
+        self.loader_site: dict[str, Any] | None = None  # {"file", "line"}
+        self.dataset_site: dict[str, Any] | None = None  # {"file", "line", "class"}
         _RUNS.append(self)
 
     # -- while it runs ----------------------------------------------------------------------
@@ -257,6 +286,11 @@ class Run:
             self._loader_infos[source.key] = describe_loader(loader)
         except Exception:
             self._loader_infos[source.key] = {}
+        from .capture.dataloaders import stand_in
+
+        while len(self._loader_twins) >= TWINS_KEPT:
+            self._loader_twins.pop(next(iter(self._loader_twins)))
+        self._loader_twins[source.key] = stand_in(loader)
 
     # -- observers (the live view) ---------------------------------------------------------
     def observe(self, observer: Observer) -> None:
@@ -294,6 +328,13 @@ class Run:
         self.loader_ref, self.loader_name = facts.loader_ref, facts.loader_name
         self.pass_starts = list(facts.pass_steps)
         self.notes.extend(facts.notes)
+        key = next((s.key for s in capture.model.sources.values() if s.ref is not None and s.ref is facts.loader_ref), None)
+        keep_training_loader(self, self._loader_twins.get(key) if key is not None else None)
+        self._loader_twins.clear()
+        if isinstance(key, int) and key in capture.loader_sites:  # built while the run recorded
+            from .capture.dataloaders import split_site
+
+            self.loader_site, self.dataset_site = split_site(capture.loader_sites[key])
 
     def finish(self, error: BaseException | None = None) -> Run:
         """Close the run (after its capture): the final refresh of its views, then the summary
@@ -531,6 +572,9 @@ class Run:
             "straggler": _jsonable(self.straggler),
             "trend": _jsonable(self.summary.get("trend")),
             "epoch_startup": _jsonable(self.summary.get("epoch_startup")),
+            "processes": _jsonable(self.processes),
+            "loader_site": _jsonable(self.loader_site),
+            "dataset_site": _jsonable(self.dataset_site),
             # What a run read back needs to be shown and compared as it was (saved.py):
             "cell": {"source": self.cell_source, "loop_cell_source": self.loop_cell_source},
             "quoted_cells": self.quoted_cells,

@@ -42,6 +42,9 @@ SAVED_ATTRIBUTES = {
     "gpu_memory": "resources.gpu_memory",
     "held_before": "resources.held_before",
     "oom": "resources.oom",
+    "processes": "processes",
+    "loader_site": "loader_site",
+    "dataset_site": "dataset_site",
 }
 
 
@@ -153,6 +156,20 @@ def _columns(steps: Mapping[str, Any], shown: str) -> dict[str, np.ndarray]:
     return out
 
 
+def host_from_json(host: Any) -> dict[str, Any] | None:
+    """The host's samples as the report's plots read them (numpy columns, null: NaN), from
+    their JSON (a saved run's, a child process's end)."""
+    if not isinstance(host, Mapping):
+        return None
+    out: dict[str, Any] = dict(host)
+    out["samples"] = {
+        k: np.asarray([math.nan if v is None else v for v in values], dtype=np.float64)
+        for k, values in (out.get("samples") or {}).items()
+        if isinstance(values, list)
+    }
+    return out
+
+
 class SavedRun(Run):
     """A run read back from its saved JSON (`traceml_jupyter.load`): a frozen result. Its
     summary, verdict, checklist and per-step columns are the ones saved (not computed again
@@ -231,14 +248,7 @@ class SavedRun(Run):
         )
         self._gpu_used = bool(gpu.get("used")) or summary.get("clock") == "gpu"
         present, host = _get(document, "resources.host")
-        if isinstance(host, Mapping):  # the host's samples as the report's plots read them
-            host = dict(host)
-            host["samples"] = {
-                k: np.asarray([math.nan if v is None else v for v in values], dtype=np.float64)
-                for k, values in (host.get("samples") or {}).items()
-                if isinstance(values, list)
-            }
-        self.host = host if isinstance(host, dict) else None
+        self.host = host_from_json(host)
         if not present:
             unsaved.add("host")
         self.finished = True

@@ -41,6 +41,7 @@ from .capture.locate import (
 )
 from .capture.recording import Capture
 from .capture.rewrite import instrument_loop
+from .processes import children
 from .run import _RUNS, Run
 
 NO_LOOP = (
@@ -163,6 +164,11 @@ def _locate(
     """The loop the cell trains in: --loop; a marked loop (in the cell, then in the functions it
     calls); a training loop (same order); the innermost non-range loop (same order)."""
     if opts.loop is not None:
+        try:
+            if children.script_loop(opts.loop) is not None:  # FILE:LINE: a script the cell runs
+                return None, None
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         return _loop_option(shell, tree, opts)
     functions = called_cell_functions(tree, shell.user_ns)
     finders: list[Any] = [find_marked_loop, find_training_loop, lambda node, _lines: find_innermost_loop(node)]
@@ -292,6 +298,7 @@ def recording(cell: TracedCell) -> Iterator[None]:
             from .capture.sync_stalls import gpu_watched
 
             stack.enter_context(gpu_watched(run))
+            stack.enter_context(children.followed(run, loop=children.script_loop(cell.opts.loop)))  # its processes
             stack.enter_context(ranks.followed(run, capture))  # the capture, across processes
             stack.enter_context(swapped_code(cell.func_loop))
             if capture.lines is not None:
@@ -308,7 +315,7 @@ def recording(cell: TracedCell) -> Iterator[None]:
                 restore_definitions(cell.shell.user_ns, cell.code, plain)
             except Exception as exc:
                 run.notes.append(f"The cell's functions keep their traced code: {type(exc).__name__}: {exc}")
-        _finish(run, error, cell.opts, views[0] if views else None)
+        _finish(run, error, cell.opts, views[0] if views else None, children.started_commands(cell.tree))
 
 
 def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -> Any:
@@ -366,7 +373,7 @@ def _live_view_starter(run: Run, opts: CellOptions, views: list[Any]) -> Any:
     return start
 
 
-def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any) -> None:
+def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any, commands: list[str] | None = None) -> None:
     """Show the report, or one line when there is nothing to report; never mask the user's error."""
     from .views.display import show_report
 
@@ -386,7 +393,7 @@ def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any)
                     print("\n".join(f"traceml: {line}" for line in finding_lines(run.summary)))
             elif run.step_kind == "none" and run.loop_line is None:
                 _RUNS.remove(run)
-                print(NO_LOOP)
+                print(children.no_training_line(run, commands or []) or NO_LOOP)
             else:
                 print(f"traceml: {run.name}: no step ran ({_why_no_step(run)}).")
             return

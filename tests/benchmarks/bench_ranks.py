@@ -31,15 +31,17 @@ SHORT, LONG = 200, 1500
 VARIANTS = ("plain", "one process", "rank")
 
 
-def loop(n: int) -> float:
-    """CPU seconds of n training steps of a small MLP (DataLoader, backward, optimizer step)."""
+def loop(n: int, tiny: bool = False) -> float:
+    """CPU seconds of n training steps of a small MLP (DataLoader, backward, optimizer step);
+    `tiny`: of a one-layer model on batches of 4 (steps of tens of µs)."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    width, batch = (4, 4) if tiny else (32, 16)
+    model = torch.nn.Linear(4, 1) if tiny else torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    data = DataLoader(TensorDataset(torch.randn(n * 16, 32), torch.randn(n * 16, 1)), batch_size=16)
+    data = DataLoader(TensorDataset(torch.randn(n * batch, width), torch.randn(n * batch, 1)), batch_size=batch)
     loss_fn = torch.nn.MSELoss()
     began = time.process_time()
     for x, y in data:
@@ -49,20 +51,23 @@ def loop(n: int) -> float:
     return time.process_time() - began
 
 
+def recorded(n: int, body: Any = loop) -> float:
+    """`body(n)` recorded as `%%traceml` records a cell (one process)."""
+    from traceml_jupyter.capture.recording import capturing
+    from traceml_jupyter.run import Run
+
+    run = Run("bench")
+    with capturing(run):
+        seconds = float(body(n))
+    assert run.n_steps == n, run.n_steps
+    return seconds
+
+
 def child(n: int, variant: str, conn: Any) -> None:
     import torch
 
     torch.set_num_threads(1)
-    if variant == "one process":
-        from traceml_jupyter.capture.recording import capturing
-        from traceml_jupyter.run import Run
-
-        run = Run("bench")
-        with capturing(run):
-            seconds = loop(n)
-        assert run.n_steps == n, run.n_steps
-    else:
-        seconds = loop(n)
+    seconds = recorded(n) if variant == "one process" else loop(n)
     conn.send(seconds)
     conn.close()
 

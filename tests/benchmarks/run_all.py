@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     peer, install = not args.no_traceml_ai, not args.no_install
 
     import bench_accuracy
+    import bench_children
     import bench_gpu
     import bench_live_view
     import bench_memory
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         ("Live view cost", section("live view", bench_live_view.measure)),
         ("Long sessions (real kernels)", section("session", bench_session.measure)),
         ("Several processes (ranks forked from a traced cell)", section("ranks", lambda: bench_ranks.measure(max(args.repeats, 5)))),
+        ("Processes a cell starts (`!python`, the command line)", section("children", lambda: bench_children.measure(max(args.repeats, 5)))),
         ("Resources: CPU and memory sampling", section("resources", lambda: bench_resources.tables(max(args.repeats, 5)))),
         ("GPU", section("gpu", lambda: bench_gpu.measure(args.repeats, peer, install))),
     ]

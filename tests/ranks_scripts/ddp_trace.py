@@ -2,6 +2,9 @@
 
     torchrun --nproc_per_node 2 tests/ranks_scripts/ddp_trace.py
 
+With `--plain` it is the same DDP script with nothing of traceml in it (traced from a cell's
+`!torchrun` by the start-up hook: tests/test_children.py).
+
 Rank 0 prints the report with the per-rank table (rank 1 holds the others back: input); every
 rank prints one `RANKS <rank> <json>` line with what its `run` holds, and how many collectives
 torch.distributed's Python API ran during the steps and at the end of trace().
@@ -10,6 +13,7 @@ torch.distributed's Python API ran during the steps and at the end of trace().
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,8 +23,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
-
-import traceml_jupyter
 
 STEPS = 24
 SLOW_RANK = 1
@@ -61,6 +63,15 @@ def main() -> None:
     model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 2)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(Shard(0.005 if rank == SLOW_RANK else 0.0), batch_size=8)
+    if "--plain" in sys.argv:
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        dist.destroy_process_group()
+        return
+    import traceml_jupyter
+
     for name in COLLECTIVES:
         setattr(dist, name, counted(name, getattr(dist, name)))
     with traceml_jupyter.trace("ddp") as run:

@@ -3,10 +3,16 @@ behind a wrapper. Every read is guarded (probes.py): a loader that lies or raise
 
 from __future__ import annotations
 
+import copy
+import os
 import sys
+import sysconfig
 from typing import Any
 
 from .probes import attribute, plain_count, safe_len, type_name
+
+SITES_KEPT = 256  # DataLoaders whose construction line is remembered (the newest)
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # traceml_jupyter/
 
 
 def _dataloader_class() -> Any:
@@ -58,6 +64,19 @@ def describe_loader(loader: Any) -> dict[str, Any]:
         "n_samples": safe_len(dataset),
         "python_objects": python_objects(dataset),
     }
+
+
+def stand_in(loader: Any) -> Any:
+    """A shallow copy of `loader` without its iterator: its dataset, sampler, batch size and
+    collate_fn, for `%traceml tune` once the loader itself is gone; no worker processes kept
+    (a persistent loader's workers live in its iterator). None if it cannot be copied."""
+    try:
+        twin = copy.copy(loader)
+        if "_iterator" in vars(twin):
+            vars(twin)["_iterator"] = None
+        return twin
+    except Exception:
+        return None
 
 
 PYTHON_OBJECTS_MIN = 10_000  # a container this long makes copy-on-read growth worth naming
@@ -119,3 +138,91 @@ def loader_of_iterator(iterator: Any, namespace: Any) -> Any:
         if isinstance(value, DataLoader) and attribute(value, "dataset") is dataset:
             return value
     return None
+
+
+# -- where a DataLoader is built -------------------------------------------------------------------
+def note_site(sites: dict[int, dict[str, Any]], loader: Any, frame: Any) -> None:
+    """Remember in `sites` (by id of the loader, the newest SITES_KEPT) where `loader` is built,
+    from `frame` (the caller of its __init__) up, and where its dataset's __getitem__ is.
+    Never raises."""
+    try:
+        site = construction_site(loader, frame)
+        if site is None:
+            return
+        site.update(dataset_site(attribute(loader, "dataset")) or {})
+        while len(sites) >= SITES_KEPT:
+            sites.pop(next(iter(sites)))
+        sites[id(loader)] = site
+    except Exception:
+        pass
+
+
+def split_site(site: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """A noted site as the run keeps it: ({"file", "line"} of the loader, {"file", "line",
+    "class"} of its dataset's __getitem__), each None when not known."""
+    if not site:
+        return None, None
+    loader = {"file": site["file"], "line": site["line"]}
+    if "dataset_file" not in site:
+        return loader, None
+    return loader, {"file": site["dataset_file"], "line": site["dataset_line"], "class": site["dataset_class"]}
+
+
+def _user_code(filename: str) -> bool:
+    """A file of the user's, or a notebook cell (`<ipython-input-3-...>`): not torch, not ours,
+    not the standard library or a library."""
+    if filename.startswith("<frozen") or filename.startswith(PACKAGE_DIR):
+        return False
+    paths = sysconfig.get_paths()
+    roots = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return not any(root and filename.startswith(root) for root in roots)
+
+
+def construction_site(loader: Any, frame: Any) -> dict[str, Any] | None:
+    """{"file", "line"} of the line that built `loader`, from the frame that called its
+    __init__ up: the first frame of the user's code that is not a DataLoader subclass's own
+    __init__; else the first frame outside torch."""
+    torch_dir = os.path.dirname(getattr(sys.modules.get("torch"), "__file__", "") or "") + os.sep
+    fallback = None
+    for _ in range(32):
+        if frame is None:
+            break
+        code = frame.f_code
+        name = code.co_filename
+        inside = code.co_name == "__init__" and frame.f_locals.get("self") is loader
+        if not inside and not name.startswith(torch_dir):
+            if _user_code(name):
+                return {"file": _path(name), "line": int(frame.f_lineno)}
+            if fallback is None and not name.startswith(PACKAGE_DIR):
+                fallback = {"file": _path(name), "line": int(frame.f_lineno)}
+        frame = frame.f_back
+    return fallback
+
+
+def _path(filename: str) -> str:
+    """A file's absolute path (a process's relative path means nothing to the kernel); a
+    code name such as `<ipython-input-3-...>` as it is."""
+    return filename if filename.startswith("<") else os.path.abspath(filename)
+
+
+def inner_dataset(dataset: Any) -> Any:
+    """The dataset behind torch's wrappers (Subset, ...)."""
+    for _ in range(4):
+        inner = getattr(dataset, "dataset", None)
+        if inner is None or type(dataset).__module__.split(".")[0] != "torch":
+            break
+        dataset = inner
+    return dataset
+
+
+def dataset_site(dataset: Any) -> dict[str, Any] | None:
+    """Where the dataset's `__getitem__` is written (through torch's wrappers such as Subset)."""
+    dataset = inner_dataset(dataset)
+    if dataset is None:
+        return None
+    cls = type(dataset)
+    func = getattr(cls, "__getitem__", None)
+    code = getattr(getattr(func, "__func__", func), "__code__", None)
+    if code is None:
+        return None
+    return {"dataset_file": _path(code.co_filename), "dataset_line": int(code.co_firstlineno), "dataset_class": cls.__name__}

@@ -12,6 +12,7 @@ for the run with a note, and nothing of ours is raised into the user's code.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -30,6 +31,7 @@ from .cuda_clock import (
     current_device,
     torch_marks,
 )
+from .dataloaders import note_site
 from .patches import patched
 from .probes import batch_size_of, type_name
 from .resources import resources_watched
@@ -79,6 +81,7 @@ class Capture:
         self.parts = StepParts(model, self.thread, lambda: self.cuda)
         model.on_sample = self.parts.sample_due
         self.pass_starts: list[tuple[Source, int]] = []
+        self.loader_sites: dict[int, dict[str, Any]] = {}  # id(DataLoader) -> where it was built
         # Set by resources.py while the run's resources are watched: the GPU memory per step
         # (gpu_memory.GpuMemory) and who hears of DataLoader workers (host.HostSampler).
         self.memory: Any = None
@@ -563,9 +566,16 @@ def _dataloader_patches(capture: Capture, stack: ExitStack) -> None:
         from torch.utils.data.dataloader import _BaseDataLoaderIter
     except Exception:
         return
+    original_init = DataLoader.__dict__["__init__"]
     original_iter = DataLoader.__dict__["__iter__"]
     original_next = _BaseDataLoaderIter.__dict__["__next__"]
     thread = capture.thread
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if hooks.active is capture and get_ident() == thread:  # where it is built, for the checklist
+            note_site(capture.loader_sites, self, sys._getframe(1))
 
     def __iter__(self: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
@@ -579,7 +589,7 @@ def _dataloader_patches(capture: Capture, stack: ExitStack) -> None:
             return original_next(self)
         return capture.dataloader_next(self, original_next)
 
-    stack.enter_context(patched(DataLoader, {"__iter__": __iter__}))
+    stack.enter_context(patched(DataLoader, {"__init__": __init__, "__iter__": __iter__}))
     stack.enter_context(patched(_BaseDataLoaderIter, {"__next__": __next__}))
 
 

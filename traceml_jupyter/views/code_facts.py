@@ -39,6 +39,7 @@ from ..analysis.checklist import (
 )
 from ..analysis.rank_verdict import checklist_verdict
 from ..analysis.resources import cpu_sentence
+from ..capture.dataloaders import dataset_site, inner_dataset
 from ..capture.host import usable_cpus as cpu_count
 from ..capture.locate import dataloader_lines
 from ..run import tuned_for
@@ -407,13 +408,7 @@ def source_label(run: Run, shell: Any, filename: str) -> str | None:
 
 def _dataset_of(loader: Any) -> Any:
     """The dataset behind a loader, through wrappers such as Subset."""
-    dataset = getattr(loader, "dataset", None)
-    for _ in range(4):
-        inner = getattr(dataset, "dataset", None)
-        if inner is None or type(dataset).__module__.split(".")[0] != "torch":
-            break
-        dataset = inner
-    return dataset
+    return inner_dataset(getattr(loader, "dataset", None))
 
 
 # `__getitem__` read from its source file or cell, by (file, line, class, source text).
@@ -422,25 +417,29 @@ SOURCE_SAMPLES_KEPT = 16
 
 
 def _sample_code_from_object(run: Run, shell: Any, dataset: Any) -> SampleCode | None:
-    cls = type(dataset)
-    func = getattr(cls, "__getitem__", None)
-    code = getattr(getattr(func, "__func__", func), "__code__", None)
-    if code is None:
+    site = dataset_site(dataset)
+    if site is None:
         return None
-    lines = linecache.getlines(code.co_filename)
+    return _sample_code_at(run, shell, site["dataset_file"], site["dataset_line"], site["dataset_class"])
+
+
+def _sample_code_at(run: Run, shell: Any, filename: str, first_line: int, class_name: str) -> SampleCode | None:
+    """The `__getitem__` of class `class_name` defined at `first_line` of `filename` (a cell or
+    a file), read from its source."""
+    lines = linecache.getlines(filename)
     if not lines:
         return None
-    key = (code.co_filename, code.co_firstlineno, cls.__name__, "".join(lines))
+    key = (filename, first_line, class_name, "".join(lines))
     if key in _SOURCE_SAMPLES:
         return _SOURCE_SAMPLES[key]
     tree = parse_cell(key[3])
-    node = method_def(tree, code.co_firstlineno) if tree is not None else None
+    node = method_def(tree, first_line) if tree is not None else None
     found = None
     if tree is not None and node is not None:
-        label = source_label(run, shell, code.co_filename)
-        owner = class_def(tree, cls.__name__)
+        label = source_label(run, shell, filename)
+        owner = class_def(tree, class_name)
         found = SampleCode(
-            cls.__name__,
+            class_name,
             tuple(costly_calls(node, label)),
             CodeSite(node.lineno, label),
             CodeSite(owner.lineno, label) if owner is not None else None,
@@ -452,6 +451,9 @@ def _sample_code_from_object(run: Run, shell: Any, dataset: Any) -> SampleCode |
 
 
 def _sample_code(run: Run, shell: Any, ctx: CodeContext) -> SampleCode | None:
+    site = getattr(run, "dataset_site", None)
+    if site:  # a child process's dataset: read from its file
+        return _sample_code_at(run, shell, site["file"], site["line"], site.get("class") or "")
     dataset = _dataset_of(_loader_object(run))
     if dataset is not None:
         try:
@@ -518,7 +520,9 @@ class CodeContext:
         names = iter_names(ctx.loop) if ctx.loop is not None else set()
         names |= _names_bound_to(_loader_object(run), getattr(shell, "user_ns", {}) or {})
         names -= {"enumerate", "zip", "tqdm", "iter", "range", "len"}
-        ctx.loader_site = _loader_site(ctx.earlier, ctx.tree, names)
+        ctx.loader_site = script_site(run, shell)
+        if ctx.loader_site is None and not getattr(run, "processes", None):
+            ctx.loader_site = _loader_site(ctx.earlier, ctx.tree, names)
         return ctx
 
     def cell_line(self, site: CodeSite) -> str | None:
@@ -528,6 +532,18 @@ class CodeContext:
             return None
         lines = self.cells[int(match.group(1))].splitlines()
         return lines[site.line - 1] if 0 < site.line <= len(lines) else None
+
+
+def script_site(run: Run, shell: Any) -> CodeSite | None:
+    """Where the run's loader was built when that is a file (`train.py, line 54`: a script run
+    as a child process or with `%run`); None in a notebook cell (the cells are read for it)."""
+    site = getattr(run, "loader_site", None)
+    if not site:
+        return None
+    label = source_label(run, shell, str(site["file"]))
+    if label is None or label.startswith("In ["):
+        return None
+    return CodeSite(int(site["line"]), label)
 
 
 def _site_text(run: Run, filename: str, line: int) -> str:

@@ -1,0 +1,329 @@
+"""A child process's recording once it trains (the start-up hook's tripwires start it at the
+process's first training event): the capture of `%%traceml` on the thread that trains, and its
+sender (ranks.Sender): its HELLO says who it is, its steps go at the run's ticks, its END says
+how it ended, what fed its steps and where its loader was built."""
+
+from __future__ import annotations
+
+import ast
+import atexit
+import builtins
+import os
+import sys
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .. import ranks
+from ..capture import hooks
+from ..capture.dataloaders import split_site
+from ..capture.locate import loop_at_line
+from ..capture.patches import patched
+from ..capture.recording import Capture, capturing, new_token
+from ..capture.rewrite import instrument_loop
+from ..capture.sources import training_source
+from ..run import Run, _jsonable
+from .startup_hook import command_line
+
+if TYPE_CHECKING:
+    from .startup_hook import Tripwires
+
+
+class ChildSender(ranks.Sender):
+    """A child's end of its connection to the kernel."""
+
+    def __init__(self, sock: Any, tap: ranks.StepTap, run: Run, tripwires: Tripwires) -> None:
+        super().__init__(sock, tap, run, 0)
+        self.tripwires = tripwires
+        self.status: int | None = None
+        # The script's file, while it runs (Python takes __file__ off __main__ when it ends).
+        self.main_file: str | None = getattr(sys.modules.get("__main__"), "__file__", None)
+
+    def hello(self) -> None:
+        meta = {
+            "pid": self.pid,
+            "index": 0,
+            "command": command_line(),
+            "origin_ns": self.run.recorder.origin_ns,
+            **self._who(),
+        }
+        self._put(ranks.frame(ranks.HELLO, meta))
+        self._push()
+
+    def __call__(self, run: Run) -> None:
+        self.tripwires.tidy()
+        super().__call__(run)
+
+    def _put_steps(self, who: dict[str, Any], rows: Any) -> None:
+        feed = self.run.rank_feed
+        if rows is not None and isinstance(feed, ranks.LocalRank):  # for the gather of a job over nodes
+            feed.add(rows)
+        super()._put_steps(who, rows)
+
+    def _end(self) -> dict[str, Any]:
+        end: dict[str, Any] = super()._end()
+        run = self.run
+        if isinstance(end.get("loader_info"), dict):
+            end["loader_info"] = script_loader_info(end["loader_info"], self.main_file)
+        end["status"] = self.status
+        end["command"] = command_line()
+        try:
+            training = training_source(list(self.tap.capture.model.sources.values()))
+            key = training.key if training is not None and training.kind == "dataloader" else None
+            site = self.tripwires.sites.get(key) if isinstance(key, int) else None  # built before the capture
+            loader_site, dataset_site = split_site(site) if site else (run.loader_site, run.dataset_site)
+            end.update(
+                loader_site=loader_site,
+                dataset_site=dataset_site,
+                sources=_jsonable(run.sources),
+                phases=_jsonable(run.phases),
+                notes=list(run.notes),
+                wall_ms=run.wall_ms,
+                batch_kind=run.batch_kind,
+                loop_line=run.loop_line,
+                loop_where=run.loop_where,
+                job_ranks=_jsonable(run.ranks),
+                resources=_jsonable(run.resources_dict()),  # this process's CPU, memory, workers
+            )
+        except Exception as exc:
+            end["note"] = f"what fed its steps could not be read: {type(exc).__name__}: {exc}"
+        return end
+
+
+@dataclass
+class Recording:
+    """A started child: its capture (undone by `stack`) and its sender."""
+
+    stack: ExitStack
+    sender: ChildSender
+
+    def finish(self, exit_code: Any, exit_error: str | None) -> None:
+        """At exit: close the capture (it classifies what is still open), send the last steps
+        and the end."""
+        try:
+            self.stack.close()
+        except Exception:
+            pass
+        self.sender.status, self.sender.error = exit_status(exit_code, exit_error)
+        self.sender.finish()
+
+    def forget_in_child(self) -> None:
+        """In a process forked from this one: the parent's capture records nothing here and its
+        connection is let go."""
+        hooks.active = None
+        self.sender.forget_in_child()
+
+
+def script_loader_info(info: dict[str, Any], main_file: str | None) -> dict[str, Any]:
+    """The loader's settings as the kernel's checklist should read them for a script: a Dataset
+    of the script itself is in `__main__` like one of a notebook cell, but workers can import it
+    (as `__mp_main__`), so it is named by its file; the start method is the script's own when it
+    chose one."""
+    info = dict(info)
+    if info.get("dataset_module") == "__main__" and isinstance(main_file, str):
+        info["dataset_module"] = os.path.basename(main_file)
+    mp = sys.modules.get("multiprocessing")
+    if info.get("multiprocessing_context") is None and mp is not None:
+        try:
+            info["multiprocessing_context"] = mp.get_start_method(allow_none=True)
+        except Exception:
+            pass
+    return info
+
+
+def record(tripwires: Tripwires, sock: Any) -> Recording:
+    """Start recording this process on the calling thread, streaming to the kernel over `sock`
+    (connected, token sent); at exit, tripwires.finish sends the end."""
+    run = Run(command_line())
+    loop = tripwires.loop  # --loop FILE:LINE: (path, line, token)
+    capture = Capture(run, token=loop[2] if loop else None)
+    if loop:
+        run.loop_line, run.loop_where = loop[1], os.path.basename(loop[0])
+    stack = ExitStack()
+    stack.enter_context(capturing(run, capture))
+    timer = None
+    autograd: Any = getattr(sys.modules.get("torch"), "autograd", None)
+    if autograd is not None and ranks.distributed_env() and getattr(autograd, "backward", None) is not None:
+        timer = ranks.BackwardTimer()  # ranks wait for each other in backward()
+        stack.enter_context(patched(autograd, {"backward": timer.wrap(autograd.backward)}))
+    tap = ranks.StepTap(capture, timer)
+    stack.callback(tap.follow_merges(capture.model))
+    sender = ChildSender(sock, tap, run, tripwires)
+    run._observers[:] = [sender]  # the live chart is the kernel's
+    run._next_tick = 0
+    capture.listen()
+    ranks._in_rank = True  # forks from here start no rank channel: one that trains connects itself
+    original_exit = sys.exit
+
+    def exit(status: Any = None) -> Any:  # how the process says it ends
+        tripwires.exit_code = status
+        tripwires.exit_error = ranks.describe_error(sys.exc_info()[1])
+        return original_exit(status)
+
+    sys.exit = exit
+    if multi_node():
+        gather_before_the_group_goes(run)
+    atexit.register(tripwires.finish)
+    if "multiprocessing" in sys.modules:  # multiprocessing children leave through os._exit
+        import multiprocessing.util
+
+        multiprocessing.util.Finalize(tripwires, tripwires.finish, exitpriority=100)
+    sender.hello()
+    return Recording(stack, sender)
+
+
+def multi_node() -> bool:
+    """One rank of a torchrun job over several nodes (more ranks than this node starts)."""
+    try:
+        return int(os.environ["WORLD_SIZE"]) > int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return False
+
+
+def gather_before_the_group_goes(run: Run) -> None:
+    """A job over several nodes: when the script destroys its process group (every rank does,
+    at its end), every rank's summary is gathered over it first (ranks.gather, as at the end
+    of trace()), so the kernel or command line of each node sees the whole job's ranks."""
+    dist: Any = sys.modules.get("torch.distributed")
+    original = getattr(dist, "destroy_process_group", None)
+    if original is None:
+        return
+    run.rank_feed = ranks.LocalRank()
+    done: list[bool] = []
+
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        if not done:
+            done.append(True)
+            try:
+                ranks.gather(run, None)
+            except Exception:
+                pass
+        return original(*args, **kwargs)
+
+    dist.destroy_process_group = destroy_process_group
+
+
+def exit_status(code: Any, handled: str | None) -> tuple[int | None, str | None]:
+    """(exit status, error) of a process at its exit: an uncaught exception (status 1; the
+    KeyboardInterrupt of the stop button, 130), what sys.exit() was given, else 0."""
+    uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if isinstance(uncaught, BaseException):
+        status = 130 if isinstance(uncaught, KeyboardInterrupt) else 1
+        return status, ranks.describe_error(uncaught)
+    if code is None or code is True or code is False:
+        status = int(bool(code)) if code is not None else 0
+    elif isinstance(code, int):
+        status = code & 0xFF
+    else:
+        status = 1  # sys.exit("message") prints it and exits 1
+    if status == 0:
+        return 0, None
+    return status, handled or (str(code) if not isinstance(code, int) else f"exit status {status}")
+
+
+# -- --loop FILE:LINE: a loop in a script whose iterations are steps -----------------------------------
+class LoopModuleFinder:
+    """On sys.meta_path: the module whose file is `path` is compiled with the loop on `line`
+    rewritten (capture/rewrite.py), as a traced cell's loop is."""
+
+    def __init__(self, path: str, line: int, token: int) -> None:
+        self.path, self.line, self.token = path, line, token
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        origin = getattr(spec, "origin", None)
+        if spec is None or origin is None or os.path.abspath(origin) != self.path:
+            return None
+        loader = spec.loader
+        if not isinstance(loader, importlib.machinery.SourceFileLoader):
+            return None
+        finder = self
+
+        class Rewriting(importlib.machinery.SourceFileLoader):
+            def get_code(self, fullname: str) -> Any:
+                return compile(finder.rewritten(), finder.path, "exec", dont_inherit=True)
+
+        spec.loader = Rewriting(loader.name, loader.path)
+        sys.meta_path.remove(self)
+        return spec
+
+    def rewritten(self) -> ast.Module:
+        with open(self.path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), self.path)
+        choice = loop_at_line(tree, self.line)
+        if choice is None:
+            raise SyntaxError(f"--loop {self.path}:{self.line}: no for loop on that line")
+        new, _ = instrument_loop(tree, choice, self.token)
+        return new
+
+
+def follow_loop(tripwires: Tripwires, where: str) -> None:
+    """--loop FILE:LINE in a child, at its start-up: the loop is rewritten when its file is
+    compiled — an imported module at import, the script itself run here as Python would run it
+    (this then never returns) — and its first iteration starts the capture like any other
+    training event."""
+    path, _, line_text = where.rpartition(":")
+    token = new_token()
+    tripwires.loop = (path, int(line_text), token)
+    hooks.install()
+
+    def loop(iterable: Any, token: int) -> Any:  # the first pass of the loop trips the wire
+        tripwires.trip()
+        return hooks.loop(iterable, token)
+
+    def aloop(iterable: Any, token: int) -> Any:
+        tripwires.trip()
+        return hooks.aloop(iterable, token)
+
+    setattr(builtins, hooks.LOOP, loop)  # until the capture installs the plain ones
+    setattr(builtins, hooks.ALOOP, aloop)
+    finder = LoopModuleFinder(path, int(line_text), token)
+    main = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None
+    if main != path:
+        sys.meta_path.insert(0, finder)
+        return
+    run_script(path, finder)
+
+
+def run_script(path: str, finder: LoopModuleFinder) -> None:
+    """Run the script `path` as `__main__` with its loop rewritten, then end the process as
+    Python ends it (threads joined, atexit, the exit status, the traceback of an uncaught
+    exception)."""
+    import atexit as exits
+    import threading
+    import traceback
+
+    status = 0
+    try:
+        code = compile(finder.rewritten(), path, "exec", dont_inherit=True)
+    except (OSError, SyntaxError) as exc:
+        from .startup_hook import tell_kernel
+
+        tell_kernel(f"--loop: {exc}")
+        return  # Python runs the script as it is
+    main = sys.modules["__main__"]
+    main.__dict__.update(__file__=path, __cached__=None)
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path.insert(0, os.path.dirname(path))  # as Python does for a script, after site
+    try:
+        exec(code, main.__dict__)
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException as exc:
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None)
+        status = 130 if isinstance(exc, KeyboardInterrupt) else 1
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    exits._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(status & 0xFF)
