@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_step_model import old_tree, run_worker, slope_us  # noqa: E402
 from tables import Table, noise_of, num, show, target  # noqa: E402
 
-BEFORE = "ea3ad27"  # main before the parts of the step (issue 20), issues 18, 21 and 23 merged
+BEFORE = "caea403"  # main before the parts of the step (issue 20): issues 18, 19, 21 and 23 merged
 TARGET_US = 0.3
 ROOT = Path(__file__).resolve().parents[2]
 SHORT, LONG = 2_000, 30_000
