@@ -325,3 +325,31 @@ def test_compiled_modules_are_timed_whole_and_never_recompiled() -> None:
     assert run.summary["forward_state"] == "found"
     assert sorted(run.summary["forward_modules"]) == ["OptimizedModule", "Sleepy"]
     assert "__call__" not in type(wrapped).__dict__ or type(wrapped).__dict__["__call__"].__module__.startswith("torch")
+
+
+def test_a_namespace_full_of_earlier_models_does_not_hide_this_steps_model(ip: Any) -> None:
+    """A long session: forty models from earlier cells; this cell's trainer makes its own module
+    (as a Lightning run does) and calls its child: it is found from the frames all the same."""
+    ip.user_ns.update({f"old_model_{i}": nn.Linear(3, 3) for i in range(40)})
+    ip.user_ns.update(Sleepy=Sleepy, torch=torch, nn=nn)
+    with capture_output():
+        ip.run_cell(textwrap.dedent('''
+            class Holder(nn.Module):
+                """Never called itself: its step calls self.net (like a LightningModule)."""
+                def __init__(self):
+                    super().__init__()
+                    self.net = Sleepy(1.0)
+                def step(self, x):
+                    return self.net(x)
+            def fit():
+                holder = Holder()
+                opt = torch.optim.SGD(holder.parameters(), lr=0.1)
+                for i in range(12):
+                    opt.zero_grad()
+                    holder.step(torch.ones(2, 4)).sum().backward()
+                    opt.step()
+            '''))
+    run = traced(ip, "fit()\n")
+    assert run.summary["forward_state"] == "found"
+    assert run.summary["forward_modules"] == ["Holder.net (Sleepy)"]
+    assert "__call__" not in nn.Linear.__dict__ and "__call__" not in Sleepy.__dict__

@@ -34,7 +34,9 @@ from typing import Any
 
 MAX_FRAMES = 64  # frames read above the first sampled backward() or optimizer step
 MAX_SCAN = 4096  # values looked at per place (a namespace, a frame, an object)
-MAX_ROOTS = 16
+# Roots taken from the notebook's namespace (a long session holds many models, most of them
+# not this cell's); the frames of the training event and the roots' children are always taken.
+MAX_NAMESPACE_ROOTS = 32
 
 SEARCHING, FOUND, NOT_FOUND = "searching", "found", "not found"
 
@@ -171,15 +173,15 @@ class ModuleCalls:
         self.installed = False
 
     # -- finding them ---------------------------------------------------------------------
-    def add(self, candidates: Iterable[Any]) -> bool:
-        """Take the roots among `candidates` (with the roots already known). True when a new
-        root was added."""
+    def add(self, candidates: Iterable[Any], from_namespace: bool = False) -> bool:
+        """Take the roots among `candidates` (with the roots already known; from the namespace,
+        MAX_NAMESPACE_ROOTS at most). True when a new root was added."""
         known = [r() for r in self.roots]
         found = roots_of([m for m in known if m is not None] + list(candidates))
-        return self._take([m for m in found if id(m) not in self.index])
+        new = [m for m in found if id(m) not in self.index]
+        return self._take(new[:MAX_NAMESPACE_ROOTS] if from_namespace else new)
 
     def _take(self, new: list[Any], labels: list[str] | None = None) -> bool:
-        new = new[: max(0, MAX_ROOTS - len(self.roots))]
         for i, m in enumerate(new):
             self.index[id(m)] = len(self.roots)
             self.roots.append(weakref.ref(m))
@@ -264,6 +266,22 @@ class ModuleCalls:
                     type.__setattr__(cls, "__call__", own)
             except Exception:
                 pass
+
+    def keep_called(self, called: set[int]) -> None:
+        """The forward is found: only the classes of the roots called stay patched (a long
+        session's other models cost nothing on the sampled steps to come)."""
+        classes = {type(m) for i, ref in enumerate(self.roots) if i in called and (m := ref()) is not None}
+        unused = [cls for cls in self._classes if cls not in classes]
+        installed = self.installed
+        self.remove()
+        for cls in unused:
+            del self._classes[cls]
+        for i, ref in enumerate(self.roots):
+            m = ref()
+            if i not in called and m is not None and type(m) not in classes:
+                self.index.pop(id(m), None)
+        if installed:
+            self.install()
 
     def forget(self) -> None:
         """Not found: no patch any more."""

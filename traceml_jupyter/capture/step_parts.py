@@ -194,7 +194,7 @@ class StepParts:
         namespace = user_namespace()
         if namespace:
             values = list(namespace.values())
-            self.calls.add(modules_in(values, cls))
+            self.calls.add(modules_in(values, cls), from_namespace=True)
             self._hook_optimizers_in(values)
         self._arm()
         self.model.sample_in = 1
@@ -490,6 +490,7 @@ class StepParts:
             self._walk(sys._getframe(3))
         if self._seen_call:
             calls.state = FOUND
+            calls.keep_called(self._ever_called)
             return
         if index <= calls.last_index or self.model.level < ITERATION:  # no training step yet
             return
