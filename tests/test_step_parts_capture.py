@@ -330,7 +330,28 @@ def test_compiled_modules_are_timed_whole_and_never_recompiled() -> None:
 def test_a_namespace_full_of_earlier_models_does_not_hide_this_steps_model(ip: Any) -> None:
     """A long session: forty models from earlier cells; this cell's trainer makes its own module
     (as a Lightning run does) and calls its child: it is found from the frames all the same."""
-    ip.user_ns.update({f"old_model_{i}": nn.Linear(3, 3) for i in range(40)})
+    old = {f"old_model_{i}": nn.Linear(3, 3) for i in range(40)}
+    ip.user_ns.update(old)
+    try:
+        run = holder_run(ip)
+        ip.user_ns.update(late_a=Sleepy(), late_b=Sleepy())  # defined after the forty, named in the cell
+        ip.user_ns["late_opt"] = torch.optim.SGD([*ip.user_ns["late_a"].parameters(), *ip.user_ns["late_b"].parameters()], lr=0.1)
+        named = traced(ip, """\
+            for i in range(8):
+                late_opt.zero_grad()
+                (late_a(torch.ones(1, 4)) + late_b(torch.ones(1, 4))).sum().backward()
+                late_opt.step()
+            """)
+    finally:
+        for name in [*old, "late_a", "late_b", "late_opt"]:
+            ip.user_ns.pop(name, None)
+    assert named.summary["forward_modules"] == ["late_a (Sleepy)", "late_b (Sleepy)"]
+    assert run.summary["forward_state"] == "found"
+    assert run.summary["forward_modules"] == ["Holder.net (Sleepy)"]
+    assert "__call__" not in nn.Linear.__dict__ and "__call__" not in Sleepy.__dict__
+
+
+def holder_run(ip: Any) -> Run:
     ip.user_ns.update(Sleepy=Sleepy, torch=torch, nn=nn)
     with capture_output():
         ip.run_cell(textwrap.dedent('''
@@ -349,7 +370,4 @@ def test_a_namespace_full_of_earlier_models_does_not_hide_this_steps_model(ip: A
                     holder.step(torch.ones(2, 4)).sum().backward()
                     opt.step()
             '''))
-    run = traced(ip, "fit()\n")
-    assert run.summary["forward_state"] == "found"
-    assert run.summary["forward_modules"] == ["Holder.net (Sleepy)"]
-    assert "__call__" not in nn.Linear.__dict__ and "__call__" not in Sleepy.__dict__
+    return traced(ip, "fit()\n")

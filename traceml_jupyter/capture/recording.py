@@ -78,7 +78,7 @@ class Capture:
         self._first_step = run.recorder.n_steps
         # forward, backward and optimizer of sampled steps; the steps where passes over a
         # DataLoader started (each epoch's start-up wait)
-        self.parts = StepParts(model, self.thread, lambda: self.cuda)
+        self.parts = StepParts(model, self.thread, lambda: self.cuda, lambda: f"{run.cell_source}\n{run.loop_cell_source}")
         model.on_sample = self.parts.sample_due
         self.pass_starts: list[tuple[Source, int]] = []
         self.loader_sites: dict[int, dict[str, Any]] = {}  # id(DataLoader) -> where it was built

@@ -34,6 +34,7 @@ on), read once complete, never waited for: the parts on the GPU's timeline.
 from __future__ import annotations
 
 import random
+import re
 import sys
 import weakref
 from collections import deque
@@ -155,10 +156,17 @@ class CudaParts:
 class StepParts:
     """Forward, backward and optimizer time of sampled steps (see the module docstring)."""
 
-    def __init__(self, model: StepModel, thread: int, cuda_of: Callable[[], Any] = lambda: None) -> None:
+    def __init__(
+        self,
+        model: StepModel,
+        thread: int,
+        cuda_of: Callable[[], Any] = lambda: None,
+        code_of: Callable[[], str] = lambda: "",
+    ) -> None:
         self.model = model
         self.thread = thread
         self.cuda_of = cuda_of  # the capture's GPU clock (CudaSteps) or None
+        self.code_of = code_of  # the traced code: the namespace's names it uses are looked at first
         self.on = False  # a sampled step runs: what backward() and the optimizer hook read
         self.active = False
         self.calls = ModuleCalls(self.module_call)
@@ -193,7 +201,9 @@ class StepParts:
         self._first = self.model.recorder.n_steps
         namespace = user_namespace()
         if namespace:
-            values = list(namespace.values())
+            named = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", self.code_of()))
+            items = sorted(list(namespace.items()), key=lambda kv: kv[0] not in named)  # the cell's names first
+            values = [v for _, v in items]
             self.calls.add(modules_in(values, cls), from_namespace=True)
             self._hook_optimizers_in(values)
         self._arm()
