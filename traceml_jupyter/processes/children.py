@@ -363,6 +363,7 @@ def become(run: Run, stream: ChildStream, ranked: bool) -> None:
     """The run shows `stream`'s steps, with what its END said: what a step was, the batches,
     the loader and where it was built, the passes kept out, its notes, and how it ended."""
     run.recorder = stream.recorder
+    ranks.shows_parts_of(run, stream)
     end = stream.end or {}
     if plain_count(end.get("loop_line")) is not None and isinstance(end.get("loop_where"), str):
         run.loop_line, run.loop_where = plain_count(end["loop_line"]), end["loop_where"]  # --loop FILE:LINE
