@@ -1020,6 +1020,74 @@ def hf_trainer(ctx: Context) -> list[Check]:
     return checks
 
 
+def step_parts(ctx: Context) -> list[Check]:
+    """Issue 20: forward, backward and the optimizer step each queue a known GPU time
+    (`torch.cuda._sleep`) while the host runs ahead: on the GPU clock the parts are those times,
+    the rest is small, and the host's clock sees next to nothing of them."""
+    torch = ctx.torch
+    fwd_ms, bwd_ms, opt_ms = 6.0, 9.0, 3.0
+
+    class SleepyNet(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(256, 1)
+
+        def forward(self, x: Any) -> Any:
+            torch.cuda._sleep(ctx.cycles(fwd_ms))
+            return SleepyGrad.apply(self.fc(x))
+
+    class SleepyGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(_: Any, x: Any) -> Any:
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(_: Any, grad: Any) -> Any:
+            torch.cuda._sleep(ctx.cycles(bwd_ms))
+            return grad
+
+    class SleepySGD(torch.optim.Optimizer):
+        """Plain SGD that queues opt_ms first (not a subclass of a hooked torch optimizer whose
+        step it would call: its step hooks would run twice a step)."""
+
+        def __init__(self, params: Any, lr: float) -> None:
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:
+            torch.cuda._sleep(ctx.cycles(opt_ms))
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-group["lr"])
+
+    net = SleepyNet().to("cuda")
+    batches = [torch.ones(8, 256).pin_memory() for _ in range(60)]
+    cell = """
+    for x in batches:
+        x = x.to("cuda", non_blocking=True)
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+    """
+    check = Check("parts of the step", "forward, backward, optimizer on the GPU clock")
+    run = ctx.traced("parts", cell, {"batches": batches, "net": net, "opt": SleepySGD(net.parameters(), lr=0.1)})
+    describe(check, run)
+    s = run.summary
+    check.numbers.update({k: s.get(f"{k}_ms") for k in ("forward", "backward", "optimizer", "rest")})
+    check.expect(s.get("parts_clock") == "gpu", f"parts on the {s.get('parts_clock')} clock, want gpu")
+    check.expect(s.get("forward_modules") == ["net (SleepyNet)"], f"forward of {s.get('forward_modules')}")
+    check.near("forward (GPU)", s.get("forward_ms"), fwd_ms)
+    check.near("backward (GPU)", s.get("backward_ms"), bwd_ms)
+    check.near("optimizer (GPU)", s.get("optimizer_ms"), opt_ms)
+    rest = s.get("rest_ms")
+    check.expect(rest is not None and rest < 1.0, f"the rest {rest} ms, want < 1 ms")
+    host = median_after_warmup(run, "forward_ms")
+    check.numbers["forward (host)"] = host
+    check.expect(host < fwd_ms / 2, f"the host's forward {host:.2f} ms: the kernels should not block it")
+    return [check]
+
+
 # -- resources: GPU memory per step, held by earlier cells, out of memory ------------------------
 # (issue 18) Each figure is checked against torch's own counters, read by hand in the same
 # process: max_memory_allocated after reset_peak_memory_stats around one step, memory_allocated
@@ -1225,6 +1293,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("M", "20 000 .to(dtype) pass-throughs", "F16", "< 1 µs a call", to_dtype_calls),
     Scenario("overhead", "per-step overhead and syncs on the GPU path", "F12, F16", "≤ 10 µs a step, no sync", overhead_and_syncs),
     Scenario("hf", "HF Trainer with and without gradient accumulation", "F7", "optimizer steps on the GPU clock", hf_trainer, False),
+    Scenario("parts", "forward, backward, optimizer of known GPU times (issue 20)", "", "the parts on the GPU clock", step_parts),
     *RESOURCE_SCENARIOS,
 )
 

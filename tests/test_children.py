@@ -65,9 +65,12 @@ def hook_dirs() -> set[str]:
 
 
 @pytest.fixture()
-def untouched() -> Iterator[None]:
+def untouched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The kernel's environment, temp files, sockets, threads and child processes are as they
-    were after the test's cells."""
+    were after the test's cells. The channel's directory is made in a temp dir of the test's own,
+    so another process's `traceml-*` directories (a parallel run) cannot be mistaken for ours."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
     def environ() -> dict[str, str]:
         return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
 

@@ -163,8 +163,8 @@ def test_the_final_refresh_carries_the_last_step(
     last_window = [m for m in recording.updates("BarsModel") if m[0] == main_bars][-1]
     x, y = array(last_window, "x"), array(last_window, "y")
     assert x[-1] == n and len(x) == min(n, live.WINDOW)
-    assert y.shape == (2, len(x))
-    assert np.all(y[1] >= 4.0)  # compute: the 5 ms sleep of each step
+    assert y.shape == (len(live.WINDOW_ROWS), len(x))  # data wait, forward, backward, optimizer, the rest
+    assert np.all(y[1:].sum(axis=0) >= 4.0)  # compute: the 5 ms sleep of each step
     overview = [m for m in recording.updates("BarsModel") if m[0] != main_bars][-1]
     centre = array(overview, "x")
     assert centre[0] < centre[-1] <= n + 1
@@ -259,7 +259,7 @@ def test_the_gpu_note_is_left_on_the_run_for_the_report(
     assert run is not None
     samples = run.gpu_samples
     assert samples is not None
-    assert set(samples) == {"time_s", "gpu_util_pct", "gpu_mem_used_mib"}
+    assert set(samples) == {"time_s", "gpu_util_pct", "gpu_mem_used_mib", "gpu_clock_mhz", "gpu_temp_c"}
     note = getattr(run, "gpu_note", None)
     if not len(samples["time_s"]):  # no GPU here: the report says why
         assert note is not None and note.startswith("GPU n/a")
@@ -369,7 +369,7 @@ class FakeChart(live.HtmlChart):
         super().__init__("fake")
         self.windows: list[int] = []
 
-    def draw_window(self, step: np.ndarray, wait: np.ndarray, compute: np.ndarray) -> None:
+    def draw_window(self, step: np.ndarray, wait: np.ndarray, compute: np.ndarray, parts: Any = None) -> None:
         self.windows.append(len(step))
 
 

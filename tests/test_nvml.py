@@ -105,7 +105,7 @@ def test_the_loops_gpu_is_sampled_on_a_named_thread_until_stopped(
     assert ("bus", b"0000:17:00.0") in fake.calls
     assert fake.calls[0] == "init" and fake.calls[-1] == "shutdown"
     cols = sampler.samples.columns()
-    assert set(cols) == {"time_s", "gpu_util_pct", "gpu_mem_used_mib"}
+    assert set(cols) == {"time_s", "gpu_util_pct", "gpu_mem_used_mib", "gpu_clock_mhz", "gpu_temp_c"}
     assert np.all(cols["gpu_util_pct"] == 70.0)
     assert np.all(cols["gpu_mem_used_mib"] == 2048.0)
     assert np.all(np.diff(cols["time_s"]) >= 0)

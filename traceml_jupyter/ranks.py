@@ -56,7 +56,8 @@ from .processes.startup_hook import KIND, LENGTH, pack
 if TYPE_CHECKING:
     from .run import Run
 
-ROWS = ("step", "time_s", "data_wait_ms", "compute_ms", "step_ms", "backward_ms")
+PART_ROWS = ("forward_ms", "optimizer_ms", "rest_ms")  # the parts of sampled steps (NaN elsewhere)
+ROWS = ("step", "time_s", "data_wait_ms", "compute_ms", "step_ms", "backward_ms", *PART_ROWS)
 HELLO, STEPS, END = 1, 2, 3  # frames: startup_hook.pack (length, kind, JSON header, rows)
 MAX_FRAME = 4 << 20  # bytes: a longer frame is not read (a rank sends its steps in chunks)
 STEPS_PER_FRAME = (MAX_FRAME - 65536) // (8 * len(ROWS))
@@ -194,6 +195,54 @@ class StepSample:
         return backward_median(self.steps, self.values, first_step)
 
 
+class RankParts:
+    """A forked rank's parts of its sampled steps as they arrive (forward, optimizer, the rest;
+    its backward is the backward() timer's), and what the run shows of them once the run shows
+    this rank's steps: columns like the capture's own (step_parts.py) and its facts."""
+
+    def __init__(self) -> None:
+        self.samples = {name: StepSample() for name in PART_ROWS}
+        self.backward = StepSample()
+        self.facts_seen: dict[str, Any] = {}
+
+    def add(self, rows: np.ndarray) -> None:
+        sampled = np.isfinite(rows[ROWS.index("forward_ms")]) | np.isfinite(rows[ROWS.index("optimizer_ms")])
+        for name in PART_ROWS:
+            self.samples[name].add(rows[0][sampled], rows[ROWS.index(name)][sampled])
+        self.backward.add(rows[0][sampled], rows[5][sampled])
+
+    def drop_from(self, first: int) -> None:
+        for sample in (*self.samples.values(), self.backward):
+            sample.drop_from(first)
+
+    def medians(self, first_step: int) -> dict[str, float | None]:
+        return {name: sample.median(first_step) for name, sample in self.samples.items()}
+
+    def columns(self, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        steps = np.asarray(cols["step"], dtype=np.int64)
+        out: dict[str, np.ndarray] = {}
+        for name, sample in (*self.samples.items(), ("backward_ms", self.backward)):
+            column = np.full(len(steps), np.nan)
+            if len(sample.steps):
+                idx = np.clip(np.searchsorted(sample.steps, steps), 0, len(sample.steps) - 1)
+                hit = sample.steps[idx] == steps
+                column[hit] = sample.values[idx[hit]]
+            out[name] = column
+        return out
+
+    def facts(self) -> dict[str, Any]:
+        return dict(self.facts_seen)
+
+
+def shows_parts_of(run: Run, stream: Stream) -> None:
+    """The run shows `stream`'s steps: their parts too, the facts its END said of them, and
+    where its passes over the training loader began (each epoch's start-up)."""
+    end = stream.end or {}
+    stream.parts.facts_seen = dict(end.get("parts") or {})
+    run.step_parts = stream.parts
+    run.pass_starts = [k for k in end.get("pass_steps") or [] if plain_count(k) is not None]
+
+
 class StepTap:
     """At the run's ticks: the steps closed since the last tick, as ROWS, with their time in
     backward(). When backward() itself ends the steps (no optimizer step seen), the newest step
@@ -246,6 +295,7 @@ class StepTap:
         bounds = np.append(starts[sel], end)
         backward = self.timer.per_step(bounds) if self.timer is not None else np.full(int(sel.sum()), np.nan)
         self.sent = upto
+        parts = self.parts_of(cols)
         return np.vstack(
             [
                 (step[sel] - self.base).astype(np.float64),
@@ -254,8 +304,19 @@ class StepTap:
                 cols["compute_ms"][sel],
                 cols["step_ms"][sel],
                 backward,
+                *(parts[name][sel] for name in PART_ROWS),
             ]
         )
+
+    def parts_of(self, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The parts of these steps (step_parts.py), NaN where not sampled or not measured."""
+        parts = getattr(self.capture, "parts", None)
+        if parts is not None:
+            try:
+                return parts.columns(cols)  # type: ignore[no-any-return]
+            except Exception:
+                pass
+        return {name: np.full(len(cols["step"]), np.nan) for name in PART_ROWS}
 
 
 # -- who this process is ------------------------------------------------------------------------
@@ -384,6 +445,8 @@ class Sender:
                 batches_per_step=facts.batches_per_step,
                 loader_info=facts.loader_info,
                 loader=loader_facts(facts.loader_info, loader),
+                parts=self.tap.capture.parts.facts(),
+                pass_steps=list(facts.pass_steps),
             )
         except Exception as exc:
             end["note"] = f"its loader could not be read: {type(exc).__name__}: {exc}"
@@ -447,6 +510,7 @@ class Stream:
         self.recorder = Recorder()
         self.recorder.origin_ns = origin_ns
         self.backward = StepSample()
+        self.parts = RankParts()
         self.end: dict[str, Any] | None = None
         self.eof = False
 
@@ -490,6 +554,7 @@ class Stream:
         if first < rec.n_steps:  # merged steps, sent again
             rec.pop_tail(rec.n_steps - first)
             self.backward.drop_from(first)
+            self.parts.drop_from(first)
         t0 = (rec.origin_ns or 0) + np.rint(rows[1] * 1e9).astype(np.int64)
         t1 = t0 + np.rint(rows[2] * 1e6).astype(np.int64)
         t2 = t0 + np.rint(rows[4] * 1e6).astype(np.int64)
@@ -497,19 +562,22 @@ class Stream:
         for a, b, c in zip(t0.tolist(), t1.tolist(), t2.tolist(), strict=True):
             add(a, b, c)
         self.backward.add(rows[0], rows[5])
+        self.parts.add(rows)
 
     def summary(self, warmup: int | None) -> dict[str, Any]:
         rec = self.recorder
         s = summarize(rec.columns(), rec.n_steps, warmup, False, rec.totals())
         end = self.end or {}
+        first = int(s["warmup_steps"])
         return rank_summary(
             self.label,
             s,
-            self.backward.median(int(s["warmup_steps"])),
+            self.backward.median(first),
             pid=self.pid,
             status=self.status,
             error=end.get("error"),
             loader=end.get("loader"),
+            **self.parts.medians(first),
         )
 
     def window(self, n: int) -> dict[str, Any]:
@@ -538,6 +606,7 @@ class Stream:
                 "compute_ms": med(tail["compute_ms"]),
                 "step_ms": med(tail["step_ms"]),
                 "backward_ms": med(backward),
+                **self.parts.medians(int(steps[0]) if len(steps) else 0),
             },
         }
 
@@ -979,6 +1048,7 @@ def adopt(run: Run, collector: Collector, drain_s: float) -> None:
     main = late or collector.main_stream() or ranks[0]
     run.recorder = main.recorder
     end = main.end or {}
+    shows_parts_of(run, main)
     if run.step_kind == "none" and end.get("step_kind"):
         run.step_kind = str(end["step_kind"])
         run.step_definition = f"{end.get('step_definition')}, on each rank"

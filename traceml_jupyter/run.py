@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .analysis.compare import Comparison, compare_summaries
 from .analysis.phases import phase_sentence, phase_verdict, step_definition
 from .analysis.resources import finding_lines
+from .analysis.step_parts import also_lines, epoch_startup, parts_sentence, parts_summary, trend
 from .analysis.summary import summarize, with_batch_size
 from .analysis.textbox import rank_table, report_text, verdict_box
 from .analysis.verdict import Verdict, diagnose
@@ -226,6 +227,10 @@ class Run:
         self.h2d: dict[str, Any] | None = None  # host-to-device copies by line (h2d.py)
         self.sync_stalls: dict[str, Any] | None = None  # synchronising calls by line
         self.line_costs: dict[str, Any] | None = None  # ms per step of each body line
+        # forward / backward / optimizer / rest of sampled steps (capture/step_parts.py), and
+        # the steps where each pass over the training loader started (its start-up wait)
+        self.step_parts: Any = None
+        self.pass_starts: list[int] = []
         self.cuda_graphs: dict[str, Any] | None = None  # CUDA graphs captured/replayed (cuda_graphs.py)
         self._gpu_samples: dict[str, Any] | None = None
         self.gpu_note: str | None = None  # why GPU figures are missing (nvml.py), else None
@@ -330,6 +335,7 @@ class Run:
         if facts.loader_info is not None:
             self.loader_info = facts.loader_info
         self.loader_ref, self.loader_name = facts.loader_ref, facts.loader_name
+        self.pass_starts = list(facts.pass_steps)
         self.notes.extend(facts.notes)
         key = next((s.key for s in capture.model.sources.values() if s.ref is not None and s.ref is facts.loader_ref), None)
         keep_training_loader(self, self._loader_twins.get(key) if key is not None else None)
@@ -363,6 +369,8 @@ class Run:
         cols = self.recorder.columns()
         for name, column in self.extra_columns.items():
             cols[name] = column(cols["step"])
+        if self.step_parts is not None:
+            cols.update(self.step_parts.columns(cols))
         samples = self._gpu_samples
         if samples is not None and len(samples.get("time_s", ())):
             from .capture.nvml import at_steps
@@ -388,6 +396,7 @@ class Run:
             summary = summarize(cols, rec.n_steps, self.warmup, self._gpu_used, rec.totals())
             summary.update(self.watch_summary)
             summary.update(self._source_summary())
+            summary.update(self._inside_the_step(cols, summary))
             with_batch_size(summary, self.batch_size, self.batches_per_step)
             summary.update(self._resource_summary(cols, int(summary["warmup_steps"])))
             verdict = diagnose(summary)
@@ -415,6 +424,24 @@ class Run:
             "wall_ms": self.wall_ms,
             "model_compiled": self.model_compiled,
         }
+
+    def _inside_the_step(self, cols: dict[str, np.ndarray], summary: dict[str, Any]) -> dict[str, Any]:
+        """The parts of the step, the trend over the run and each epoch's start-up wait."""
+        analysed = cols["step"] >= int(summary["warmup_steps"])
+        clock = str(summary["clock"])
+        out = parts_summary(cols, analysed, clock)
+        parts = self.step_parts
+        out.update(parts.facts() if parts is not None else {"forward_state": None, "forward_modules": [], "optimizers": []})
+        out["trend"] = trend(cols, analysed, clock)
+        total = (summary.get("totals_ms") or {}).get("step_gpu_ms" if clock == "gpu" else "step_ms")
+        out["epoch_startup"] = epoch_startup(cols, self.pass_starts, total, self.loader_info, clock)
+        return out
+
+    def also(self) -> list[tuple[str, str]]:
+        """(severity, text) of the lines after the verdict: the rest of the step, advice by the
+        part that dominates, each epoch's start-up, the trend over the run."""
+        source = self.loop_cell_source if self.loop_cell_source else self.cell_source
+        return also_lines(self.summary, self.line_costs, (source or "").splitlines())
 
     def _resource_summary(self, cols: dict[str, Any], warmup: int) -> dict[str, Any]:
         """GPU memory, CPU and host memory in numbers and findings (analysis/resources.py)."""
@@ -506,6 +533,10 @@ class Run:
         if self.loop_where and self.loop_where != "this cell":
             head += f" of {self.loop_where}"
         lines = [report_text(head, v.label, v.why, v.next, self.summary)]
+        split = parts_sentence(self.summary)
+        if split:
+            lines.append(f"Parts: {split}")
+        lines.extend(f"Also: {text}" for _, text in self.also())
         if self.ranks:
             lines.append(rank_table(self.ranks, self.straggler, self.summary.get("rank_notes") or []))
         lines.extend(f"Phase: {phase_sentence(phase)}" for phase in self.phases)
@@ -555,6 +586,8 @@ class Run:
             "cuda_graphs": _jsonable(self.cuda_graphs),
             "ranks": _jsonable(self.ranks),
             "straggler": _jsonable(self.straggler),
+            "trend": _jsonable(self.summary.get("trend")),
+            "epoch_startup": _jsonable(self.summary.get("epoch_startup")),
             "processes": _jsonable(self.processes),
             "loader_site": _jsonable(self.loader_site),
             "dataset_site": _jsonable(self.dataset_site),

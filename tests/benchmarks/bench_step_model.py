@@ -87,19 +87,20 @@ def worker(repeats: int) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def old_tree(tmp: Path) -> Path:
-    """The package as it was at BEFORE, extracted under `tmp`."""
+def old_tree(tmp: Path, commit: str = BEFORE) -> Path:
+    """The package as it was at `commit`, extracted under `tmp`."""
     archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", BEFORE, "traceml_jupyter"], check=True, capture_output=True
+        ["git", "-C", str(ROOT), "archive", commit, "traceml_jupyter"], check=True, capture_output=True
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
     return tmp
 
 
-def run_worker(tree: Path, repeats: int) -> dict[str, Any]:
+def run_worker(tree: Path, repeats: int, script: str = __file__) -> dict[str, Any]:
+    """`script --worker repeats` in a process that imports the package from `tree`."""
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{Path(__file__).parent}")
     proc = subprocess.run(
-        [sys.executable, __file__, "--worker", str(repeats)], env=env, capture_output=True, text=True, check=True
+        [sys.executable, script, "--worker", str(repeats)], env=env, capture_output=True, text=True, check=True
     )
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])  # type: ignore[no-any-return]

@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     import bench_resources
     import bench_session
     import bench_step_model
+    import bench_step_parts
     import bench_tune
 
     began = time.perf_counter()
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parts: list[tuple[str, list[Table]]] = [
         ("Overhead per step and per cell (CPU)", section("overhead", lambda: bench_overhead.measure(args.repeats, "cpu", peer, install))),
         ("The step model against the capture before it", section("step model", lambda: bench_step_model.tables(max(args.repeats, 5)))),
+        ("The parts of the step (forward, backward, optimizer, the rest)", section("step parts", lambda: bench_step_parts.tables(max(args.repeats, 5)))),
         ("Accuracy (CPU)", section("accuracy", lambda: bench_accuracy.measure("cpu", peer, install))),
         ("Memory and scale", section("memory", bench_memory.measure)),
         ("Live view cost", section("live view", bench_live_view.measure)),

@@ -12,6 +12,8 @@ from typing import Any
 
 from .data_sources import Feeder
 from .figures import ms as _ms
+from .figures import pct as _pct
+from .step_parts import wait_words
 from .tune_plan import rate_text
 from .verdict import sync_sentence
 
@@ -162,6 +164,7 @@ class Facts:
     gpu_idle_share: float | None = None  # GPU idle inside steps (NVML), else None
     busiest_line: LineSeen | None = None  # the body statement with the most host time
     tuned: Mapping[str, Any] | None = None  # the last `%traceml tune` of this loader (to_dict())
+    epoch_startup: Mapping[str, Any] | None = None  # each pass's start-up wait (summary key)
     cpu_saturated: bool | None = None  # CPU SATURATED (analysis/resources.py); None: not measured
     cpu_sentence: str | None = None  # the cores busy, in words ("the training process and ...")
     workers_cores: float | None = None  # median cores the DataLoader workers kept busy
@@ -646,6 +649,15 @@ def persistent_workers_item(f: Facts) -> Item:
             f.loader_site,
             "The loader was iterated once, so its workers started once.",
             False,
+        )
+    startup = f.epoch_startup or {}
+    if startup.get("reported") and startup.get("cause") == "workers restart":
+        return Item(
+            "persistent_workers", title, FIX, seen, "True", f.loader_site,
+            f"Each epoch starts with a {wait_words(startup['wait_ms'])} wait ({_pct(startup.get('share'))} of the run, "
+            f"{startup.get('restarts')} restarts, measured): the loop waits for {n} new "
+            "worker(s) and their first batches; persistent workers stay alive between epochs.",
+            True,
         )
     return Item(
         "persistent_workers", title, _needs_change(bears), seen, "True", f.loader_site,

@@ -58,7 +58,11 @@ RANK_NUMBERS = (
     "h2d_share",
     "num_workers",
     "batch_size",
+    "forward_ms",  # the parts of the rank's sampled steps (capture/step_parts.py)
+    "optimizer_ms",
+    "rest_ms",
 )
+PART_KEYS = ("forward_ms", "optimizer_ms", "rest_ms")
 LOADER_KEYS = ("num_workers", "batch_size", "sampler", "samples")
 
 
@@ -147,7 +151,11 @@ def compare_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     cause, most = max(measured.items(), key=lambda kv: kv[1]) if measured else ("unknown", None)
     if most is None or gap <= 0 or most < CAUSE_SHARE * gap:
         cause = "unknown"
+    # A compute straggler: which part of its step outside backward is slower (forward,
+    # optimizer, the rest), where every rank timed them.
+    parts = {key[:-3]: excess(lambda r, k=key: _value(r, k)) for key in PART_KEYS}
     return {
+        "part_excess_ms": {k: v for k, v in parts.items() if v is not None},
         "rank": int(late["rank"]),
         "cause": cause,
         "score": gap / step if step > 0 else 0.0,
@@ -179,6 +187,11 @@ def straggler_sentence(found: Mapping[str, Any]) -> str:
     if cause == "h2d":
         return f"{head}: its host-to-device copies take {_ms(extra)} more a step"
     if cause == "compute":
+        split = found.get("part_excess_ms") or {}
+        if split:
+            words = {"forward": "forward", "optimizer": "optimizer", "rest": "the rest"}
+            parts = ", ".join(f"{words[k]} {v:+.1f} ms" for k, v in sorted(split.items(), key=lambda kv: -kv[1]))
+            return f"{head}: its step takes {_ms(extra)} more outside backward ({parts})"
         return f"{head}: its step takes {_ms(extra)} more outside backward (forward, loss, optimizer)"
     return (
         f"{head}: neither its data wait, its copies nor the rest of its step explain the "

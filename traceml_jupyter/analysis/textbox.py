@@ -37,14 +37,13 @@ def rank_table(ranks: Sequence[Mapping[str, Any]], straggler: Mapping[str, Any] 
     """Several processes: one line per rank (medians per step), the straggler marked with `*`,
     then what the ranks' numbers alone do not say (failures, uneven data)."""
     late = straggler.get("rank") if straggler else None
-    head = f"  {'rank':>4}  {'steps':>6}  {'data wait':>10}  {'compute':>10}  {'backward':>10}  {'step time':>10}  status"
+    columns = ("data wait", "compute", "forward", "backward", "optimizer", "step time")
+    keys = ("data_wait_ms", "compute_ms", "forward_ms", "backward_ms", "optimizer_ms", "step_ms")
+    head = f"  {'rank':>4}  {'steps':>6}  " + "  ".join(f"{c:>10}" for c in columns) + "  status"
     lines = ["Ranks (median per step; * holds the others back):", head]
     for r in ranks:
         mark = "*" if r.get("rank") == late else " "
-        lines.append(
-            f"{mark} {r.get('rank')!s:>4}  {r.get('n_steps') or 0:>6}  {_ms(r.get('data_wait_ms')):>10}  "
-            f"{_ms(r.get('compute_ms')):>10}  {_ms(r.get('backward_ms')):>10}  "
-            f"{_ms(r.get('step_ms')):>10}  {r.get('status') or 'finished'}"
-        )
+        numbers = "  ".join(f"{_ms(r.get(k)):>10}" for k in keys)
+        lines.append(f"{mark} {r.get('rank')!s:>4}  {r.get('n_steps') or 0:>6}  {numbers}  {r.get('status') or 'finished'}")
     lines.extend(f"Ranks: {note}" for note in notes)
     return "\n".join(lines)

@@ -202,6 +202,10 @@ class CudaSteps:
             self.pending.append(cur)
         self.current = StepEvents(index + 1, end, fetches=later)
 
+    def step_stream(self) -> Any:
+        """The stream the open step started on: where events of its insides go too."""
+        return self._stream
+
     def merged(self, n: int) -> None:
         """The last n closed steps were merged into the open one: its GPU timings are unknown."""
         last = self.recorder.n_steps  # the open step's index after the merge

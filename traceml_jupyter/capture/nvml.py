@@ -36,7 +36,7 @@ NOT_ON_GPU = "GPU n/a (the loop did not use CUDA)"
 NVML_FAILED = "GPU n/a (NVML error)"
 MIG_NO_UTIL = "GPU utilisation n/a (MIG slice: NVML does not report it)"
 
-SAMPLE_COLUMNS = ("time_s", "gpu_util_pct", "gpu_mem_used_mib")
+SAMPLE_COLUMNS = ("time_s", "gpu_util_pct", "gpu_mem_used_mib", "gpu_clock_mhz", "gpu_temp_c")
 
 
 def pci_bus_id(props: Any) -> str | None:
@@ -108,14 +108,34 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+NAN = float("nan")
+
+
+def clock_and_temperature(nvml: Any, handle: Any) -> tuple[float, float]:
+    """The SM clock (MHz) and the temperature (°C) of the device, NaN where NVML has none: the
+    trend over the run says when a GPU slowed down because it throttled."""
+    clock = temp = NAN
+    try:
+        clock = float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
+    except Exception:
+        pass
+    try:
+        temp = float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
+    except Exception:
+        pass
+    return clock, temp
+
+
 class GpuSamples(SampleBuffer):
     """Bounded sample buffer: written by the sampler thread, read (copied) by the main thread."""
 
     def __init__(self, capacity: int = CAPACITY) -> None:
         super().__init__(SAMPLE_COLUMNS, capacity)
 
-    def add(self, time_s: float, util_pct: float, mem_used_mib: float) -> None:
-        self.add_row((time_s, util_pct, mem_used_mib))
+    def add(
+        self, time_s: float, util_pct: float, mem_used_mib: float, clock_mhz: float = NAN, temp_c: float = NAN
+    ) -> None:
+        self.add_row((time_s, util_pct, mem_used_mib, clock_mhz, temp_c))
 
     def latest(self) -> tuple[float, float] | None:
         """(utilisation %, memory used MiB) of the newest sample."""
@@ -152,6 +172,8 @@ def at_steps(
     finite = on_gpu[np.isfinite(on_gpu)]
     span = (float(finite.min()), float(finite.max())) if len(finite) else (np.inf, -np.inf)
     for name in SAMPLE_COLUMNS[1:]:
+        if name not in samples and name in ("gpu_clock_mhz", "gpu_temp_c"):
+            continue  # samples of a sampler that read no clock or temperature
         values = np.asarray(samples.get(name, np.empty(0)), dtype=np.float64)
         ok = np.isfinite(values) & np.isfinite(t) if len(t) else np.zeros(0, bool)
         inside = int(np.sum(ok & (t >= span[0]) & (t <= span[1]))) if len(t) else 0
@@ -326,7 +348,7 @@ class GpuSampler:
         after = self.clock()
         read_at = (before + after) / 2
         stamp = (read_at - self.origin_ns) / 1e9 - self.window_s / 2
-        self.samples.add(stamp, util, used)
+        self.samples.add(stamp, util, used, *clock_and_temperature(nvml, self._handle))
 
     def close(self) -> None:
         if self._nvml is not None:

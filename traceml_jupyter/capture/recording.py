@@ -2,7 +2,9 @@
 step and iteration of the located loop goes to the step model, on the thread that runs the cell.
 
 What it changes, for the duration only, each undone in `finally`: `DataLoader.__iter__`,
-`_BaseDataLoaderIter.__next__`, `torch.autograd.backward`, and one global optimizer step hook.
+`_BaseDataLoaderIter.__next__`, `torch.autograd.backward`, and one global optimizer step hook;
+on sampled steps only, the parts of the step (step_parts.py) patch the model's class and hook
+the optimizers for that step.
 Each of them passes straight through on any other thread, and for any other capture. On a GPU,
 CUDA events follow the same boundaries (cuda_clock.py); any error there turns the GPU clock off
 for the run with a note, and nothing of ours is raised into the user's code.
@@ -34,12 +36,14 @@ from .patches import patched
 from .probes import batch_size_of, type_name
 from .resources import resources_watched
 from .step_model import BACKWARD, FETCH, OPTIMIZER, Pass, Source, Span, StepModel
+from .step_parts import StepParts
 from .thread_time import thread_schedstat
 
 if TYPE_CHECKING:
     from ..run import Run
 
 DECIDE_STEPS = 3  # the loop's device is decided from the allocations of its first steps
+MAX_PASS_STARTS = 1 << 16
 _CAPTURES = cuda_graphs._STATE  # CUDA graph captures under way (read on the training-event path)
 _tokens = iter(range(1, 1 << 62))
 
@@ -73,6 +77,11 @@ class Capture:
         self._deciding = True
         self._alloc_before: dict[int, int] = {}
         self._first_step = run.recorder.n_steps
+        # forward, backward and optimizer of sampled steps; the steps where passes over a
+        # DataLoader started (each epoch's start-up wait)
+        self.parts = StepParts(model, self.thread, lambda: self.cuda, lambda: f"{run.cell_source}\n{run.loop_cell_source}")
+        model.on_sample = self.parts.sample_due
+        self.pass_starts: list[tuple[Source, int]] = []
         self.loader_sites: dict[int, dict[str, Any]] = {}  # id(DataLoader) -> where it was built
         # Set by resources.py while the run's resources are watched: the GPU memory per step
         # (gpu_memory.GpuMemory) and who hears of DataLoader workers (host.HostSampler).
@@ -232,6 +241,8 @@ class Capture:
             source = model.source(id(loader), "dataloader", "DataLoader", loader)
             self.run.note_dataloader(source, loader)
         pass_ = Pass(source, grad_disabled=not _grad_enabled())
+        if len(self.pass_starts) < MAX_PASS_STARTS:
+            self.pass_starts.append((source, model.recorder.n_steps))
         clock = perf_counter_ns
         self._fetch_begin()
         t0 = clock()
@@ -384,6 +395,7 @@ class Capture:
                 run.gpu_watch = None
 
     def _steps_merged(self, n: int) -> None:
+        self.parts.merged(n)
         if self.memory is not None:
             self.memory.merged(self.run.recorder.n_steps)
         if self.cuda is not None:
@@ -514,6 +526,12 @@ class Capture:
                 self.cuda.close()
             except Exception as exc:
                 self._gpu_failed(exc)
+        try:
+            self.parts.close()
+        except Exception as exc:
+            self.run.notes.append(f"The parts of the step were not read: {type(exc).__name__}: {exc}")
+        if self.parts.note:
+            self.run.notes.append(self.parts.note)
         self._iter_passes.clear()
 
 
@@ -581,12 +599,17 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
     if torch is None:
         return
     thread = capture.thread
+    parts = capture.parts
     autograd = torch.autograd
     original_backward = autograd.__dict__.get("backward")
     if original_backward is not None:
 
         def backward(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True  # noqa: F841
+            if parts.on and hooks.active is capture and get_ident() == thread:  # a sampled step
+                out = parts.backward(original_backward, args, kwargs)
+                capture.training_event(BACKWARD)
+                return out
             out = original_backward(*args, **kwargs)
             if hooks.active is capture and get_ident() == thread:
                 capture.training_event(BACKWARD)
@@ -604,6 +627,8 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
 
         def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
             if hooks.active is capture and get_ident() == thread:
+                if parts.on:  # a sampled step: the optimizer's time, before the step may end
+                    parts.optimizer_stepped(optimizer)
                 capture.training_event(OPTIMIZER, optimizer)
 
         handle = register(stepped)
@@ -639,6 +664,8 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
             capture._start_gpu()
         capture.active = True
         capture.listen()
+        run.step_parts = capture.parts
+        _guarded(run, "timing the parts of the step", capture.parts.begin)
         hooks.active = capture
         lines_before = hooks.lines.use(capture.token, capture.thread, capture.lines)
         try:

@@ -31,6 +31,7 @@ class SourceFacts:
     loader_name: str | None = None
     notes: list[str] = field(default_factory=list)
     model_compiled: bool = False
+    pass_steps: list[int] = field(default_factory=list)  # where each pass over the training loader began
 
 
 def bound_name(obj: Any, namespace: Mapping[str, Any] | None) -> str | None:
@@ -258,6 +259,7 @@ def describe_run_sources(run: Any, capture: Any) -> SourceFacts:
         facts.phases = [p for p in facts.phases if p["source_kind"] != "loop"]  # are the loader's
     facts.phases.sort(key=lambda p: -p["time_ms"])
     facts.optimizer = capture.optimizer_name
+    facts.pass_steps = [k for src, k in getattr(capture, "pass_starts", ()) if src is training]
     if n_steps <= 0:
         facts.step_kind = "none"
     if training is not None and facts.batch_size is None and facts.batch_kind and _is_data(training, run):

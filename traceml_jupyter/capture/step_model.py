@@ -27,6 +27,11 @@ from .recorder import Recorder
 NONE, FETCH, ITERATION, BACKWARD, OPTIMIZER = range(5)
 LEVEL_NAMES = {NONE: "none", FETCH: "fetch", ITERATION: "iteration", BACKWARD: "backward", OPTIMIZER: "optimizer"}
 MERGE_MAX = 1024  # steps closed on a weaker kind that a stronger one may still merge
+NEVER = 1 << 62  # `sample_in` when no step is to be sampled
+
+
+def _no_sample(start: int, end: int) -> None:
+    """The default `on_sample`: nothing samples steps."""
 
 
 @dataclass(eq=False)
@@ -118,6 +123,12 @@ class StepModel:
     notify_from: int = 0
     on_merge: Callable[[int], None] | None = None
     on_exclude: Callable[[Span], None] | None = None
+    # A sampler of steps (step_parts.py): `on_sample(start, end)` when the `sample_in`-th step
+    # from now has closed (its index is the recorder's last; its phases still in `spans`; the
+    # next step open, so that the sampler's own time can be kept out of it). One decrement a
+    # step; the sampler sets `sample_in` again from its callback.
+    sample_in: int = NEVER
+    on_sample: Callable[[int, int], None] = _no_sample
     _first_optimizer: Callable[[], Any] | None = None
     _stack: list[int] = field(default_factory=list)  # child fetch time of each open fetch
     _outer_passes: list[Pass] = field(default_factory=list)
@@ -314,6 +325,10 @@ class StepModel:
             self.start = t
             self.wait = self.excluded = 0
             self.step_wait_base = self.wait_total
+            n = self.sample_in - 1
+            self.sample_in = n
+            if not n:
+                self.on_sample(start, t)
             if self.spans:
                 self.spans.clear()
             if self.on_step is not None and (self.notify_every_step or t >= self.notify_from):
@@ -350,6 +365,10 @@ class StepModel:
         self.start = t
         self.wait = self.excluded = 0
         self.step_wait_base = self.wait_total
+        n = self.sample_in - 1
+        self.sample_in = n
+        if not n:
+            self.on_sample(start, t)
         if self.spans:
             self.spans.clear()
         if self.on_step is not None and (self.notify_every_step or t >= self.notify_from):
@@ -366,6 +385,9 @@ class StepModel:
         self.wait -= wait
         self.excluded -= excluded
         self.step_wait_base = self.wait_total - self.wait
+        self.sample_in -= 1
+        if not self.sample_in:
+            self.on_sample(start, t)
         self.spans.clear()
         if self.on_step is not None:
             self.on_step(t, next_serial)

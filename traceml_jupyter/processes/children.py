@@ -51,6 +51,21 @@ MAX_KNOCKS = 64  # connections waiting to give the token
 
 
 # -- the channel ------------------------------------------------------------------------------------
+def _unix_listener(directory: str) -> tuple[socket.socket | None, str]:
+    """A Unix socket in `directory`, or None where there are none or the path is too long for
+    one (about 107 bytes: a deep TMPDIR)."""
+    if not hasattr(socket, "AF_UNIX"):
+        return None, ""
+    path = os.path.join(directory, "channel")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        return None, ""
+    return sock, f"unix:{path}"
+
+
 class Channel:
     """A private directory with the start-up hook and a listening socket; the token."""
 
@@ -60,15 +75,12 @@ class Channel:
         self.loop = loop  # --loop FILE:LINE for the children (script_loop)
         try:
             write_hook(self.dir)
-            if tcp or not hasattr(socket, "AF_UNIX"):
-                self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                self.listener.bind(("127.0.0.1", 0))  # this machine's loopback only
-                self.address = f"tcp:127.0.0.1:{self.listener.getsockname()[1]}"
-            else:
-                self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                path = os.path.join(self.dir, "channel")
-                self.listener.bind(path)
-                self.address = f"unix:{path}"
+            listener, self.address = _unix_listener(self.dir) if not tcp else (None, "")
+            if listener is None:  # no Unix sockets here, or a temp path too long for one
+                listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                listener.bind(("127.0.0.1", 0))  # this machine's loopback only
+                self.address = f"tcp:127.0.0.1:{listener.getsockname()[1]}"
+            self.listener: socket.socket = listener
             self.listener.listen(MAX_KNOCKS)
             self.listener.setblocking(False)
         except BaseException:
@@ -363,6 +375,7 @@ def become(run: Run, stream: ChildStream, ranked: bool) -> None:
     """The run shows `stream`'s steps, with what its END said: what a step was, the batches,
     the loader and where it was built, the passes kept out, its notes, and how it ended."""
     run.recorder = stream.recorder
+    ranks.shows_parts_of(run, stream)
     end = stream.end or {}
     if plain_count(end.get("loop_line")) is not None and isinstance(end.get("loop_where"), str):
         run.loop_line, run.loop_where = plain_count(end["loop_line"]), end["loop_where"]  # --loop FILE:LINE

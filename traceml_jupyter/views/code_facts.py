@@ -660,6 +660,7 @@ def facts_for(
         gpu_idle_share=summary.get("host_share"),
         busiest_line=busiest_line(run),
         tuned=tuned_for(_loader_object(run)),
+        epoch_startup=summary.get("epoch_startup"),
         cpu_saturated=summary.get("cpu_saturated"),
         cpu_sentence=cpu_sentence(summary) if summary.get("cpu_cores") is not None and summary.get("cpu_usable_cores") else None,
         workers_cores=summary.get("cpu_workers_cores"),

@@ -38,6 +38,9 @@ FINAL_MESSAGES = 3
 OVERVIEW_READ_CAP = 1 << 17  # most new steps read in one refresh for the overview
 WAIT_COLOUR = "#f28e2b"  # warm: the loop waits for data
 COMPUTE_COLOUR = "#4e79a7"  # cool: the loop body runs
+# The parts of sampled steps, stacked under the rest of compute (all of it on other steps).
+PART_COLOURS = ("#76b7b2", "#59a14f", "#b07aa1")  # forward, backward, optimizer
+WINDOW_ROWS = ("data wait", "forward", "backward", "optimizer", "compute")
 SEVERITY_COLOUR = {"critical": "#c0392b", "warn": "#b9770e", "info": "#2e7d32"}
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # Finished runs whose chart stays made of live widgets (22 each); an older chart is replaced
@@ -473,8 +476,35 @@ def header_html(numbers: Mapping[str, Any], gpu: str) -> str:
 
 LEGEND_HTML = (
     f'<span style="color:{WAIT_COLOUR}">&#9632;</span> data wait '
-    f'<span style="color:{COMPUTE_COLOUR}">&#9632;</span> compute'
+    f'<span style="color:{PART_COLOURS[0]}">&#9632;</span> forward '
+    f'<span style="color:{PART_COLOURS[1]}">&#9632;</span> backward '
+    f'<span style="color:{PART_COLOURS[2]}">&#9632;</span> optimizer '
+    f'<span style="color:{COMPUTE_COLOUR}">&#9632;</span> compute (the rest)'
 )
+
+
+def window_rows(wait: np.ndarray, compute: np.ndarray, parts: dict[str, np.ndarray] | None) -> np.ndarray:
+    """The window's stacked rows (WINDOW_ROWS): data wait, forward, backward and optimizer of
+    sampled steps (0 elsewhere), and the rest of compute (all of it on steps not sampled)."""
+    n = len(wait)
+    split = [np.zeros(n)] * 3
+    if parts is not None:
+        split = [np.nan_to_num(np.asarray(parts[k], dtype=np.float64)[-n:]) for k in ("forward", "backward", "optimizer")]
+    rest = np.maximum(np.asarray(compute, dtype=np.float64) - split[0] - split[1] - split[2], 0.0)
+    return np.vstack([wait, *split, rest])
+
+
+def window_parts(run: Run, cols: Mapping[str, np.ndarray], on_gpu: bool) -> dict[str, np.ndarray] | None:
+    """The parts of the window's steps on its clock (None: the run has no parts)."""
+    parts = getattr(run, "step_parts", None)
+    if parts is None or not len(cols["step"]):
+        return None
+    try:
+        got = parts.columns(dict(cols))
+    except Exception:
+        return None
+    suffix = "_gpu_ms" if on_gpu else "_ms"
+    return {k: got[k + suffix] for k in ("forward", "backward", "optimizer") if k + suffix in got}
 
 
 def waiting_html(name: str) -> str:
@@ -568,6 +598,13 @@ def static_chart_html(header: str, window: np.ndarray, overview: np.ndarray) -> 
     return '<div class="traceml-live-static">' + "".join(parts) + "</div>"
 
 
+def _two_rows(rows: np.ndarray) -> np.ndarray:
+    """The window's stacked rows as data wait and compute (the static picture's two colours)."""
+    if rows.ndim == 2 and rows.shape[0] > 2:
+        return np.vstack([rows[0], rows[1:].sum(axis=0)])
+    return rows
+
+
 def widgets_under(root: Any) -> list[Any]:
     """Every widget reachable from `root` through its synced traits: children, marks, axes,
     scales, figures, layouts, styles (each one holds a comm until closed)."""
@@ -630,11 +667,11 @@ class WidgetChart:
         empty_x, empty_y = np.zeros(0), np.zeros((2, 0))
         self.bars = Bars(
             x=empty_x,
-            y=empty_y,
+            y=np.zeros((len(WINDOW_ROWS), 0)),
             scales={"x": x, "y": y},
             type="stacked",
-            colors=[WAIT_COLOUR, COMPUTE_COLOUR],
-            labels=["data wait", "compute"],
+            colors=[WAIT_COLOUR, *PART_COLOURS, COMPUTE_COLOUR],
+            labels=list(WINDOW_ROWS),
             padding=0.1,
         )
         self.figure = Figure(
@@ -682,7 +719,7 @@ class WidgetChart:
             text,
             static_chart_html(
                 str(self.header.value),
-                np.asarray(self.bars.y, dtype=np.float64),
+                _two_rows(np.asarray(self.bars.y, dtype=np.float64)),
                 np.asarray(self.overview_bars.y, dtype=np.float64),
             ),
         )
@@ -700,10 +737,12 @@ class WidgetChart:
         if self.header.value != value:
             self.header.value = value
 
-    def draw_window(self, step: np.ndarray, wait: np.ndarray, compute: np.ndarray) -> None:
+    def draw_window(
+        self, step: np.ndarray, wait: np.ndarray, compute: np.ndarray, parts: dict[str, np.ndarray] | None = None
+    ) -> None:
         with self.bars.hold_sync():
             self.bars.x = step.astype(np.float64)
-            self.bars.y = np.vstack([wait, compute])
+            self.bars.y = window_rows(wait, compute, parts)
 
     def draw_overview(self, centre: np.ndarray, wait: np.ndarray, compute: np.ndarray) -> None:
         with self.overview_bars.hold_sync():
@@ -757,7 +796,9 @@ class HtmlChart:
     def draw_header(self, value: str) -> None:
         self._header = value
 
-    def draw_window(self, step: np.ndarray, wait: np.ndarray, compute: np.ndarray) -> None:
+    def draw_window(
+        self, step: np.ndarray, wait: np.ndarray, compute: np.ndarray, parts: dict[str, np.ndarray] | None = None
+    ) -> None:
         self._svg = svg_chart(wait, compute)
 
     def draw_overview(self, centre: np.ndarray, wait: np.ndarray, compute: np.ndarray) -> None:
@@ -916,7 +957,11 @@ class LiveView:
             # waited while queued work hid it is no data wait (the report says the same).
             cols, on_gpu = clock_columns(tail, bool(run._gpu_used))
             suffix = "_gpu_ms" if on_gpu else "_ms"
-            chart.draw_window(cols["step"] + 1, cols["data_wait" + suffix], cols["compute" + suffix])
+            parts = window_parts(run, cols, on_gpu)
+            if parts is None:
+                chart.draw_window(cols["step"] + 1, cols["data_wait" + suffix], cols["compute" + suffix])
+            else:
+                chart.draw_window(cols["step"] + 1, cols["data_wait" + suffix], cols["compute" + suffix], parts)
         if final or turn == "overview":
             centre, wait, compute = self.overview.means()
             if len(centre) >= 2:

@@ -23,6 +23,7 @@ from ..analysis.checklist import (
 from ..analysis.figures import pct as fmt_pct
 from ..analysis.phases import phase_sentence, phase_verdict
 from ..analysis.resources import mib
+from ..analysis.step_parts import parts_sentence
 from ..analysis.verdict import sync_sentence
 from ..capture.locate import dataloader_lines
 from .code_facts import CodeContext, checklist_items, run_shell, source_label
@@ -35,6 +36,7 @@ ROOT_CLASS = "traceml-report"
 # Colours: a light card that keeps its own background in dark notebook themes.
 FG, MUTED, BORDER, SUBTLE, BG = "#1f2328", "#57606a", "#d0d7de", "#f6f8fa", "#ffffff"
 WAIT_COLOUR, COMPUTE_COLOUR, OTHER_COLOUR = "#e8590c", "#1c7ed6", "#adb5bd"
+FORWARD_COLOUR, BACKWARD_COLOUR, OPTIMIZER_COLOUR = "#15aabf", "#37b24d", "#ae3ec9"  # the rest: compute's
 LOOP_COLOUR, LOOP_BG = "#6741d9", "#f3f0ff"
 LOADER_COLOUR, LOADER_BG = "#d9480f", "#fff4e6"
 SEVERITY = {  # colour, background
@@ -447,27 +449,44 @@ def _tiles(summary: Mapping[str, Any]) -> str:
     return f'<div style="display:flex;flex-wrap:wrap;margin:8px -4px 0 -4px">{"".join(out)}</div>'
 
 
+PART_LABELS = (("forward", "Forward"), ("backward", "Backward"), ("optimizer", "Optimizer"), ("rest", "The rest"))
+
+
 def step_parts(summary: Mapping[str, Any]) -> list[tuple[str, float, float]] | None:
     """What a step is made of: (label, median share of the step, bar width) for data wait,
-    compute and what neither explains. Medians of shares need not add up to one, so the
+    compute (split into forward, backward, optimizer and the rest where the parts of the step
+    were timed) and what none explains. Medians of shares need not add up to one, so the
     widths are scaled to fit; None when nothing was measured."""
     wait, compute = summary.get("data_wait_share"), summary.get("compute_share")
     if wait is None or compute is None:
         return None
-    other = max(0.0, 1.0 - wait - compute)
-    total = max(1.0, wait + compute)
-    return [
-        ("Data wait", wait, wait / total),
-        (_compute_name(summary), compute, compute / total),
-        ("Other", other, other / total),
+    split = [(label, summary.get(f"{key}_share")) for key, label in PART_LABELS]
+    inside: list[tuple[str, float]] = [(_compute_name(summary), compute)]
+    if all(share is not None for _, share in split):
+        inside = [(label, float(share)) for label, share in split if share is not None]
+    known = wait + sum(share for _, share in inside)
+    other = max(0.0, 1.0 - known)
+    total = max(1.0, known)
+    return [("Data wait", wait, wait / total)] + [(label, share, share / total) for label, share in inside] + [
+        ("Other", other, other / total)
     ]
+
+
+PART_COLOURS = {
+    "Data wait": WAIT_COLOUR,
+    "Forward": FORWARD_COLOUR,
+    "Backward": BACKWARD_COLOUR,
+    "Optimizer": OPTIMIZER_COLOUR,
+    "The rest": COMPUTE_COLOUR,
+    "Other": OTHER_COLOUR,
+}
 
 
 def _step_bar(summary: Mapping[str, Any]) -> str:
     parts = step_parts(summary)
     if parts is None:
         return f'<div style="color:{MUTED}">n/a: no step was analysed.</div>'
-    colours = (WAIT_COLOUR, COMPUTE_COLOUR, OTHER_COLOUR)
+    colours = [PART_COLOURS.get(label, COMPUTE_COLOUR) for label, _, _ in parts]
     bars, legend = [], []
     for (label, share, width), colour in zip(parts, colours, strict=True):
         if width > 0:
@@ -477,11 +496,39 @@ def _step_bar(summary: Mapping[str, Any]) -> str:
             )
         if label != "Other" or share >= 0.005:
             legend.append((f"{label} {fmt_pct(share)}", colour, colour))
+    split = parts_sentence(summary)
+    caption = (
+        f'<div class="tml-parts" style="margin-top:4px;font-size:11px;color:{MUTED}">'
+        f"{_with_code(split)}</div>"
+        if split
+        else ""
+    )
     return (
         f'<div class="tml-bar" style="display:flex;height:14px;border-radius:4px;'
         f'overflow:hidden;background-color:#e9ecef">{"".join(bars)}</div>'
         + _legend(legend)
+        + caption
     )
+
+
+def _also(run: Run) -> str:
+    """The lines after the verdict: the rest of the step (its own verdict line), advice by the
+    part that dominates, each epoch's start-up, the trend over the run (or that there is none)."""
+    lines = run.also()
+    out = "".join(
+        f'<div class="tml-also tml-{_e(severity)}" style="margin-top:6px;padding:6px 10px;'
+        f"border-radius:6px;color:{SEVERITY[severity][0]};background-color:{SEVERITY[severity][1]}\">"
+        f"{_with_code(text)}</div>"
+        for severity, text in lines
+    )
+    found = run.summary.get("trend")
+    if found and not found.get("direction"):
+        out += (
+            f'<div class="tml-trend" style="margin-top:6px;font-size:11px;color:{MUTED}">Over the run: '
+            f"no trend (median step {fmt_ms(found['first_ms'])} in the first third of the analysed "
+            f"steps, {fmt_ms(found['last_ms'])} in the last; noise ±{100 * found['noise']:.1f} %)</div>"
+        )
+    return out
 
 
 def _gpu_column(samples: Any, name: str) -> list[float]:
@@ -789,6 +836,7 @@ def render_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
         + _ranks(run)
         + _section_title("What a step is made of (median shares)")
         + _step_bar(run.summary)
+        + _also(run)
         + _phases(run)
         + _resources(run)
         + _section_title("Evidence")
@@ -909,9 +957,10 @@ def _ranks(run: Run) -> str:
     late = (run.straggler or {}).get("rank")
     num = CELL + ";text-align:right;white-space:nowrap"
     left = CELL + ";text-align:left"
-    heads = ("rank", "steps", "data wait", "compute", "backward", "step time", "status")
+    heads = ("rank", "steps", "data wait", "compute", "forward", "backward", "optimizer", "step time", "status")
     head = "".join(
-        f'<th style="{left if i in (0, 6) else num};color:{MUTED};font-weight:600">{h}</th>' for i, h in enumerate(heads)
+        f'<th style="{left if i in (0, len(heads) - 1) else num};color:{MUTED};font-weight:600">{h}</th>'
+        for i, h in enumerate(heads)
     )
     rows = [f'<tr style="{ROW}">{head}</tr>']
     colour, background = SEVERITY["critical"]
@@ -921,7 +970,7 @@ def _ranks(run: Run) -> str:
         name = f"rank {r.get('rank')}" + (" &larr; holds the others back" if is_late else "")
         cells = "".join(
             f'<td style="{num}">{fmt_ms(r.get(key))}</td>'
-            for key in ("data_wait_ms", "compute_ms", "backward_ms", "step_ms")
+            for key in ("data_wait_ms", "compute_ms", "forward_ms", "backward_ms", "optimizer_ms", "step_ms")
         )
         rows.append(
             f'<tr class="tml-rank{" tml-straggler" if is_late else ""}" style="{style}">'
