@@ -157,7 +157,8 @@ How many workers does this loader need? `%traceml tune` answers in seconds, with
 it iterates the loader alone (no model, no optimizer) at `num_workers=0, 1, 2, ...`, measures
 the batches a second each setting makes, and sets them against the rate at which the model
 took batches in the run above. The smallest setting that makes batches 1.2x faster than the
-model takes them keeps it fed; the step is then the compute alone, and the speed-up follows.
+model takes them keeps it fed; the step is then the compute plus what taking each batch from
+the workers costs the training process (tune times that too), and the speed-up follows.
 It measures each setting for a few seconds and stops at its budget (here 15 s, by default
 30 s); the chart fills in as it goes.
 """,
