@@ -204,7 +204,9 @@ they stay alive between epochs (`persistent_workers=True`), and on a GPU batches
 **at least {FIXED_SPEEDUP:g}x faster** than the slow one, with most of its data wait gone
 (COMPUTE-BOUND). On a busy machine the workers can still fall behind now and then; the
 verdict then names what is left: a smaller INPUT-BOUND share, or a few stalls (INPUT
-STRAGGLER).
+STRAGGLER). On a machine with few cores the workers also take CPU from the model: the
+comparison then says MIXED — faster, but compute slower — which is the price of the fix
+(the Resources part of the report shows the cores it uses).
 """,
             ),
             ("code", "%traceml compare slow fixed"),
