@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "traceml_jupyter"
-ORCHESTRATION = {"traced_cell", "tracing", "magic", "tune", "demo", "async_cells", ""}
+ORCHESTRATION = {"traced_cell", "tracing", "magic", "tuning", "demo", "async_cells", ""}
 
 
 def module_name(path: Path) -> str:
@@ -104,11 +104,11 @@ def test_imports_point_one_way_capture_analysis_run_views() -> None:
 
 def test_the_tree_reads_as_the_flow() -> None:
     subpackages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
-    assert subpackages == ["analysis", "capture", "processes", "views"]
+    assert subpackages == ["analysis", "capture", "processes", "tuning", "views"]
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
     assert top == [
         "__init__", "__main__", "async_cells", "cli", "demo", "history", "magic", "ranks", "run", "saved",
-        "syntax_cells", "traced_cell", "tracing", "tune",
+        "syntax_cells", "traced_cell", "tracing",
     ]
 
 

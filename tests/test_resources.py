@@ -364,8 +364,8 @@ def test_one_usable_cpus_for_every_caller() -> None:
     from traceml_jupyter.views import code_facts
 
     one = host_module.usable_cpus
-    for name in ("traceml_jupyter.run", "traceml_jupyter.tune"):  # modules (the package's
-        assert sys.modules[name].usable_cpus is one  # `tune` is the function)
+    for name in ("traceml_jupyter.run", "traceml_jupyter.tuning.sweep"):
+        assert sys.modules[name].usable_cpus is one
     assert demo.usable_cpus is one and code_facts.cpu_count is one
 
 

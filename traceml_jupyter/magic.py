@@ -252,7 +252,7 @@ class TraceMLMagics(Magics):
         """`%traceml tune [LOADER] [--budget SECONDS] [--workers 0,1,2,4]`: LOADER is an
         expression in the notebook's namespace (default: the last run's training loader)."""
         from .analysis.tune_plan import loader_expression, parse_workers
-        from .tune import DEFAULT_BUDGET_S, TuneError, tune
+        from .tuning import DEFAULT_BUDGET_S, TuneError, tune
 
         expression = loader_expression(line)
         loader = None

@@ -104,7 +104,7 @@ def resolve_run(which: Run | str) -> Run:
     return found
 
 
-# The last `%traceml tune` (tune.py) and the loader it measured: the checklist quotes it.
+# The last `%traceml tune` (tuning/) and the loader it measured: the checklist quotes it.
 _LAST_TUNE: dict[str, Any] = {}
 
 

@@ -1,6 +1,6 @@
 """The arithmetic of `%traceml tune`, pure: which loader settings to measure, which measured one
 keeps the model fed, the predicted step and speed-up, the line to write, and where a batch's time
-goes. No torch, no timing, no display: tune.py measures, this decides."""
+goes. No torch, no timing, no display: tuning/ measures, this decides."""
 
 from __future__ import annotations
 
