@@ -104,10 +104,10 @@ def test_imports_point_one_way_capture_analysis_run_views() -> None:
 
 def test_the_tree_reads_as_the_flow() -> None:
     subpackages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
-    assert subpackages == ["analysis", "capture", "processes", "tuning", "views"]
+    assert subpackages == ["analysis", "capture", "processes", "ranks", "tuning", "views"]
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
     assert top == [
-        "__init__", "__main__", "async_cells", "cli", "demo", "history", "magic", "ranks", "run", "saved",
+        "__init__", "__main__", "async_cells", "cli", "demo", "history", "magic", "run", "saved",
         "syntax_cells", "traced_cell", "tracing",
     ]
 

@@ -128,7 +128,7 @@ def left_open(before: dict[str, str]) -> dict[str, str]:
 def no_leaks() -> Iterator[None]:
     before = open_fds()
     yield
-    assert not ranks._collectors, "a collector is still running"
+    assert not ranks.running, "a collector is still running"
     assert not [t for t in threading.enumerate() if t.name.startswith("traceml")]
     assert not mp.active_children()
     sockets = {fd: what for fd, what in left_open(before).items() if what.startswith("socket:")}
@@ -161,7 +161,7 @@ def test_ranks_with_different_step_counts_are_said(no_leaks: None) -> None:
 def test_a_rank_still_running_when_the_cell_ends_is_a_note(
     no_leaks: None, monkeypatch: pytest.MonkeyPatch, interrupted: bool
 ) -> None:
-    monkeypatch.setattr(ranks, "DRAIN_S", 0.5)
+    monkeypatch.setattr(ranks.collector, "DRAIN_S", 0.5)
     run = Run("lingering")
     ctx = mp.get_context("fork")
     # 40 steps of 20 ms: some go at the rank's ticks; then it lingers for 30 s
@@ -226,7 +226,7 @@ def test_accelerate_notebook_launcher_forks_ranks_too() -> None:
         accelerate.notebook_launcher(accelerate_training, num_processes=2, use_port=str(free_port()))
     run.finish()
     assert [(r["rank"], r["n_steps"], r["status"]) for r in run.ranks or []] == [(0, 5, "finished"), (1, 5, "finished")]
-    assert not ranks._collectors and not mp.active_children()
+    assert not ranks.running and not mp.active_children()
 
 
 def test_nn_dataparallel_gets_a_note(ip: Any) -> None:
@@ -318,7 +318,7 @@ print(json.dumps({
              for r in traceml_jupyter.runs()},
     "threads": [t.name for t in threading.enumerate() if t.name.startswith("traceml")],
     "children": [p.pid for p in mp.active_children()],
-    "collectors": len(traceml_jupyter.ranks._collectors),
+    "collectors": len(traceml_jupyter.ranks.running),
 }))"""
 
 

@@ -135,9 +135,9 @@ def run_command(
 
 
 def _drain_s() -> float:
-    from .ranks import DRAIN_S
+    from .ranks import collector
 
-    return DRAIN_S
+    return collector.DRAIN_S
 
 
 def report(run: Run, command: Sequence[str]) -> None:

@@ -152,7 +152,7 @@ def record(tripwires: Tripwires, sock: Any) -> Recording:
     run._observers[:] = [sender]  # the live chart is the kernel's
     run._next_tick = 0
     capture.listen()
-    ranks._in_rank = True  # forks from here start no rank channel: one that trains connects itself
+    ranks.start_no_rank_channel()
     original_exit = sys.exit
 
     def exit(status: Any = None) -> Any:  # how the process says it ends
