@@ -16,8 +16,8 @@ from IPython.utils.capture import capture_output
 
 import traceml_jupyter
 from traceml_jupyter.analysis.checklist import default_start_method, evaluate, suggested_workers
+from traceml_jupyter.kernel.code_facts import checklist_for, cpu_count, facts_for
 from traceml_jupyter.run import Run
-from traceml_jupyter.views.code_facts import checklist_for, cpu_count, facts_for
 from traceml_jupyter.views.report import ROOT_CLASS, fmt_ms, gpu_utilisation, line_bars, render_html
 
 # pin_memory=True on this CPU-only machine is the point of one test; torch warns about it.
@@ -337,12 +337,12 @@ def test_gpu_utilisation_from_nvml_samples_or_why_not() -> None:
 def test_a_checklist_that_cannot_be_read_never_costs_the_report(
     shell: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import traceml_jupyter.views.code_facts as code_facts
+    import traceml_jupyter.kernel.cells as cells
 
     def broken(_: Any) -> list[str]:
         raise RuntimeError("history unavailable")
 
-    monkeypatch.setattr(code_facts, "history_cells", broken)
+    monkeypatch.setattr(cells, "history_cells", broken)
     run, page, result = run_cell(shell, SLOW_CELL)
     assert result.error_in_exec is None
     assert "Step Time: INPUT-BOUND" in page.one("tml-verdict").text

@@ -361,7 +361,7 @@ def test_one_usable_cpus_for_every_caller() -> None:
 
     from traceml_jupyter import demo
     from traceml_jupyter.capture import host as host_module
-    from traceml_jupyter.views import code_facts
+    from traceml_jupyter.kernel import code_facts
 
     one = host_module.usable_cpus
     for name in ("traceml_jupyter.run", "traceml_jupyter.tuning.sweep"):

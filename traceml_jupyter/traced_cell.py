@@ -421,7 +421,7 @@ def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any,
 def _likely_cause(run: Run) -> str:
     """A checklist fix that explains an error before the first step (workers that cannot
     import a Dataset defined in a notebook cell), as the end of the one-line note."""
-    from .views.code_facts import keep_checklist
+    from .kernel.code_facts import keep_checklist
 
     for item in keep_checklist(run) or []:
         if item.key == "start_method" and item.status == "fix":

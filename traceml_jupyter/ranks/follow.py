@@ -87,7 +87,7 @@ def dataparallel_note(run: Run) -> None:
     parallel = getattr(getattr(torch, "nn", None), "DataParallel", None)
     if parallel is None or not (run.recorder.n_steps or run.ranks):
         return
-    from ..views.environment import ipython_shell
+    from ..kernel.shell import ipython_shell
 
     shell = ipython_shell()
     names = getattr(shell, "user_ns", None)

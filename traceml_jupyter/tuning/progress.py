@@ -152,7 +152,8 @@ class WidgetView:
 def progress_view(show: bool) -> Any:
     if not show:
         return None
-    from ..views.environment import ipython_shell, live_mode
+    from ..kernel.shell import ipython_shell
+    from ..views.environment import live_mode
 
     mode = live_mode(ipython_shell())
     try:

@@ -57,8 +57,8 @@ class TuneError(ValueError):
 def _remember(loader: Any, result: TuneResult) -> None:
     """Keep the result for the checklist, and refresh the checklist of the last run that trained
     on this loader: its num_workers item now quotes the rates measured."""
+    from ..kernel.code_facts import keep_checklist
     from ..run import remember_tune, runs, tuned_for
-    from ..views.code_facts import keep_checklist
 
     remember_tune(loader, result.to_dict())
     for run in reversed(runs()):
@@ -118,7 +118,7 @@ def tune(
             )
         label = label or "the training loader of run " + repr(run.name)
     _check_loader(loader, label or "it")
-    from ..views.environment import ipython_shell
+    from ..kernel.shell import ipython_shell
 
     shell = ipython_shell()
     names = getattr(shell, "user_ns", None)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..analysis.figures import pct as _pct
+from ..kernel.shell import ipython_shell
 from . import environment
 
 if TYPE_CHECKING:
@@ -1026,7 +1027,7 @@ def start(run: Run, show: bool = True) -> LiveView | None:
     nothing on screen (the GPU is still sampled for the report). Never raises: a view that
     cannot start is a note on the run.
     """
-    shell = environment.ipython_shell()
+    shell = ipython_shell()
     try:
         mode = environment.live_mode(shell) if show else "none"
         if mode == "widget":

@@ -1,5 +1,5 @@
 """The final report as static HTML: the cell's code (each loop-body line with its ms per step)
-beside the verdict, the evidence and the evaluated checklist (code_facts.py gathers what the
+beside the verdict, the evidence and the evaluated checklist (kernel/code_facts.py gathers what the
 checklist reads). Small functions, one per part of the page, each returning its HTML with inline
 styles: JupyterLab's sanitizer drops <style> in untrusted outputs, and a template engine would be
 one more dependency for a page of a dozen parts."""
@@ -26,7 +26,8 @@ from ..analysis.resources import mib
 from ..analysis.step_parts import parts_sentence
 from ..analysis.verdict import sync_sentence
 from ..capture.locate import dataloader_lines
-from .code_facts import CodeContext, checklist_items, run_shell, source_label
+from ..kernel.code_facts import CodeContext, checklist_items, source_label
+from ..kernel.shell import ipython_shell
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -569,7 +570,7 @@ def _yes_no(part: int, whole: int) -> str:
 def _where(run: Run, row: Mapping[str, Any]) -> str:
     if row.get("in_cell"):
         return f"line {row['line']}"
-    return f"{source_label(run, run_shell(), str(row['filename']))}, line {row['line']}"
+    return f"{source_label(run, ipython_shell(), str(row['filename']))}, line {row['line']}"
 
 
 COPIES_MEDIAN = "H2D copies (median per step)"  # the label the H2D-BOUND verdict uses too
@@ -819,7 +820,7 @@ def _phases(run: Run) -> str:
 def render_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
     """The report as one self-contained HTML fragment: inline styles only, no script, no
     external asset, so it reads the same after a reload, on nbviewer, GitHub and Kaggle."""
-    shell = run_shell()
+    shell = ipython_shell()
     problem = None
     if checklist is None and run.frozen:  # read back from its file: the checklist as evaluated
         checklist = [Item.from_dict(item) for item in run.checklist or []]
