@@ -6,10 +6,10 @@ import ast
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from traceml_jupyter.analysis.checklist import dataloader_lines
 from traceml_jupyter.capture.hooks import FETCH
 from traceml_jupyter.capture.locate import (
     called_names,
-    dataloader_lines,
     find_innermost_loop,
     find_training_loop,
     loop_at_line,

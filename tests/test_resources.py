@@ -366,7 +366,7 @@ def test_one_usable_cpus_for_every_caller() -> None:
     one = host_module.usable_cpus
     for name in ("traceml_jupyter.run", "traceml_jupyter.tuning.sweep"):
         assert sys.modules[name].usable_cpus is one
-    assert demo.usable_cpus is one and code_facts.cpu_count is one
+    assert demo.usable_cpus is one and code_facts.usable_cpus is one
 
 
 def test_a_datasets_python_objects_are_named() -> None:

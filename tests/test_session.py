@@ -16,11 +16,11 @@ from IPython.utils.capture import capture_output
 import traceml_jupyter
 from traceml_jupyter.analysis.checklist import (
     assigned_line,
+    dataloader_lines,
     dataloader_sites,
     parse_cell,
     sample_code_in,
 )
-from traceml_jupyter.capture.locate import dataloader_lines
 from traceml_jupyter.kernel import cells
 from traceml_jupyter.views import environment, live
 

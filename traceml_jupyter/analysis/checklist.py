@@ -8,7 +8,7 @@ import ast
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from .data_sources import Feeder
 from .figures import ms as _ms
@@ -237,12 +237,19 @@ def iter_names(loop: ast.For | ast.AsyncFor) -> set[str]:
     return {n.id for n in ast.walk(loop.iter) if isinstance(n, ast.Name)}
 
 
+def is_dataloader_call(node: ast.AST) -> TypeGuard[ast.Call]:
+    """`DataLoader(...)` or `data.DataLoader(...)`."""
+    return isinstance(node, ast.Call) and _call_name(node) == "DataLoader"
+
+
+def dataloader_lines(tree: ast.AST) -> list[int]:
+    """Lines that construct a DataLoader."""
+    return sorted({node.lineno for node in ast.walk(tree) if is_dataloader_call(node)})
+
+
 def dataloader_sites(tree: ast.AST) -> list[tuple[int, frozenset[str]]]:
     """Lines that construct a DataLoader, each with the names its statement assigns."""
-    sites: dict[int, set[str]] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and _call_name(node) == "DataLoader":
-            sites.setdefault(node.lineno, set())
+    sites: dict[int, set[str]] = {line: set() for line in dataloader_lines(tree)}
     for node in ast.walk(tree):
         targets: list[ast.expr] = []
         if isinstance(node, ast.Assign):
@@ -253,7 +260,7 @@ def dataloader_sites(tree: ast.AST) -> list[tuple[int, frozenset[str]]]:
             continue
         names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
         for inner in ast.walk(node):
-            if isinstance(inner, ast.Call) and _call_name(inner) == "DataLoader":
+            if isinstance(inner, ast.Call) and is_dataloader_call(inner):
                 sites[inner.lineno] |= names
     return [(line, frozenset(names)) for line, names in sorted(sites.items())]
 
@@ -991,12 +998,9 @@ def per_sample_item(f: Facts) -> Item:
 def storage_item(f: Facts) -> Item:
     bears = f.verdict == "INPUT STRAGGLER"
 
-    def ms(v: float | None) -> str:
-        return "n/a" if v is None else f"{v:.1f} ms"
-
     seen = (
-        f"{f.straggler_steps} slow fetch(es); p99 wait {ms(f.wait_p99_ms)} vs median "
-        f"{ms(f.wait_median_ms)}"
+        f"{f.straggler_steps} slow fetch(es); p99 wait {_ms(f.wait_p99_ms)} vs median "
+        f"{_ms(f.wait_median_ms)}"
     )
     return Item(
         "storage",

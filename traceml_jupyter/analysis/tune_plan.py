@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .figures import ms as _ms
+from .figures import ms_fine
 
 # With workers, loading overlaps compute: the loader keeps the model fed when it makes batches
 # at least this many times faster than the model takes them (room for jitter and for the
@@ -478,31 +479,22 @@ def split_sentence(split: Split) -> str:
     if per_sample is not None and split.getitem_ms is not None:
         samples = split.samples_per_batch or 0
         parts.append(
-            f"{split.source} {_ms_fine(per_sample)} a sample x {samples:.0f}"
+            f"{split.source} {ms_fine(per_sample)} a sample x {samples:.0f}"
             + _share(split.getitem_ms, split.batch_ms)
         )
     elif split.getitem_ms is not None:
         parts.append(
-            f"{split.source} {_ms_fine(split.getitem_ms)}"
+            f"{split.source} {ms_fine(split.getitem_ms)}"
             + _share(split.getitem_ms, split.batch_ms)
         )
     if split.collate_ms is not None:
         parts.append(
-            f"collate_fn {_ms_fine(split.collate_ms)}" + _share(split.collate_ms, split.batch_ms)
+            f"collate_fn {ms_fine(split.collate_ms)}" + _share(split.collate_ms, split.batch_ms)
         )
     if split.pin_ms is not None:
-        parts.append(f"pinning {_ms_fine(split.pin_ms)}" + _share(split.pin_ms, split.batch_ms))
-    parts.append(f"the rest {_ms_fine(split.other_ms)}" + _share(split.other_ms, split.batch_ms))
-    return f"At num_workers=0 a batch takes {_ms_fine(split.batch_ms)}: " + ", ".join(parts) + "."
-
-
-def _ms_fine(value: float) -> str:
-    """Milliseconds with digits enough for a per-sample cost: "0.042 ms", "2.05 ms", "16.4 ms"."""
-    if value >= 10:
-        return _ms(value)
-    if value >= 0.1:
-        return f"{value:.2f} ms"
-    return f"{value:.3f} ms"
+        parts.append(f"pinning {ms_fine(split.pin_ms)}" + _share(split.pin_ms, split.batch_ms))
+    parts.append(f"the rest {ms_fine(split.other_ms)}" + _share(split.other_ms, split.batch_ms))
+    return f"At num_workers=0 a batch takes {ms_fine(split.batch_ms)}: " + ", ".join(parts) + "."
 
 
 def costliest(split: Split) -> str:
@@ -586,8 +578,8 @@ def conclude(
         advice.append(
             f"No setting keeps the model fed: the best, {name}, makes "
             f"{rate_text(best.batches_per_s)} batches/s (a batch every "
-            f"{_ms_fine(1000.0 / (best.batches_per_s or 1.0))}) and the model takes "
-            f"{rate_text(model_rate)} (one every {_ms_fine(1000.0 / (model_rate or 1.0))})."
+            f"{ms_fine(1000.0 / (best.batches_per_s or 1.0))}) and the model takes "
+            f"{rate_text(model_rate)} (one every {ms_fine(1000.0 / (model_rate or 1.0))})."
         )
         if step is not None:
             text = f"With it, predicted step {_ms(step)}{step_parts(best, model, step)}"

@@ -43,6 +43,7 @@ import numpy as np
 
 from . import hidden_waits
 from .cuda_graphs import capturing
+from .cuda_state import cuda_initialized, torch_cuda
 from .h2d import COPY_COLUMNS, CopyWatch, EventPool, cell_line, copies_timed
 from .patches import patched
 from .step_tally import StepTally
@@ -82,21 +83,8 @@ class CudaApi:
     event_type: Any = None  # torch.cuda.Event: record and wait tell when the loop waits for a copy (wait_event)
 
 
-def cuda_module() -> Any:
-    """torch.cuda when torch is imported (never imports torch itself), else None."""
-    torch = sys.modules.get("torch")
-    return getattr(torch, "cuda", None) if torch is not None else None
-
-
-def cuda_initialised(cuda: Any = None) -> bool:
-    """Whether CUDA was initialised (by the user's code): `is_initialized()` has no side effect,
-    unlike `is_available()`, `device_count()` or `current_device()`, which initialise the
-    driver and make every later fork-started CUDA process fail."""
-    cuda = cuda if cuda is not None else cuda_module()
-    try:
-        return cuda is not None and bool(cuda.is_initialized())
-    except Exception:
-        return False
+# The CUDA module the copy and sync watches read (a seam: tests put a fake GPU here).
+cuda_module = torch_cuda
 
 
 def cuda_api(
@@ -104,7 +92,7 @@ def cuda_api(
 ) -> CudaApi | None:
     """The watches' CudaApi from a torch.cuda-like module, for `device` (the current device if
     None); None while CUDA is not initialised."""
-    if not cuda_initialised(cuda):
+    if not cuda_initialized(cuda):
         return None
     try:
         index = int(cuda.current_device()) if device is None else int(device)

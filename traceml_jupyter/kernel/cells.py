@@ -12,7 +12,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..analysis.checklist import SampleCode, loop_at, parse_cell, sample_code_in
+from ..analysis.checklist import (
+    SampleCode,
+    is_dataloader_call,
+    loop_at,
+    parse_cell,
+    sample_code_in,
+)
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -99,13 +105,6 @@ def read_cell(text: str, transform: Any = None) -> ast.Module | None:
     return parse_cell(text) or parse_cell(text, transform)
 
 
-def _is_dataloader(call: ast.Call) -> bool:
-    """`DataLoader(...)` or `data.DataLoader(...)`."""
-    func = call.func
-    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-    return name == "DataLoader"
-
-
 def _within(inner: ast.expr, outer: ast.stmt | ast.expr) -> bool:
     """`inner` is part of `outer` (nodes' source spans nest as the nodes do)."""
     start = (outer.lineno, outer.col_offset)
@@ -121,7 +120,7 @@ def cell_facts(tree: ast.AST, label: str) -> CellFacts:
     lines and sites as `dataloader_lines` and `dataloader_sites` read them, each name's first
     assignment as `assigned_line` reads it, the dataset classes as `sample_code_in` does."""
     nodes = list(ast.walk(tree))
-    calls = [node for node in nodes if isinstance(node, ast.Call) and _is_dataloader(node)]
+    calls = [node for node in nodes if isinstance(node, ast.Call) and is_dataloader_call(node)]
     sites: dict[int, set[str]] = {call.lineno: set() for call in calls}
     first: dict[str, int] = {}
     samples: dict[str, SampleCode] = {}

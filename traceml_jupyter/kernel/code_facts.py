@@ -24,6 +24,7 @@ from ..analysis.checklist import (
     assigned_line,
     class_def,
     costly_calls,
+    dataloader_lines,
     dataloader_sites,
     default_start_method,
     evaluate,
@@ -40,8 +41,7 @@ from ..analysis.data_sources import feeder
 from ..analysis.rank_verdict import checklist_verdict
 from ..analysis.resources import cpu_sentence
 from ..capture.dataloaders import dataset_site, inner_dataset
-from ..capture.host import usable_cpus as cpu_count
-from ..capture.locate import dataloader_lines
+from ..capture.host import usable_cpus
 from ..capture.sources import fed_expression, resolve_name
 from ..run import tuned_for
 from .cells import (
@@ -384,11 +384,11 @@ def copies_seen(run: Run, shell: Any = None) -> tuple[CopySeen, ...] | None:
 
 def busiest_line(run: Run) -> LineSeen | None:
     """The loop body's statement with the most host time per step (run.line_costs)."""
-    costs = getattr(run, "line_costs", None)
-    rows = [r for r in (costs or {}).get("statements") or [] if r.get("ms_per_step") is not None]
-    if not rows:
+    from ..capture.sync_stalls import costliest_host_line
+
+    top = costliest_host_line(getattr(run, "line_costs", None))
+    if top is None:
         return None
-    top = max(rows, key=lambda r: float(r["ms_per_step"]))
     return LineSeen(CodeSite(int(top["line"])), str(top["text"]), float(top["ms_per_step"]))
 
 
@@ -410,7 +410,7 @@ def facts_for(
     return Facts(
         verdict=checklist_verdict(run.verdict, run.straggler),  # a rank straggler: its cause
         loader=loader,
-        cpu_count=cpu_count(),
+        cpu_count=usable_cpus(),
         on_gpu=bool(getattr(run, "_gpu_used", False)) or summary.get("clock") == "gpu",
         several_passes=several,
         loader_site=ctx.loader_site,

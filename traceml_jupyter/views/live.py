@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..analysis.checklist import parse_cell
 from ..analysis.figures import pct as _pct
+from ..capture.locate import range_call
 from ..kernel.shell import ipython_shell
 from . import environment
 
@@ -83,14 +85,10 @@ def _int_value(node: ast.expr, names: Mapping[str, Any]) -> int | None:
 
 def range_length(node: ast.expr, names: Mapping[str, Any]) -> int | None:
     """len() of `range(...)`, `trange(...)`, `tqdm(range(...))` or `enumerate(range(...))`."""
-    if not isinstance(node, ast.Call):
+    call = range_call(node)
+    if call is None or not 1 <= len(call.args) <= 3 or call.keywords:
         return None
-    func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
-    if func in ("tqdm", "enumerate") and node.args:
-        return range_length(node.args[0], names)
-    if func not in ("range", "trange") or not 1 <= len(node.args) <= 3 or node.keywords:
-        return None
-    args = [_int_value(arg, names) for arg in node.args]
+    args = [_int_value(arg, names) for arg in call.args]
     if any(a is None for a in args) or (len(args) == 3 and not args[2]):
         return None
     return len(range(*args))  # type: ignore[arg-type]
@@ -115,12 +113,8 @@ def loops_around(source: str | None, loop_line: int | None) -> list[ast.For] | N
     first; None when that is unknowable (not in the cell's own code, inside a while or a def)."""
     if not source or loop_line is None:
         return None
-    lines = source.splitlines()
-    if lines and lines[0].lstrip().startswith("%%"):
-        lines[0] = ""  # keep the cell's line numbers (the %%traceml line is line 1)
-    try:
-        tree = ast.parse("\n".join(lines))
-    except SyntaxError:
+    tree = parse_cell(source)
+    if tree is None:
         return None
     path = _path_to(tree, loop_line)
     if path is None:

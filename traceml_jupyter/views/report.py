@@ -18,14 +18,15 @@ from ..analysis.checklist import (
     OK,
     CodeSite,
     Item,
+    dataloader_lines,
     per_step_bytes,
 )
+from ..analysis.figures import ms_fine
 from ..analysis.figures import pct as fmt_pct
 from ..analysis.phases import phase_sentence, phase_verdict
 from ..analysis.resources import mib
 from ..analysis.step_parts import parts_sentence
 from ..analysis.verdict import sync_sentence
-from ..capture.locate import dataloader_lines
 from ..kernel.code_facts import CodeContext, checklist_items, source_label
 from ..kernel.shell import ipython_shell
 
@@ -76,17 +77,6 @@ def _with_code(text: str) -> str:
         end = match.end()
     out.append(_e(text[end:]))
     return "".join(out)
-
-
-def fmt_ms(value: float | None) -> str:
-    """Milliseconds with enough digits to tell a small measured value from zero."""
-    if value is None or value != value:
-        return "n/a"
-    if abs(value) >= 10:
-        return f"{value:.1f} ms"
-    if abs(value) >= 0.1:
-        return f"{value:.2f} ms"
-    return f"{value:.3f} ms"
 
 
 def fmt_rate(value: float | None, unit: str) -> str:
@@ -156,23 +146,23 @@ def line_bars(costs: Mapping[str, Any] | None, n_lines: int) -> dict[int, LineBa
         line, end = int(r["line"]), int(r.get("end_line") or r["line"])
         host, gpu = r["ms_per_step"], r.get("gpu_ms_per_step")
         shown = gpu if on_gpu else host
-        title = f"line {line}: {fmt_ms(host)} per step"
+        title = f"line {line}: {ms_fine(host)} per step"
         if on_gpu:
-            title = f"line {line}: GPU {fmt_ms(gpu)}, host {fmt_ms(host)} per step"
+            title = f"line {line}: GPU {ms_fine(gpu)}, host {ms_fine(host)} per step"
         width = scale.get(line, 0.0)
         host_width = _fraction(host, top) if on_gpu else None
         for number in range(line, min(end, n_lines) + 1):
             first = number == line
             bars[number] = LineBar(
-                width, host_width, fmt_ms(shown) if first else "", title, COMPUTE_COLOUR, first
+                width, host_width, ms_fine(shown) if first else "", title, COMPUTE_COLOUR, first
             )
     if loop_line is not None and fetch is not None and 0 < int(loop_line) <= n_lines:
         line = int(loop_line)
         bars[line] = LineBar(
             scale.get(line, 0.0),
             None,
-            fmt_ms(fetch),
-            f"line {line}: data wait {fmt_ms(fetch)} per step (waiting in next() for the batch)",
+            ms_fine(fetch),
+            f"line {line}: data wait {ms_fine(fetch)} per step (waiting in next() for the batch)",
             WAIT_COLOUR,
         )
     return {n: b for n, b in bars.items() if 0 < n <= n_lines}
@@ -444,7 +434,7 @@ def _tiles(summary: Mapping[str, Any]) -> str:
             f'<div class="tml-number" style="flex-grow:1;flex-basis:120px;margin:4px;'
             f'padding:8px 10px;border:1px solid {BORDER};border-radius:6px">'
             f'<div style="font-size:11px;color:{MUTED}">{_e(label)}</div>'
-            f'<div style="font-size:18px;font-weight:700;color:{colour}">{fmt_ms(value)}</div>'
+            f'<div style="font-size:18px;font-weight:700;color:{colour}">{ms_fine(value)}</div>'
             f'<div style="font-size:11px;color:{MUTED}">{_e(sub)}</div></div>'
         )
     return f'<div style="display:flex;flex-wrap:wrap;margin:8px -4px 0 -4px">{"".join(out)}</div>'
@@ -526,8 +516,8 @@ def _also(run: Run) -> str:
     if found and not found.get("direction"):
         out += (
             f'<div class="tml-trend" style="margin-top:6px;font-size:11px;color:{MUTED}">Over the run: '
-            f"no trend (median step {fmt_ms(found['first_ms'])} in the first third of the analysed "
-            f"steps, {fmt_ms(found['last_ms'])} in the last; noise ±{100 * found['noise']:.1f} %)</div>"
+            f"no trend (median step {ms_fine(found['first_ms'])} in the first third of the analysed "
+            f"steps, {ms_fine(found['last_ms'])} in the last; noise ±{100 * found['noise']:.1f} %)</div>"
         )
     return out
 
@@ -587,11 +577,11 @@ def copy_rows(run: Run) -> list[tuple[str, str]]:
     rows = []
     if s.get("h2d_ms") is not None:
         share = fmt_pct(s.get("h2d_share"))
-        rows.append((COPIES_MEDIAN, f"{fmt_ms(s['h2d_ms'])}, {share} of the step"))
+        rows.append((COPIES_MEDIAN, f"{ms_fine(s['h2d_ms'])}, {share} of the step"))
     for site in sites[:4]:
         copies = int(site["copies"])
         rate = f" at {site['gb_per_s']:.1f} GB/s" if site.get("gb_per_s") else ""
-        took = f" in {fmt_ms(site['ms_per_step'])}" if site.get("ms_per_step") is not None else ""
+        took = f" in {ms_fine(site['ms_per_step'])}" if site.get("ms_per_step") is not None else ""
         rows.append(
             (
                 f"Copy, {_where(run, site)}",
@@ -622,7 +612,7 @@ def sync_rows(run: Run) -> list[tuple[str, str]]:
         wait = site.get("wait_ms_per_step")
         waited = " (wait not timed)"
         if wait is not None:
-            waited = f", host waits {fmt_ms(wait)} per step"
+            waited = f", host waits {ms_fine(wait)} per step"
         per = float(site["calls_per_step"])
         rows.append((f"Syncs, {_where(run, site)}", f"{call or 'sync'} {per:.2g} per step{waited}"))
     return rows
@@ -688,7 +678,7 @@ def _evidence(run: Run) -> str:
     ):
         st = stats.get(key) or {}
         values = "".join(
-            f'<td style="{num}">{fmt_ms(st.get(q))}</td>' for q in ("median", "p90", "max")
+            f'<td style="{num}">{ms_fine(st.get(q))}</td>' for q in ("median", "p90", "max")
         )
         rows.append(f'<tr style="{ROW}"><td style="{left}">{_e(label)}</td>{values}</tr>')
     table = f'<table class="tml-evidence" style="{TABLE}">{"".join(rows)}</table>'
@@ -970,7 +960,7 @@ def _ranks(run: Run) -> str:
         style = f"background-color:{background}" if is_late else ROW
         name = f"rank {r.get('rank')}" + (" &larr; holds the others back" if is_late else "")
         cells = "".join(
-            f'<td style="{num}">{fmt_ms(r.get(key))}</td>'
+            f'<td style="{num}">{ms_fine(r.get(key))}</td>'
             for key in ("data_wait_ms", "compute_ms", "forward_ms", "backward_ms", "optimizer_ms", "step_ms")
         )
         rows.append(
