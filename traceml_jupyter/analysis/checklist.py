@@ -15,13 +15,13 @@ from .figures import ms as _ms
 from .figures import pct as _pct
 from .step_parts import wait_words
 from .tune_plan import rate_text
-from .verdict import sync_sentence
+from .verdict import VerdictLabel, sync_sentence
 
 OK, FIX, CHECK = "ok", "fix", "check"
 
-INPUT_VERDICTS = frozenset({"INPUT-BOUND", "INPUT STRAGGLER"})
-WORKER_VERDICTS = INPUT_VERDICTS | {"MIXED"}
-TRANSFER_VERDICTS = frozenset({"INPUT-BOUND", "H2D-BOUND", "MIXED"})
+INPUT_VERDICTS = frozenset({VerdictLabel.INPUT_BOUND, VerdictLabel.INPUT_STRAGGLER})
+WORKER_VERDICTS = INPUT_VERDICTS | {VerdictLabel.MIXED}
+TRANSFER_VERDICTS = frozenset({VerdictLabel.INPUT_BOUND, VerdictLabel.H2D_BOUND, VerdictLabel.MIXED})
 DEFAULT_PREFETCH = 2
 PREFETCH_TO_TRY = 4
 
@@ -612,13 +612,13 @@ def num_workers_item(f: Facts) -> Item:
             + TUNE_HINT,
             bears,
         )
-    if n < want and f.verdict == "INPUT-BOUND":
+    if n < want and f.verdict == VerdictLabel.INPUT_BOUND:
         return Item(
             "num_workers", title, FIX, str(n), str(want), f.loader_site,
             f"{n} worker(s) do not keep up with the loop; try {want} ({of_cpus})." + TUNE_HINT,
             bears,
         )
-    if f.verdict == "INPUT-BOUND":
+    if f.verdict == VerdictLabel.INPUT_BOUND:
         return Item(
             "num_workers", title, CHECK, str(n), None, f.loader_site,
             f"{n} workers already use {of_cpus}: make each sample cheaper rather than adding "
@@ -685,14 +685,14 @@ def prefetch_factor_item(f: Facts) -> Item:
         )
     pf = int(raw) if raw is not None else DEFAULT_PREFETCH
     seen = str(pf) if raw is not None else f"{DEFAULT_PREFETCH} (default)"
-    if pf < PREFETCH_TO_TRY and f.verdict == "INPUT STRAGGLER":
+    if pf < PREFETCH_TO_TRY and f.verdict == VerdictLabel.INPUT_STRAGGLER:
         return Item(
             "prefetch_factor", title, FIX, seen, str(PREFETCH_TO_TRY), f.loader_site,
             f"With {pf} batch(es) queued per worker, one slow batch stalls the loop; a deeper "
             "queue hides uneven sample times.",
             True,
         )
-    if pf < PREFETCH_TO_TRY and f.verdict == "INPUT-BOUND":
+    if pf < PREFETCH_TO_TRY and f.verdict == VerdictLabel.INPUT_BOUND:
         return Item(
             "prefetch_factor", title, CHECK, seen, str(PREFETCH_TO_TRY), f.loader_site,
             "A deeper queue hides uneven sample times, but not workers that are too slow on "
@@ -811,7 +811,7 @@ def h2d_copies_item(f: Facts) -> Item | None:
     if not f.copies:
         return None
     top = f.copies[0]
-    bears = f.verdict == "H2D-BOUND"
+    bears = f.verdict == VerdictLabel.H2D_BOUND
     pinned = _how_much(top.pinned_share, "pinned", "pageable")
     nb = _how_much(top.non_blocking_share, "non_blocking", "blocking")
     rate = f" at {top.gb_per_s:.1f} GB/s" if top.gb_per_s else ""
@@ -865,7 +865,7 @@ def batch_size_item(f: Facts) -> Item:
     """On a host-bound loop, a larger batch gives each kernel launch more work."""
     title = "Work per launch (batch size)"
     seen = str(f.batch_size) if f.batch_size else "unknown"
-    if f.verdict != "HOST-BOUND":
+    if f.verdict != VerdictLabel.HOST_BOUND:
         return Item(
             "batch_size", title, OK, seen, None, f.loader_site,
             f"Bears on a host-bound loop only; this one is {f.verdict}.", False,
@@ -884,7 +884,7 @@ def launch_overhead_item(f: Facts) -> Item:
     """On a host-bound loop: fewer, larger kernels, pointed at the body line with the most host
     time (from the cost per line)."""
     title = "Fewer, larger kernels (torch.compile, CUDA graphs, AMP)"
-    bears = f.verdict == "HOST-BOUND"
+    bears = f.verdict == VerdictLabel.HOST_BOUND
     busiest = f.busiest_line
     site = busiest.site if busiest is not None else None
     if f.host_issue_ms is not None and f.step_ms:
@@ -925,7 +925,7 @@ def sync_item(f: Facts) -> Item | None:
     if top is None or sentence is None:
         return None
     every = bool(top.get("every_step"))
-    bears = f.verdict == "HOST-BOUND" and every
+    bears = f.verdict == VerdictLabel.HOST_BOUND and every
     call = str(top.get("call") or "a call")
     share = top.get("share")
     seen = f"{call} every step" if every else f"{call} {top.get('calls_per_step', 0):.2g} per step"
@@ -996,7 +996,7 @@ def per_sample_item(f: Facts) -> Item:
 
 
 def storage_item(f: Facts) -> Item:
-    bears = f.verdict == "INPUT STRAGGLER"
+    bears = f.verdict == VerdictLabel.INPUT_STRAGGLER
 
     seen = (
         f"{f.straggler_steps} slow fetch(es); p99 wait {_ms(f.wait_p99_ms)} vs median "

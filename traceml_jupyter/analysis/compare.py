@@ -14,15 +14,16 @@ from .comparable import caveats as unlike
 from .comparable import samples_per_step
 from .figures import ms as _ms
 from .figures import pct as _pct
-from .noise import LEVEL, ColumnChange, Judgement, analysed_samples, judge
+from .noise import LEVEL, Change, ColumnChange, Judgement, analysed_samples, judge
 from .resources import mib
+from .verdict import VerdictLabel
 
 if TYPE_CHECKING:
     pass
 
 # Within 5 % of each other, two runs are "about as fast": step times jitter by that much.
 SAME_SPEED = 1.05
-NO_VERDICT = ("NO DATA", "WARMUP", "TOO SHORT")
+NO_VERDICT = (VerdictLabel.NO_DATA, VerdictLabel.WARMUP, VerdictLabel.TOO_SHORT)
 
 
 @dataclass(frozen=True)
@@ -161,13 +162,13 @@ def still_because(
     label: str, summary_b: Mapping[str, Any], workers_b: int | None, cpus: int | None
 ) -> str:
     """Why a verdict that did not change still holds, in a few words (empty when nothing to add)."""
-    if label == "INPUT-BOUND":
+    if label == VerdictLabel.INPUT_BOUND:
         if summary_b.get("cpu_saturated") or (workers_b and cpus and workers_b >= cpus):
             return "the CPU is now the ceiling"
         return f"data wait is still {_pct(summary_b.get('data_wait_share'))} of the step"
-    if label == "INPUT STRAGGLER":
+    if label == VerdictLabel.INPUT_STRAGGLER:
         return f"stalls still cost {_pct(summary_b.get('straggler_share'))} of the time"
-    if label == "COMPUTE-BOUND":
+    if label == VerdictLabel.COMPUTE_BOUND:
         return "the step itself is the ceiling"
     return ""
 
@@ -351,9 +352,9 @@ def judged_words(j: Judgement, verdicts: str) -> str:
     interval, what got slower when the step got faster, then the verdicts."""
     low, high = j.speedup_low, j.speedup_high
     per = " per sample" if j.per == "sample" else ""
-    if j.change.value in ("IMPROVEMENT", "MIXED"):
+    if j.change in (Change.IMPROVEMENT, Change.MIXED):
         words = f"{_times(j.speedup)} faster{per} ({PERCENT} interval {_times(low)} to {_times(high)})"
-    elif j.change.value == "REGRESSION":
+    elif j.change == Change.REGRESSION:
         words = (
             f"{_times(1 / j.speedup)} slower{per} ({PERCENT} interval {_times(1 / high)} to "
             f"{_times(1 / low)})"
@@ -362,25 +363,25 @@ def judged_words(j: Judgement, verdicts: str) -> str:
         words = (
             f"{_times(j.speedup)}{per}, {PERCENT} interval {_times(low)} to {_times(high)}"
         )
-    if j.change.value == "MIXED":
+    if j.change == Change.MIXED:
         slower = ", ".join(
             f"{c.name} ({c.diff:+.1f} ms a step"
             + (f", {100 * (c.ratio - 1):+.0f} %)" if c.ratio is not None else ")")
             for c in j.slower_parts
         )
         words += f", but slower: {slower}"
-    label = "NO CHANGE (within noise)" if j.change.value == "NO CHANGE" else j.change.value
+    label = "NO CHANGE (within noise)" if j.change == Change.NO_CHANGE else j.change.value
     return f"{label}: {words}; {verdicts}"
 
 
 # -- the HTML view ------------------------------------------------------------------------------
 
 _COLOURS = {"faster": "#1a7f37", "slower": "#b42318", "same": "#57606a", "mixed": "#a35200"}
-_TONE_OF_CHANGE = {
-    "IMPROVEMENT": "faster",
-    "REGRESSION": "slower",
-    "NO CHANGE": "same",
-    "MIXED": "mixed",
+_TONE_OF_CHANGE: dict[str, str] = {
+    Change.IMPROVEMENT: "faster",
+    Change.REGRESSION: "slower",
+    Change.NO_CHANGE: "same",
+    Change.MIXED: "mixed",
 }
 
 

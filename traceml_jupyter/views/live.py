@@ -23,6 +23,7 @@ import numpy as np
 
 from ..analysis.checklist import parse_cell
 from ..analysis.figures import pct as _pct
+from ..analysis.verdict import VerdictLabel
 from ..capture.locate import range_call
 from ..kernel.shell import ipython_shell
 from . import environment
@@ -157,22 +158,22 @@ def format_duration(seconds: float | None) -> str:
 
 def verdict_share(label: str, summary: Mapping[str, Any]) -> str:
     """The share behind a verdict, as the header says it ("data wait 94 % of step")."""
-    if label == "INPUT-BOUND":
+    if label == VerdictLabel.INPUT_BOUND:
         return f"data wait {_pct(summary.get('data_wait_share'), 0)} of step"
-    if label == "INPUT STRAGGLER":
+    if label == VerdictLabel.INPUT_STRAGGLER:
         return f"stalls cost {_pct(summary.get('straggler_share'), 0)} of the time"
-    if label == "COMPUTE-BOUND":
+    if label == VerdictLabel.COMPUTE_BOUND:
         return f"compute {_pct(summary.get('compute_share'), 0)} of step"
-    if label == "MIXED":
+    if label == VerdictLabel.MIXED:
         return (
             f"data wait {_pct(summary.get('data_wait_share'), 0)}, "
             f"compute {_pct(summary.get('compute_share'), 0)} of step"
         )
-    if label == "RANK STRAGGLER":
+    if label == VerdictLabel.RANK_STRAGGLER:
         return rank_share(summary.get("straggler"))
-    if label == "WARMUP":
+    if label == VerdictLabel.WARMUP:
         return "warming up"
-    if label == "TOO SHORT":
+    if label == VerdictLabel.TOO_SHORT:
         return "steps too short to judge"
     return "no step yet"
 
@@ -217,7 +218,7 @@ def with_ranks_live(numbers: dict[str, Any], ranks: Mapping[str, Any]) -> None:
         return
     slowest = ranks.get("slowest")
     if slowest is not None:
-        numbers["verdict"], numbers["severity"] = "RANK STRAGGLER", "warn"
+        numbers["verdict"], numbers["severity"] = VerdictLabel.RANK_STRAGGLER, "warn"
         numbers["share"] = rank_share({"rank": slowest, "cause": ranks.get("cause"), "score": ranks.get("score")})
 
 
