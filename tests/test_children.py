@@ -366,7 +366,7 @@ def test_the_stop_button_ends_the_child_as_without_the_magic(ip: Any, untouched:
     def press_stop() -> None:
         def stepped() -> bool:
             run = traceml_jupyter.last()
-            feed = getattr(run, "rank_feed", None)
+            feed = getattr(run, "rank_collector", None)
             return run is not before and feed is not None and any(s.recorder.n_steps for s in feed.streams)
 
         until(stepped, 60)
@@ -392,7 +392,7 @@ def test_a_child_that_outlives_its_cell_stops_reporting_cleanly(
         "%%traceml --no-live\n"
         "import subprocess, sys, time, traceml_jupyter\n"
         f"child = subprocess.Popen([sys.executable, {str(TRAIN)!r}, '--steps', '40', '--sleep-ms', '1', '--linger', '1', '--done', {str(done)!r}], stderr=subprocess.PIPE)\n"
-        "while not any(s.recorder.n_steps for s in traceml_jupyter.last().rank_feed.streams):\n"
+        "while not any(s.recorder.n_steps for s in traceml_jupyter.last().rank_collector.streams):\n"
         "    time.sleep(0.02)\n"
     )
     result, run, out = cell(ip, source)

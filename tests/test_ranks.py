@@ -172,7 +172,7 @@ def test_a_rank_still_running_when_the_cell_ends_is_a_note(
                 proc.start()
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline:  # the rank has sent steps (at its ticks)
-                    feed = run.rank_feed
+                    feed = run.rank_collector
                     if feed is not None and any(s.recorder.n_steps for s in feed.streams):
                         break
                     time.sleep(0.05)
@@ -199,7 +199,7 @@ def test_dataloader_workers_are_not_ranks(no_leaks: None) -> None:
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
     run.finish()
-    assert run.rank_feed is None and run.ranks is None
+    assert run.rank_collector is None and run.ranks is None
     assert run.n_steps == 4
 
 

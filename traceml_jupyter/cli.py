@@ -105,7 +105,7 @@ def run_command(
     run = Run(name or command_line(command), warmup)
     channel = children.Channel(loop=children.script_loop(loop))
     collector = children.ChildCollector(run, channel)
-    run.rank_feed = collector
+    run.rank_collector = collector
     returncode = 127
     error: BaseException | None = None
     try:

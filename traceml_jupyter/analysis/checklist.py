@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from .data_sources import Feeder
-from .figures import ms as _ms
-from .figures import pct as _pct
+from .number_text import ms as _ms
+from .number_text import pct as _pct
 from .step_parts import wait_words
 from .tune_plan import rate_text
 from .verdict import VerdictLabel, sync_sentence

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from .comparable import caveats as unlike
 from .comparable import samples_per_step
-from .figures import ms as _ms
-from .figures import pct as _pct
 from .noise import LEVEL, Change, ColumnChange, Judgement, analysed_samples, judge
+from .number_text import ms as _ms
+from .number_text import pct as _pct
 from .resources import mib
 from .verdict import VerdictLabel
 

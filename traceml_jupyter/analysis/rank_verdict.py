@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from .figures import ms as _ms
-from .figures import pct as _pct
+from .number_text import ms as _ms
+from .number_text import pct as _pct
 from .verdict import MIN_ANALYSED, WARN_SHARE, Verdict, VerdictLabel, diagnose, severity_for
 
 CAUSE_SHARE = 0.5  # a phase is the cause when its excess explains at least half of the gap

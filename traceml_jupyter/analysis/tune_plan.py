@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .figures import ms as _ms
-from .figures import ms_fine
+from .number_text import ms as _ms
+from .number_text import ms_fine
 
 # With workers, loading overlaps compute: the loader keeps the model fed when it makes batches
 # at least this many times faster than the model takes them (room for jitter and for the

@@ -8,8 +8,8 @@ from enum import StrEnum
 from typing import Any
 
 from .data_sources import input_next, straggler_next
-from .figures import ms as _ms
-from .figures import pct as _pct
+from .number_text import ms as _ms
+from .number_text import pct as _pct
 
 WARN_SHARE = 0.10
 CRITICAL_SHARE = 0.20

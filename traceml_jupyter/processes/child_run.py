@@ -55,7 +55,7 @@ class ChildSender(ranks.Sender):
         super().__call__(run)
 
     def _put_steps(self, who: dict[str, Any], rows: Any) -> None:
-        feed = self.run.rank_feed
+        feed = self.run.rank_collector
         if rows is not None and isinstance(feed, ranks.LocalRank):  # for the gather of a job over nodes
             feed.add(rows)
         super()._put_steps(who, rows)
@@ -188,7 +188,7 @@ def gather_before_the_group_goes(run: Run) -> None:
     original = getattr(dist, "destroy_process_group", None)
     if original is None:
         return
-    run.rank_feed = ranks.LocalRank()
+    run.rank_collector = ranks.LocalRank()
     done: list[bool] = []
 
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:

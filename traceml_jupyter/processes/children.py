@@ -468,7 +468,7 @@ def followed(run: Run, tcp: bool = False, loop: str | None = None) -> Iterator[C
     collector: ChildCollector | None = None
     try:
         collector = ChildCollector(run, channel)
-        run.rank_feed = collector
+        run.rank_collector = collector
         ranks.running.append(collector)
         collector.start()
         with child_environment(channel):

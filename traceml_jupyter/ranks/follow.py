@@ -49,7 +49,7 @@ def watching(run: Run, capture: Capture) -> Iterator[None]:
             local.add(rows)
 
     with patched(autograd, {"backward": timer.wrap(autograd.backward)}):
-        run.rank_feed = local
+        run.rank_collector = local
         run.observe(at_tick)
         undo = tap.follow_merges(capture.model)
         try:
@@ -66,7 +66,7 @@ def watching(run: Run, capture: Capture) -> Iterator[None]:
 def capture_ended(run: Run, capture: Capture) -> None:
     """After a capture, in the process that made it: the forked ranks' summaries on the run
     (their last steps taken first), and the note for nn.DataParallel. Never raises."""
-    feed = run.rank_feed
+    feed = run.rank_collector
     # An interrupted cell (KeyboardInterrupt going up through the capture) does not wait for
     # ranks still running: the user asked to stop.
     interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)

@@ -77,7 +77,7 @@ def _before_fork() -> None:
         kernel_end, child_end = socket.socketpair()
     except OSError:
         return
-    feed = run.rank_feed
+    feed = run.rank_collector
     index = feed.forks if isinstance(feed, Collector) and not feed.stopped else 0
     _pending = _Pending(capture, run, kernel_end, child_end, index)
 
@@ -98,10 +98,10 @@ def _after_fork_parent() -> None:
     pending.child_end.close()
     run = pending.run
     try:
-        feed = run.rank_feed
+        feed = run.rank_collector
         if not (isinstance(feed, Collector) and feed.pid == os.getpid() and not feed.stopped):
             feed = Collector(run)
-            run.rank_feed = feed
+            run.rank_collector = feed
             running.append(feed)
             feed.start()
         feed.forks = pending.index + 1
@@ -146,7 +146,7 @@ def become_rank(pending: _Pending) -> Sender:
     sender = Sender(pending.child_end, tap, run, pending.index)
     run._observers[:] = [sender]  # the live chart is the kernel's
     run._next_tick = 0
-    run.rank_feed = None
+    run.rank_collector = None
     capture.listen()  # the model calls back from the next step on
     multiprocessing.util.Finalize(sender, sender.finish, exitpriority=100)
     sender.hello()

@@ -45,7 +45,7 @@ def decode(values: Any) -> dict[str, Any]:
 def local_summary(run: Run, rank: int) -> dict[str, Any]:
     """This rank's summary (its own steps, before any other rank's is known)."""
     summary = run.summary
-    feed = run.rank_feed
+    feed = run.rank_collector
     backward = feed.backward.median(int(summary["warmup_steps"])) if isinstance(feed, LocalRank) else None
     loader = run.loader_ref() if run.loader_ref is not None else None
     return rank_summary(rank, summary, backward, pid=os.getpid(), loader=loader_facts(run.loader_info, loader))

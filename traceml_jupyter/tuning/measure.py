@@ -22,8 +22,8 @@ from ..analysis.tune_plan import (
     Setting,
     Split,
 )
-from .recipe import Probe, Recipe
-from .sandbox import Guard, OutOfTime, close_workers
+from .recipe import Recipe, SplitTimer
+from .sandbox import Deadlines, OutOfTime, close_workers
 
 # A candidate stops early once its steady rate rests on this many seconds and batches.
 ENOUGH_WINDOW_S = 3.0
@@ -162,10 +162,10 @@ class Candidate:
     """One candidate's loader and iterator while it is measured: the batches' arrival times,
     the training process's CPU time at each, and the samples counted."""
 
-    def __init__(self, recipe: Recipe, setting: Setting, guard: Guard, split: bool) -> None:
+    def __init__(self, recipe: Recipe, setting: Setting, deadlines: Deadlines, split: bool) -> None:
         self.setting = setting
-        self.guard = guard
-        self.probe = Probe() if split else None
+        self.deadlines = deadlines
+        self.timer = SplitTimer() if split else None
         self.pin_here = split and setting.pin_memory  # at num_workers=0, pin by hand to time it
         self.built = Setting(
             setting.num_workers,
@@ -184,21 +184,21 @@ class Candidate:
         self.cpu_start: float | None = None
 
     def start(self) -> None:
-        with self.guard.held(), warnings.catch_warnings():
+        with self.deadlines.held(), warnings.catch_warnings():
             # The step past the CPUs is on purpose: not torch's "excessive worker creation".
             warnings.filterwarnings("ignore", message="This DataLoader will create")
-            self.loader = self.recipe.build(self.built, self.probe)
+            self.loader = self.recipe.build(self.built, self.timer)
             self.iterator = iter(self.loader)
-            self.guard.iterators.append(self.iterator)
+            self.deadlines.iterators.append(self.iterator)
         self.in_epoch = 0
 
     def next_epoch(self) -> None:
         self.in_epoch = 0
-        with self.guard.held(), warnings.catch_warnings():
+        with self.deadlines.held(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="This DataLoader will create")
             fresh = iter(self.loader)  # persistent workers: the same iterator, reset
             if fresh is not self.iterator:
-                self.guard.iterators.append(fresh)
+                self.deadlines.iterators.append(fresh)
                 close_workers(self.iterator, force=False)
             self.iterator = fresh
 
@@ -216,11 +216,11 @@ class Candidate:
                     return OK, None
                 self.next_epoch()
                 continue
-            if self.pin_here and self.probe is not None:
+            if self.pin_here and self.timer is not None:
                 begin = time.perf_counter()
                 batch = torch.utils.data._utils.pin_memory.pin_memory(batch)
-                self.probe.pin_s += time.perf_counter() - begin
-                self.probe.pinned += 1
+                self.timer.pin_s += time.perf_counter() - begin
+                self.timer.pinned += 1
             now = time.perf_counter()
             arrivals = self.arrivals
             arrivals.append(now)
@@ -275,7 +275,7 @@ class Candidate:
         rate = steady_rate(arrivals, self.skip) if len(arrivals) >= 2 else None
         if rate is None or setting.num_workers / rate > 0.5:
             force = True  # a worker may be inside a slow batch: do not wait for it
-        with self.guard.held():
+        with self.deadlines.held():
             close_workers(self.iterator, force)
         if rate is None and status in (OK, TIMEOUT):
             message = f"{len(arrivals)} batch(es) in {seconds:.1f} s: too slow to measure in its share"
@@ -301,19 +301,19 @@ class Candidate:
     def split(self, rate: float | None) -> Split | None:
         """At num_workers=0: the batch's time split into the dataset, collate_fn and pinning,
         and the share of it that is CPU work."""
-        if self.probe is None or not rate:
+        if self.timer is None or not rate:
             return None
         arrivals, marks = self.arrivals, self.cpu_marks
         k = min(1, len(arrivals) - 1)
         wall = arrivals[-1] - arrivals[k]
         used = marks[-1] - marks[k]
-        return self.probe.split(1000.0 / rate, used / wall if wall > 0 else None)
+        return self.timer.split(1000.0 / rate, used / wall if wall > 0 else None)
 
 
 def measure(
     recipe: Recipe,
     setting: Setting,
-    guard: Guard,
+    deadlines: Deadlines,
     soft_end: float,
     hard_end: float,
     split: bool = False,
@@ -322,7 +322,7 @@ def measure(
 ) -> Measured:
     """Iterate one candidate until its share of the budget is spent (or its rate is steady):
     start-up (iter() to the first batch) apart from the steady batches a second."""
-    candidate = Candidate(recipe, setting, guard, split)
+    candidate = Candidate(recipe, setting, deadlines, split)
     # With workers, the last part of the share runs the candidate at the model's pace (paced()):
     # PACED_SHARE of it, more for a slow model (room for TAKE_SAMPLES and a few), at most 60 %.
     share = soft_end - time.perf_counter()
@@ -338,7 +338,7 @@ def measure(
     started = time.perf_counter()
     force = False
     try:
-        guard.arm(hard_end)
+        deadlines.arm(hard_end)
         candidate.start()
         status, message = candidate.steady(steady_end)
         if setting.num_workers and status == OK and len(arrivals) > candidate.skip + 1:
@@ -359,7 +359,7 @@ def measure(
     except Exception as exc:
         status, message, force = ERROR, one_line(exc), True
     finally:
-        guard.disarm()
+        deadlines.disarm()
     row = candidate.row(status, message, started, force, at_pace, cpu_span)
     return Measured(row, candidate.split(row.batches_per_s))
 

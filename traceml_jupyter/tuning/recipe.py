@@ -27,14 +27,14 @@ class Recipe:
     batch_text: str  # how the code line writes the batching
     current: dict[str, Any]  # the user's num_workers, persistent_workers, prefetch, pin_memory
 
-    def build(self, setting: Setting, probe: Probe | None = None) -> Any:
+    def build(self, setting: Setting, timer: SplitTimer | None = None) -> Any:
         from torch.utils.data import DataLoader
 
         kwargs = dict(self.kwargs)
         dataset = self.dataset
-        if probe is not None:
-            dataset = probe.wrap_dataset(dataset, self.iterable)
-            kwargs["collate_fn"] = probe.wrap_collate(kwargs["collate_fn"])
+        if timer is not None:
+            dataset = timer.wrap_dataset(dataset, self.iterable)
+            kwargs["collate_fn"] = timer.wrap_collate(kwargs["collate_fn"])
         kwargs["sampler"] = _fresh(kwargs.get("sampler"), dataset)
         kwargs["batch_sampler"] = _fresh(kwargs.get("batch_sampler"), dataset)
         return DataLoader(dataset, **kwargs, **setting.kwargs())
@@ -128,7 +128,7 @@ def name_of(obj: Any, names: Mapping[str, Any] | None) -> str | None:
 # -- the split at num_workers=0 -------------------------------------------------------------------
 
 
-class Probe:
+class SplitTimer:
     """Times the dataset and the collate_fn of one num_workers=0 candidate, through wrappers
     given to that candidate only (the user's objects are not touched)."""
 
@@ -144,7 +144,7 @@ class Probe:
     def wrap_dataset(self, dataset: Any, iterable: bool) -> Any:
         from torch.utils.data import Dataset, IterableDataset
 
-        probe = self
+        timer = self
         if iterable:
             self.source = "the dataset's iterator"
 
@@ -158,8 +158,8 @@ class Probe:
                         except StopIteration:
                             return
                         finally:
-                            probe.getitem_s += time.perf_counter() - start
-                        probe.samples += 1
+                            timer.getitem_s += time.perf_counter() - start
+                        timer.samples += 1
                         yield item
 
             return TimedStream()
@@ -173,8 +173,8 @@ class Probe:
                 try:
                     return dataset[index]
                 finally:
-                    probe.getitem_s += time.perf_counter() - start
-                    probe.samples += 1
+                    timer.getitem_s += time.perf_counter() - start
+                    timer.samples += 1
 
             def __getitems__(self, indices: Sequence[Any]) -> Any:
                 # One timing a batch: the fetcher calls this when batching, as it would call
@@ -184,23 +184,23 @@ class Probe:
                     own = getattr(dataset, "__getitems__", None)
                     return own(indices) if own else [dataset[i] for i in indices]
                 finally:
-                    probe.getitem_s += time.perf_counter() - start
-                    probe.samples += len(indices)
+                    timer.getitem_s += time.perf_counter() - start
+                    timer.samples += len(indices)
 
         if getattr(dataset, "__getitems__", None):
             self.source = "__getitems__"
         return TimedDataset()
 
     def wrap_collate(self, collate: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        probe = self
+        timer = self
 
         def timed_collate(samples: Any) -> Any:
             start = time.perf_counter()
             try:
                 return collate(samples)
             finally:
-                probe.collate_s += time.perf_counter() - start
-                probe.batches += 1
+                timer.collate_s += time.perf_counter() - start
+                timer.batches += 1
 
         return timed_collate
 

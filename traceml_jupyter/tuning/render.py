@@ -6,7 +6,7 @@ import html
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..analysis.figures import ms as _ms
+from ..analysis.number_text import ms as _ms
 from ..analysis.tune_plan import OK, TIMEOUT, Split, rate_text
 
 if TYPE_CHECKING:

@@ -23,11 +23,11 @@ class OutOfTime(BaseException):
 # -- signals: the hard budget and the stop button -------------------------------------------------
 
 
-class Guard:
-    """For the whole tune: SIGALRM raises OutOfTime at the armed deadline, and both it and the
-    stop button (SIGINT) are held while worker processes start or stop, so that no process is
-    started without the tune knowing it. Off the main thread (or without setitimer) deadlines
-    are soft: checked between batches."""
+class Deadlines:
+    """The tune's deadlines and stop button, and every iterator it made. SIGALRM raises
+    OutOfTime at the armed deadline; both it and the stop button (SIGINT) are held while worker
+    processes start or stop, so that no process is started without the tune knowing it. Off
+    the main thread (or without setitimer) deadlines are soft: checked between batches."""
 
     def __init__(self) -> None:
         self.hard = threading.current_thread() is threading.main_thread() and hasattr(
@@ -42,7 +42,7 @@ class Guard:
         self._old_int: Any = None
         self._old_timer: tuple[float, float] = (0.0, 0.0)
 
-    def __enter__(self) -> Guard:
+    def __enter__(self) -> Deadlines:
         if not self.hard:
             return self
         self._old_timer = signal.getitimer(signal.ITIMER_REAL)

@@ -38,7 +38,7 @@ from .model_rate import model_rate, run_loader, stand_in_cpu
 from .progress import Progress, ProgressViews, progress_view
 from .recipe import Recipe, name_of, recipe_of
 from .result import DEFAULT_BUDGET_S, TuneResult
-from .sandbox import Guard, RandomStates, child_pids, reap
+from .sandbox import Deadlines, RandomStates, child_pids, reap
 
 # Kept back from the budget to stop the last candidate's workers and build the result.
 RESERVE_S = 0.3
@@ -198,7 +198,7 @@ def _sweep(
     before = child_pids()
     states = RandomStates.save(inputs.loader)
     model_rate_value = model.batches_per_s if model is not None else None
-    with Guard() as guard:
+    with Deadlines() as deadlines:
         try:
             views.start(inputs.label, inputs.budget, model_rate_value)
             while queue:
@@ -215,7 +215,7 @@ def _sweep(
                 got = measure(
                     inputs.recipe,
                     setting,
-                    guard,
+                    deadlines,
                     soft_end,
                     hard_end,
                     split=setting.num_workers == 0,
@@ -231,8 +231,8 @@ def _sweep(
         except KeyboardInterrupt:
             sweep.stopped = True
         finally:
-            with guard.held():
-                guard.close_all()
+            with deadlines.held():
+                deadlines.close_all()
                 states.restore()
                 reap(before)
     return sweep

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..analysis.checklist import parse_cell
-from ..analysis.figures import pct as _pct
+from ..analysis.number_text import pct as _pct
 from ..analysis.verdict import VerdictLabel
 from ..capture.locate import range_call
 from ..kernel.shell import ipython_shell
@@ -187,7 +187,7 @@ def window_throughput(tail: Mapping[str, np.ndarray]) -> float | None:
     return n / span if span > 0 else None
 
 
-# -- several processes (ranks.py feeds them) ------------------------------------------------------
+# -- several processes (ranks/ sends their steps) ------------------------------------------------------
 RANK_COLOURS = ("#4e79a7", "#59a14f", "#9c755f", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#bab0ac")
 STRAGGLER_COLOUR = "#c0392b"
 WAIT_OPACITY = 0.45
@@ -206,7 +206,7 @@ def rank_share(straggler: Mapping[str, Any] | None) -> str:
 def live_ranks(run: Run) -> dict[str, Any] | None:
     """Several forked ranks: each one's last WINDOW steps and the rank that holds the others
     back (ranks.Collector.live); None for one process."""
-    live = getattr(run.rank_feed, "live", None)
+    live = getattr(run.rank_collector, "live", None)
     return live(WINDOW) if live is not None else None
 
 
@@ -701,15 +701,15 @@ class WidgetChart:
         self.box = widgets.VBox([self.header, self.figure, self.overview])
         self.handle: Any = None  # the display of the box, updated when the chart is released
         self.rank_lines: Any = None  # several processes: one line per rank in place of the bars
-        self.rank_feed: Mapping[str, Any] | None = None
+        self.rank_series: Mapping[str, Any] | None = None
 
     def show(self, text: str) -> Any:
         return WidgetDisplay(self.box, text)
 
     def picture(self, text: str) -> HtmlStatus:
         """The chart as it is now, without widgets."""
-        if self.rank_feed is not None:
-            body = str(self.header.value) + rank_svg(self.rank_feed)
+        if self.rank_series is not None:
+            body = str(self.header.value) + rank_svg(self.rank_series)
             return HtmlStatus(text, '<div class="traceml-live-static">' + body + "</div>")
         return HtmlStatus(
             text,
@@ -750,7 +750,7 @@ class WidgetChart:
         the rank that holds the others back in red; one update message."""
         from bqplot import Lines
 
-        self.rank_feed = feed
+        self.rank_series = feed
         x, y, colours, opacities, labels = rank_lines(feed)
         if self.rank_lines is None:
             self.rank_lines = Lines(

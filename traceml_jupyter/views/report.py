@@ -21,8 +21,8 @@ from ..analysis.checklist import (
     dataloader_lines,
     per_step_bytes,
 )
-from ..analysis.figures import ms_fine
-from ..analysis.figures import pct as fmt_pct
+from ..analysis.number_text import ms_fine
+from ..analysis.number_text import pct as fmt_pct
 from ..analysis.phases import phase_sentence, phase_verdict
 from ..analysis.resources import mib
 from ..analysis.step_parts import parts_sentence

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .figures import ms
+from .number_text import ms
 
 WIDTH = 76
 
