@@ -139,14 +139,6 @@ def torch_cuda_api(device: int | None = None) -> CudaApi | None:
     return cuda_api(cuda, torch.Tensor, device, getattr(compiler, "is_compiling", None))
 
 
-def step_reader(run: Any) -> Callable[[], int | None]:
-    """The run's `current_step()` (the capture core's), or the old core's in_loop/n_steps."""
-    current = getattr(run, "current_step", None)
-    if callable(current):
-        return cast(Callable[[], "int | None"], current)
-    return lambda: int(run.recorder.n_steps) if getattr(run, "in_loop", False) else None
-
-
 def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -487,7 +479,7 @@ class GpuWatch:
         self.run = run
         self.api = api  # None: torch's, made in loop_started
         self.clock = clock
-        self.current_step = step_reader(run)
+        self.current_step: Callable[[], int | None] = run.current_step  # the step running now
         self.device: int | None = None
         self.thread: int | None = None
         self.copies: CopyWatch | None = None
