@@ -302,24 +302,42 @@ def larger_batch(summary: Mapping[str, Any]) -> str:
 
 
 def diagnose(summary: Mapping[str, Any]) -> Verdict:
-    """The first rule that holds, in order: no data, warm-up, input, straggler, host-to-device
-    copies, host, compute."""
-    n_steps = int(summary["n_steps"])
-    n = int(summary["n_analysed"])
-    clock = summary["clock"]
-    compute_name = "GPU compute" if clock == "gpu" else "CPU compute"
-    wait, compute, step = summary["data_wait_ms"], summary["compute_ms"], summary["step_ms"]
-    wait_share, compute_share = summary["data_wait_share"], summary["compute_share"]
-    evidence = [
-        ("Data wait (median)", _ms(wait)),
-        (f"{compute_name} (median)", _ms(compute)),
-        ("Step time (median)", _ms(step)),
-        ("Data wait share", _pct(wait_share)),
-        ("Analysed steps", f"{n} (after {summary['warmup_steps']} warm-up)"),
-        ("Clock", clock.upper()),
+    """The first rule that holds, in order: no data, warm-up, too short, input, straggler,
+    host-to-device copies, host, compute (or mixed)."""
+    evidence = _evidence(summary)
+    found = _no_verdict(summary, evidence) or _input_verdict(summary, evidence)
+    if found is not None:
+        return found
+    severity = h2d_bound(summary)
+    if severity is not None:
+        return _h2d_verdict(summary, severity, evidence)
+    severity = host_bound(summary)
+    if severity is not None:
+        return _host_verdict(summary, severity, evidence)
+    return _compute_verdict(summary, evidence)
+
+
+def _compute_name(summary: Mapping[str, Any]) -> str:
+    return "GPU compute" if summary["clock"] == "gpu" else "CPU compute"
+
+
+def _evidence(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The numbers every verdict shows: the medians, the wait's share, the steps, the clock."""
+    return [
+        ("Data wait (median)", _ms(summary["data_wait_ms"])),
+        (f"{_compute_name(summary)} (median)", _ms(summary["compute_ms"])),
+        ("Step time (median)", _ms(summary["step_ms"])),
+        ("Data wait share", _pct(summary["data_wait_share"])),
+        ("Analysed steps", f"{int(summary['n_analysed'])} (after {summary['warmup_steps']} warm-up)"),
+        ("Clock", summary["clock"].upper()),
     ]
 
-    if n_steps == 0:
+
+def _no_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> Verdict | None:
+    """No step, too few after the warm-up, or steps too short to time: no verdict on the pace."""
+    n = int(summary["n_analysed"])
+    step = summary["step_ms"]
+    if int(summary["n_steps"]) == 0:
         return Verdict(
             VerdictLabel.NO_DATA,
             "info",
@@ -345,13 +363,22 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
             "Trace a loop whose steps do real work (a batch through a model).",
             evidence,
         )
+    return None
+
+
+def _input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> Verdict | None:
+    """The loop waits for data in a typical step (INPUT-BOUND), or a few fetches stall long
+    enough to cost a share of the time (INPUT STRAGGLER)."""
+    n = int(summary["n_analysed"])
+    wait, compute, step = summary["data_wait_ms"], summary["compute_ms"], summary["step_ms"]
+    wait_share = summary["data_wait_share"]
     if wait_share is not None and wait_share >= WARN_SHARE:
         return Verdict(
             VerdictLabel.INPUT_BOUND,
             severity_for(wait_share, n),
             f"The loop spends {_pct(wait_share)} of a typical step waiting for data (median "
-            f"wait {_ms(wait)}, median step {_ms(step)}, {compute_name.lower()} {_ms(compute)}), "
-            f"over {n} steps.",
+            f"wait {_ms(wait)}, median step {_ms(step)}, {_compute_name(summary).lower()} "
+            f"{_ms(compute)}), over {n} steps.",
             input_next(summary),
             evidence,
         )
@@ -366,12 +393,16 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
             straggler_next(summary),
             evidence + [("Time lost to stalls", _pct(lost))],
         )
-    severity = h2d_bound(summary)
-    if severity is not None:
-        return _h2d_verdict(summary, severity, evidence)
-    severity = host_bound(summary)
-    if severity is not None:
-        return _host_verdict(summary, severity, evidence)
+    return None
+
+
+def _compute_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> Verdict:
+    """Compute is most of the step (COMPUTE-BOUND; on a GPU, only with evidence the GPU worked
+    during it), else no phase stands out (MIXED)."""
+    clock = summary["clock"]
+    compute_name = _compute_name(summary)
+    wait_share, compute_share = summary["data_wait_share"], summary["compute_share"]
+    compute, step = summary["compute_ms"], summary["step_ms"]
     busy_evidence = gpu_busy_evidence(summary) if clock == "gpu" else None
     if compute_share is not None and compute_share >= COMPUTE_SHARE and clock == "gpu" and not busy_evidence:
         # The GPU-timeline span of the body is most of the step, but nothing shows the GPU

@@ -453,6 +453,61 @@ def copies_timed(
     to, cuda = tensor_type.to, tensor_type.cuda
     busy = inside if inside is not None else [0]
     get_ident = threading.get_ident
+    timed, waited = _copy_hooks(watch, to, busy, synced, clock, own)
+
+    not_a_device = _NOT_A_DEVICE
+    torch = sys.modules.get("torch")
+    if torch is not None:  # dtypes and memory formats never name a device
+        not_a_device.update({type(torch.float32), type(torch.contiguous_format)})
+
+    def timed_to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if args and type(args[0]) in not_a_device and not kwargs:  # `.to(dtype)`: the commonest
+            return to(self, *args)
+        if watch.off is not None or get_ident() != watch.thread:
+            return to(self, *args, **kwargs)
+        if self.is_cuda:
+            if synced is None or not target_is_cpu(args, kwargs) or non_blocking_of(args, kwargs):
+                return to(self, *args, **kwargs)
+            step = watch.current_step()
+            if step is None or compiling():
+                return to(self, *args, **kwargs)
+            return waited(self, args, kwargs, step)
+        device = cuda_index(_device_arg(args, kwargs))
+        if device is None:
+            return to(self, *args, **kwargs)
+        step = watch.current_step()
+        if step is None or compiling() or capturing(True):  # a copy into a CUDA graph runs at replay
+            return to(self, *args, **kwargs)
+        return timed(to, self, args, kwargs, step, device)
+
+    def timed_cuda(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if watch.off is not None or get_ident() != watch.thread or self.is_cuda:
+            return cuda(self, *args, **kwargs)
+        step = watch.current_step()
+        if step is None or compiling() or capturing(True):
+            return cuda(self, *args, **kwargs)
+        target = _device_arg(args, kwargs)
+        device = CURRENT if target is None or isinstance(target, bool) else cuda_index(target)
+        if device is None and isinstance(target, str):  # `.cuda("0")` is not a device
+            return cuda(self, *args, **kwargs)
+        return timed(cuda, self, args, kwargs, step, CURRENT if device is None else device)
+
+    timed_to.__doc__, timed_cuda.__doc__ = to.__doc__, cuda.__doc__
+    waits, events = _stream_wait_hooks(watch, stream_type, event_type)
+    with patched(tensor_type, {"to": timed_to, "cuda": timed_cuda}), patched(stream_type, waits), patched(event_type, events):
+        yield
+
+
+def _copy_hooks(
+    watch: CopyWatch,
+    to: Callable[..., Any],
+    busy: list[int],
+    synced: Synced | None,
+    clock: Callable[[], int],
+    own: Callable[[int, int], None] | None,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """copies_timed's two timings: `timed` (a host-to-device copy, onto the watch) and `waited`
+    (`.to("cpu")` of a CUDA tensor, a sync)."""
 
     def timed(method: Callable[..., Any], self: Any, args: Any, kwargs: Any, step: int, device: int) -> Any:
         t_in = clock()
@@ -495,43 +550,15 @@ def copies_timed(
             busy[0] -= 1
             synced(step, "to(cpu)", ns, sys._getframe(2))
 
-    not_a_device = _NOT_A_DEVICE
-    torch = sys.modules.get("torch")
-    if torch is not None:  # dtypes and memory formats never name a device
-        not_a_device.update({type(torch.float32), type(torch.contiguous_format)})
+    return timed, waited
 
-    def timed_to(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if args and type(args[0]) in not_a_device and not kwargs:  # `.to(dtype)`: the commonest
-            return to(self, *args)
-        if watch.off is not None or get_ident() != watch.thread:
-            return to(self, *args, **kwargs)
-        if self.is_cuda:
-            if synced is None or not target_is_cpu(args, kwargs) or non_blocking_of(args, kwargs):
-                return to(self, *args, **kwargs)
-            step = watch.current_step()
-            if step is None or compiling():
-                return to(self, *args, **kwargs)
-            return waited(self, args, kwargs, step)
-        device = cuda_index(_device_arg(args, kwargs))
-        if device is None:
-            return to(self, *args, **kwargs)
-        step = watch.current_step()
-        if step is None or compiling() or capturing(True):  # a copy into a CUDA graph runs at replay
-            return to(self, *args, **kwargs)
-        return timed(to, self, args, kwargs, step, device)
 
-    def timed_cuda(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if watch.off is not None or get_ident() != watch.thread or self.is_cuda:
-            return cuda(self, *args, **kwargs)
-        step = watch.current_step()
-        if step is None or compiling() or capturing(True):
-            return cuda(self, *args, **kwargs)
-        target = _device_arg(args, kwargs)
-        device = CURRENT if target is None or isinstance(target, bool) else cuda_index(target)
-        if device is None and isinstance(target, str):  # `.cuda("0")` is not a device
-            return cuda(self, *args, **kwargs)
-        return timed(cuda, self, args, kwargs, step, CURRENT if device is None else device)
-
+def _stream_wait_hooks(
+    watch: CopyWatch, stream_type: Any, event_type: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """copies_timed's patches of `stream_type.wait_stream` and of `event_type.record`/`wait`:
+    they tell the watch when the loop's stream waits for a side stream's copies."""
+    get_ident = threading.get_ident
     wait_stream: Any = getattr(stream_type, "wait_stream", None)
     in_wait_stream = [False]  # torch's wait_stream is wait_event(stream.record_event()): seen once
 
@@ -575,11 +602,9 @@ def copies_timed(
                 watch.turn_off(exc)
         return event_wait(self, stream)
 
-    timed_to.__doc__, timed_cuda.__doc__ = to.__doc__, cuda.__doc__
     watched_wait_stream.__doc__ = getattr(wait_stream, "__doc__", None)
     watched_record.__doc__ = getattr(record, "__doc__", None)
     watched_wait.__doc__ = getattr(event_wait, "__doc__", None)
     waits = {"wait_stream": watched_wait_stream} if callable(wait_stream) else {}
     events = {"record": watched_record, "wait": watched_wait} if callable(record) and callable(event_wait) else {}
-    with patched(tensor_type, {"to": timed_to, "cuda": timed_cuda}), patched(stream_type, waits), patched(event_type, events):
-        yield
+    return waits, events
