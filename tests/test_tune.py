@@ -36,10 +36,8 @@ from traceml_jupyter.analysis.tune_plan import (
     choose,
     code_line,
     conclude,
-    loader_expression,
     model_cpu,
     optimistic_note,
-    parse_workers,
     predicted_step_ms,
     required_rate,
     split_sentence,
@@ -47,6 +45,7 @@ from traceml_jupyter.analysis.tune_plan import (
     with_pace_figures,
     worker_counts,
 )
+from traceml_jupyter.magic import loader_expression, parse_workers
 from traceml_jupyter.tuning import progress as tune_progress
 from traceml_jupyter.tuning.measure import (
     Paced,

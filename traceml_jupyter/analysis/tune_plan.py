@@ -4,7 +4,6 @@ goes. No torch, no timing, no display: tuning/ measures, this decides."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -208,20 +207,6 @@ def worker_counts(cpus: int, waiting: bool) -> list[int]:
         beyond = [n for n in WORKER_LADDER if n > cpus]
         counts.append(beyond[0] if beyond else cpus + 1)
     return counts
-
-
-def parse_workers(text: str) -> list[int]:
-    """`--workers 0,1,2,4` as sorted, distinct counts; ValueError with the reason otherwise."""
-    counts = set()
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        if not part.isdigit():
-            raise ValueError(f"--workers takes counts like 0,1,2,4; got {text!r}")
-        counts.add(int(part))
-    if not counts:
-        raise ValueError("--workers needs at least one count, like 0,1,2,4")
-    return sorted(counts)
 
 
 def required_rate(num_workers: int, model_batches_per_s: float) -> float:
@@ -603,11 +588,3 @@ def conclude(
             "cheaper, cache decoded samples, or move the work to the GPU."
         )
     return Conclusion(best, changes, fed, step, speedup, advice, notes)
-
-
-def loader_expression(line: str) -> str:
-    """LOADER of `%traceml tune LOADER --budget 10` as typed (quotes kept: `loaders["train"]`):
-    the line without the word `tune` and the options."""
-    text = re.sub(r"(?<!\S)--(?:budget|workers)(?:=|\s+)\S+", " ", line)
-    text = re.sub(r"^\s*tune(?:\s|$)", "", text)
-    return text.strip()

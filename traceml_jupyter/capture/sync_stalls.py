@@ -42,9 +42,10 @@ from typing import Any, cast
 import numpy as np
 
 from . import hidden_waits
+from .copy_calls import cell_line
 from .cuda_graphs import capturing
 from .cuda_state import cuda_initialized, torch_cuda
-from .h2d import COPY_COLUMNS, CopyWatch, EventPool, cell_line, copies_timed
+from .h2d import COPY_COLUMNS, CopyWatch, EventPool, copies_timed
 from .patches import patched
 from .step_tally import StepTally
 
