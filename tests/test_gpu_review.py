@@ -630,15 +630,8 @@ def test_the_stand_in_models_launch_latency_and_a_bounded_queue(fake_clock: Host
 
 
 def test_the_checklist_says_non_blocking_from_pageable_memory_is_synchronous() -> None:
-    from traceml_jupyter.analysis.checklist import (
-        FIX,
-        OK,
-        CodeSite,
-        CopySeen,
-        Facts,
-        Transfer,
-        non_blocking_item,
-    )
+    from traceml_jupyter.analysis.cell_code import CodeSite, Transfer
+    from traceml_jupyter.analysis.checklist import FIX, OK, CopySeen, Facts, non_blocking_item
 
     site = CodeSite(3)
     transfers = (Transfer(site, 'x.to("cuda", non_blocking=True)', True),)

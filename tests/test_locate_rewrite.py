@@ -6,7 +6,7 @@ import ast
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from traceml_jupyter.analysis.checklist import dataloader_lines
+from traceml_jupyter.analysis.cell_code import dataloader_lines
 from traceml_jupyter.capture.hooks import FETCH
 from traceml_jupyter.capture.locate import (
     called_names,

@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
-from traceml_jupyter.analysis.checklist import (
+from traceml_jupyter.analysis.cell_code import (
     assigned_line,
     dataloader_lines,
     dataloader_sites,

@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .checklist import loop_at, parse_cell
+from .cell_code import loop_at, parse_cell
 
 GRAPH, DATA, CLEAN, OTHER = "graph", "data", "clean", "other"
 # Methods whose result has no autograd history.

@@ -12,13 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..analysis.checklist import (
-    SampleCode,
-    is_dataloader_call,
-    loop_at,
-    parse_cell,
-    sample_code_in,
-)
+from ..analysis.cell_code import SampleCode, is_dataloader_call, loop_at, parse_cell, sample_code_in
 
 if TYPE_CHECKING:
     from ..run import Run

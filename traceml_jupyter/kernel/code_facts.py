@@ -14,20 +14,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..analysis.checklist import (
+from ..analysis.cell_code import (
     CodeSite,
-    CopySeen,
-    Facts,
-    Item,
-    LineSeen,
     SampleCode,
     assigned_line,
     class_def,
     costly_calls,
     dataloader_lines,
     dataloader_sites,
-    default_start_method,
-    evaluate,
     iter_names,
     loop_at,
     method_def,
@@ -37,6 +31,7 @@ from ..analysis.checklist import (
     sample_code_in,
     transfers_in,
 )
+from ..analysis.checklist import CopySeen, Facts, Item, LineSeen, default_start_method, evaluate
 from ..analysis.data_sources import feeder
 from ..analysis.rank_verdict import checklist_verdict
 from ..analysis.resources import cpu_sentence

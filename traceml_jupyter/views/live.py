@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..analysis.checklist import parse_cell
+from ..analysis.cell_code import parse_cell
 from ..analysis.number_text import pct as _pct
 from ..analysis.verdict import VerdictLabel
 from ..capture.locate import range_call

@@ -12,15 +12,8 @@ from dataclasses import dataclass
 from html import escape
 from typing import TYPE_CHECKING, Any
 
-from ..analysis.checklist import (
-    CHECK,
-    FIX,
-    OK,
-    CodeSite,
-    Item,
-    dataloader_lines,
-    per_step_bytes,
-)
+from ..analysis.cell_code import CodeSite, dataloader_lines
+from ..analysis.checklist import CHECK, FIX, OK, Item, per_step_bytes
 from ..analysis.number_text import ms_fine
 from ..analysis.number_text import pct as fmt_pct
 from ..analysis.phases import phase_sentence, phase_verdict
