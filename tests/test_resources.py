@@ -393,7 +393,7 @@ def test_the_live_header_reads_what_capture_sampled() -> None:
 
     from traceml_jupyter.capture.resources import ResourceWatch
     from traceml_jupyter.run import _RUNS, Run
-    from traceml_jupyter.views.live import resources_text
+    from traceml_jupyter.views.live_header import resources_text
 
     run = Run("header")
     try:

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..analysis.checklist import Item
 from ..run import FILE_WRITERS
-from .live import LEGEND_HTML, Overview, svg_chart
+from .live_svg import LEGEND_HTML, Overview, svg_chart
 from .report import BORDER, FG, MUTED, SANS, SUBTLE, render_html
 
 if TYPE_CHECKING:
