@@ -20,7 +20,9 @@ from traceml_jupyter.analysis.number_text import ms_fine
 from traceml_jupyter.capture.host import usable_cpus
 from traceml_jupyter.kernel.code_facts import checklist_for, facts_for
 from traceml_jupyter.run import Run
-from traceml_jupyter.views.report import ROOT_CLASS, gpu_utilisation, line_bars, render_html
+from traceml_jupyter.views.report import ROOT_CLASS, render_html
+from traceml_jupyter.views.report_code import line_bars
+from traceml_jupyter.views.report_evidence import gpu_utilisation
 
 # pin_memory=True on this CPU-only machine is the point of one test; torch warns about it.
 pytestmark = pytest.mark.filterwarnings("ignore:.*pin_memory.*:UserWarning")
