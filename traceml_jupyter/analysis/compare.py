@@ -8,7 +8,7 @@ from __future__ import annotations
 import html
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .comparable import caveats as unlike
 from .comparable import samples_per_step
@@ -17,9 +17,6 @@ from .number_text import ms as _ms
 from .number_text import pct as _pct
 from .resources import mib
 from .verdict import VerdictLabel
-
-if TYPE_CHECKING:
-    pass
 
 # Within 5 % of each other, two runs are "about as fast": step times jitter by that much.
 SAME_SPEED = 1.05
@@ -212,6 +209,71 @@ def resource_rows(summary_a: Mapping[str, Any], summary_b: Mapping[str, Any]) ->
     return rows
 
 
+def summary_rows(
+    a: tuple[Mapping[str, Any], str, float | None],
+    b: tuple[Mapping[str, Any], str, float | None],
+    unit: str,
+    speedup: float | None,
+    compute_name: str,
+) -> list[tuple[str, str, str, str]]:
+    """The comparison's table from the two summaries: (what, A, B, change) per row. `a`, `b`:
+    each run's summary, verdict label and throughput in `unit`."""
+    (summary_a, label_a, rate_a), (summary_b, label_b, rate_b) = a, b
+    mean_a = summary_a.get("stats", {}).get("step_ms", {}).get("mean")
+    mean_b = summary_b.get("stats", {}).get("step_ms", {}).get("mean")
+    share_a, share_b = summary_a.get("data_wait_share"), summary_b.get("data_wait_share")
+    share_change = (
+        f"{100 * (share_b - share_a):+.1f} points"
+        if share_a is not None and share_b is not None
+        else ""
+    )
+
+    def medians(what: str, key: str) -> tuple[str, str, str, str]:
+        return (what, _ms(summary_a.get(key)), _ms(summary_b.get(key)), _delta_ms(summary_a.get(key), summary_b.get(key)))
+
+    return [
+        ("Verdict", label_a, label_b, "same" if label_a == label_b else "changed"),
+        (
+            f"Throughput ({unit})",
+            f"{rate_a:.1f}" if rate_a else "n/a",
+            f"{rate_b:.1f}" if rate_b else "n/a",
+            speed_words(speedup) if speedup else "",
+        ),
+        medians("Step time (median)", "step_ms"),
+        ("Step time (mean)", _ms(mean_a), _ms(mean_b), _delta_ms(mean_a, mean_b)),
+        medians("Data wait (median)", "data_wait_ms"),
+        medians(f"{compute_name} (median)", "compute_ms"),
+        ("Data wait share", _pct(share_a), _pct(share_b), share_change),
+        (
+            "Analysed steps",
+            str(summary_a.get("n_analysed", "n/a")),
+            str(summary_b.get("n_analysed", "n/a")),
+            "",
+        ),
+        *resource_rows(summary_a, summary_b),
+    ]
+
+
+def _conclusion(
+    label_a: str,
+    label_b: str,
+    summary_b: Mapping[str, Any],
+    speedup: float,
+    judgement: Judgement | None,
+    workers_b: int | None,
+    cpus: int | None,
+) -> str:
+    """The speed-up (judged against the noise when it could be) and the verdicts' change."""
+    if label_a != label_b:
+        verdicts = f"{label_a} -> {label_b}"
+    else:
+        reason = still_because(label_b, summary_b, workers_b, cpus)
+        verdicts = f"still {label_b}" + (f": {reason}" if reason else "")
+    if judgement is None:
+        return f"{speed_words(speedup)}{':' if label_a != label_b else ';'} {verdicts}"
+    return judged_words(judgement, verdicts)
+
+
 def compare_summaries(
     name_a: str,
     summary_a: Mapping[str, Any],
@@ -243,59 +305,16 @@ def compare_summaries(
         unit_a, rate_a = "steps/s", summary_a.get("steps_per_s")
         unit_b, rate_b = "steps/s", summary_b.get("steps_per_s")
     speedup = rate_b / rate_a if rate_a and rate_b else None
-
     compute_a = "GPU compute" if summary_a.get("clock") == "gpu" else "CPU compute"
     compute_b = "GPU compute" if summary_b.get("clock") == "gpu" else "CPU compute"
     compute_name = compute_a if compute_a == compute_b else "Compute"
-    mean_a = summary_a.get("stats", {}).get("step_ms", {}).get("mean")
-    mean_b = summary_b.get("stats", {}).get("step_ms", {}).get("mean")
-    share_a, share_b = summary_a.get("data_wait_share"), summary_b.get("data_wait_share")
-    share_change = (
-        f"{100 * (share_b - share_a):+.1f} points"
-        if share_a is not None and share_b is not None
-        else ""
+    rows = summary_rows(
+        (summary_a, label_a, rate_a), (summary_b, label_b, rate_b), unit_a, speedup, compute_name
     )
-    rows = [
-        ("Verdict", label_a, label_b, "same" if label_a == label_b else "changed"),
-        (
-            f"Throughput ({unit_a})",
-            f"{rate_a:.1f}" if rate_a else "n/a",
-            f"{rate_b:.1f}" if rate_b else "n/a",
-            speed_words(speedup) if speedup else "",
-        ),
-        (
-            "Step time (median)",
-            _ms(summary_a.get("step_ms")),
-            _ms(summary_b.get("step_ms")),
-            _delta_ms(summary_a.get("step_ms"), summary_b.get("step_ms")),
-        ),
-        ("Step time (mean)", _ms(mean_a), _ms(mean_b), _delta_ms(mean_a, mean_b)),
-        (
-            "Data wait (median)",
-            _ms(summary_a.get("data_wait_ms")),
-            _ms(summary_b.get("data_wait_ms")),
-            _delta_ms(summary_a.get("data_wait_ms"), summary_b.get("data_wait_ms")),
-        ),
-        (
-            f"{compute_name} (median)",
-            _ms(summary_a.get("compute_ms")),
-            _ms(summary_b.get("compute_ms")),
-            _delta_ms(summary_a.get("compute_ms"), summary_b.get("compute_ms")),
-        ),
-        ("Data wait share", _pct(share_a), _pct(share_b), share_change),
-        (
-            "Analysed steps",
-            str(summary_a.get("n_analysed", "n/a")),
-            str(summary_b.get("n_analysed", "n/a")),
-            "",
-        ),
-        *resource_rows(summary_a, summary_b),
-    ]
     sampled = steps_a is not None and steps_b is not None
     said_first = unlike(name_a, summary_a, machine_a, name_b, summary_b, machine_b, sampled)
     judgement = None
-    if label_a not in NO_VERDICT and label_b not in NO_VERDICT and sampled:
-        assert steps_a is not None and steps_b is not None
+    if label_a not in NO_VERDICT and label_b not in NO_VERDICT and steps_a is not None and steps_b is not None:
         per_a, per_b = samples_per_step(summary_a), samples_per_step(summary_b)
         per_sample = per_a is not None and per_b is not None and per_a != per_b
         judgement = judge(
@@ -304,25 +323,16 @@ def compare_summaries(
             "sample" if per_sample else "step",
             compute_name,
         )
-
     if label_a in NO_VERDICT or label_b in NO_VERDICT or speedup is None:
         empty = name_a if label_a in NO_VERDICT or not rate_a else name_b
         conclusion = f"No comparison: {empty} has too few analysed steps."
     else:
-        if label_a != label_b:
-            verdicts = f"{label_a} -> {label_b}"
-        else:
-            reason = still_because(label_b, summary_b, workers_b, cpus)
-            verdicts = f"still {label_b}" + (f": {reason}" if reason else "")
-        if judgement is None:
-            conclusion = f"{speed_words(speedup)}{':' if label_a != label_b else ';'} {verdicts}"
-        else:
-            conclusion = judged_words(judgement, verdicts)
+        conclusion = _conclusion(label_a, label_b, summary_b, speedup, judgement, workers_b, cpus)
     if judgement is None:
         return Comparison(
             name_a, name_b, label_a, label_b, speedup, conclusion, rows, [], caveats=said_first
         )
-    if judgement.change.value == "NO CHANGE" and speedup:
+    if judgement.change == Change.NO_CHANGE and speedup:
         # the throughput row says what the conclusion says: no "1.1x faster" within the noise
         what, a, b, _ = rows[1]
         rows[1] = (what, a, b, f"{speedup:.2f}x: within noise")
