@@ -27,7 +27,7 @@ from .capture.recorder import Recorder
 if TYPE_CHECKING:
     import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added, all nullable: the cell, the machine, resources, parts, GPU graphs
 REFRESH_NS = 250_000_000  # observers (the live view) run at most 4 times a second
 
 Observer = Callable[["Run"], None]
