@@ -155,6 +155,18 @@ def test_bash_blocks_parse() -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_the_readme_is_short_and_opens_with_the_two_commands() -> None:
+    readme = ROOT / "README.md"
+    assert len(readme.read_text(encoding="utf-8").splitlines()) <= 250  # read in five minutes
+    first = split_page(readme)[1][0]
+    assert first.language == "bash"
+    commands = [line.split("#")[0].split() for line in first.text.splitlines() if line.strip()]
+    assert [c[0] for c in commands] == ["./scripts/demo.sh", "./scripts/test.sh"]
+    for (command, *_) in commands:
+        script = ROOT / command
+        assert script.is_file() and script.stat().st_mode & 0o111, f"{command} is not executable"
+
+
 # The checker itself, on cases whose answer is known.
 
 
