@@ -102,7 +102,7 @@ def machine(clock: HostClock, **kw: Any) -> FakeGpu:
     return gpu
 
 
-# -- 2. events per device and per thread -------------------------------------------------------
+# -- events per device and per thread -------------------------------------------------------
 
 
 def test_a_dataparallel_replica_thread_copying_to_its_device_passes_through(fake_clock: HostClock) -> None:
@@ -165,7 +165,7 @@ def test_an_error_of_ours_turns_the_copy_watch_off_and_the_users_copy_still_runs
     assert any("Copies to the GPU were not timed after an error: RuntimeError: CUDA driver hiccup" in n for n in run.notes)
 
 
-# -- 3. elapsed_time only on completed events; no error of ours replaces the user's -----------
+# -- elapsed_time only on completed events; no error of ours replaces the user's -----------
 
 
 def statements(n: int) -> list[Statement]:
@@ -230,7 +230,7 @@ def test_a_sticky_error_mid_loop_never_raises_from_the_watch(fake_clock: HostClo
     assert FakeTensor.__dict__.get("to") is FakeTensor.__dict__["to"]
 
 
-# -- 4. the loop's device ---------------------------------------------------------------------
+# -- the loop's device ---------------------------------------------------------------------
 
 
 def test_a_loop_on_cuda_1_is_measured_on_cuda_1(fake_clock: HostClock) -> None:
@@ -249,7 +249,7 @@ def test_a_loop_on_cuda_1_is_measured_on_cuda_1(fake_clock: HostClock) -> None:
     assert run.verdict == "COMPUTE-BOUND"
 
 
-# -- 5. HOST-BOUND only with evidence ----------------------------------------------------------
+# -- HOST-BOUND only with evidence ----------------------------------------------------------
 
 
 GPU_BOUND_SYNCS = {
@@ -309,7 +309,7 @@ def test_a_gpu_bound_loop_throttled_by_the_launch_queue_is_not_host_bound(fake_c
     assert run.verdict == "COMPUTE-BOUND"
 
 
-# -- 9. NVML ------------------------------------------------------------------------------------
+# -- NVML ------------------------------------------------------------------------------------
 
 
 def sampler_on(gpu: FakeGpu, nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch, device: int = 0) -> GpuSampler:
@@ -384,7 +384,7 @@ def test_other_processes_on_the_gpu_are_noted(fake_clock: HostClock, monkeypatch
     assert note is not None and "2 other process(es)" in note
 
 
-# -- 10. the loop's stream, not "the default stream" ------------------------------------------
+# -- the loop's stream, not "the default stream" ------------------------------------------
 
 
 def test_a_loop_on_a_non_default_stream_counts_its_copies_and_its_backlog(fake_clock: HostClock) -> None:
@@ -477,7 +477,7 @@ def test_the_wait_for_a_side_stream_is_harmless_after_the_cell(fake_clock: HostC
     gpu.current_stream(0).wait_stream(side)  # still works
 
 
-# -- 11. pageable non_blocking copies make the host wait ----------------------------------------
+# -- pageable non_blocking copies make the host wait ----------------------------------------
 
 
 def test_pageable_non_blocking_is_a_timed_wait_not_an_async_copy(fake_clock: HostClock) -> None:
@@ -498,7 +498,7 @@ def test_pageable_non_blocking_is_a_timed_wait_not_an_async_copy(fake_clock: Hos
     assert v.label == "H2D-BOUND" and "non_blocking=True without pinned memory is synchronous on line 3" in v.why
 
 
-# -- 12. syncs: one when the loop starts on the GPU, none per step, one at the end -------------
+# -- syncs: one when the loop starts on the GPU, none per step, one at the end -------------
 
 
 def test_no_synchronize_on_the_per_step_path(fake_clock: HostClock, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -521,7 +521,7 @@ def test_no_synchronize_on_the_per_step_path(fake_clock: HostClock, monkeypatch:
     assert calls == ["synchronize", "synchronize"]
 
 
-# -- 14. copies on two streams are all read at the end ----------------------------------------
+# -- copies on two streams are all read at the end ----------------------------------------
 
 
 def test_a_slow_side_stream_copy_at_the_head_does_not_hide_the_others(fake_clock: HostClock) -> None:
@@ -542,7 +542,7 @@ def test_a_slow_side_stream_copy_at_the_head_does_not_hide_the_others(fake_clock
         assert site["timed"] == site["copies"], site
 
 
-# -- 15. backlog precision in long runs ------------------------------------------------------
+# -- backlog precision in long runs ------------------------------------------------------
 
 
 def test_the_backlog_stays_precise_after_hours_of_float32_event_times(fake_clock: HostClock) -> None:
@@ -553,13 +553,14 @@ def test_the_backlog_stays_precise_after_hours_of_float32_event_times(fake_clock
     run = Bench(gpu, "y = gpu.launch(1.0)\ngpu.clock.sleep(20e9)").start().steps(540).close()
     backlog = run.steps["gpu_backlog_ms"]
     assert np.nanmax(backlog) < 0.01
-    # The old reading (one float32 span from the anchor) could not tell 1 ms apart by then.
+    # One float32 span from the anchor could not tell 1 ms apart by then.
     assert np.spacing(np.float32(540 * 20_000.0)) >= 1.0
 
 
-# -- 17. no CUDA event outlives the cell -------------------------------------------------------
+# -- no CUDA event outlives the cell -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_no_event_is_kept_after_the_cell(fake_clock: HostClock) -> None:
     gpu = machine(fake_clock)
     body = "y = x.to('cuda', non_blocking=True).work(1.0)\nv = y.item()"
@@ -571,7 +572,7 @@ def test_no_event_is_kept_after_the_cell(fake_clock: HostClock) -> None:
     assert run.steps["gpu_backlog_ms"] is not None  # the columns stay readable
 
 
-# -- 6 / 8 / 20: what the verdict says -----------------------------------------------------------
+# -- what the verdict says -----------------------------------------------------------
 
 
 def test_host_bound_names_the_costliest_host_line() -> None:
@@ -646,7 +647,7 @@ def test_the_checklist_says_non_blocking_from_pageable_memory_is_synchronous() -
     assert pinned.status == OK
 
 
-# -- 13. copies and syncs stay on their own step ------------------------------------------------
+# -- copies and syncs stay on their own step ------------------------------------------------
 
 
 def test_merged_micro_steps_carry_their_copies_into_the_one_step(fake_clock: HostClock) -> None:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "traceml_jupyter"
 # Packages and modules that drive the others (the top layer): nothing in capture, analysis,
 # kernel, run or views imports them.
@@ -138,6 +140,7 @@ def test_the_tree_reads_as_the_flow() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_importing_the_package_loads_no_heavy_library() -> None:
     code = (
         "import sys, traceml_jupyter\n"

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from .ranks import Collector, LocalRank
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added, all nullable: the cell, the machine, resources, parts, GPU graphs
 REFRESH_NS = 250_000_000  # observers (the live view) run at most 4 times a second
 
 Observer = Callable[["Run"], None]
