@@ -121,18 +121,29 @@ def dataloader_lines(tree: ast.AST) -> list[int]:
     return sorted({node.lineno for node in ast.walk(tree) if is_dataloader_call(node)})
 
 
+def assign_targets(node: ast.AST) -> list[ast.expr] | None:
+    """What a statement assigns to (`a = b = ...`, `a: T = ...`, `a += ...`, `(a := ...)`);
+    None for a node that assigns nothing."""
+    if isinstance(node, ast.Assign):
+        return list(node.targets)
+    if isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
+        return [node.target]
+    return None
+
+
+def target_names(targets: Sequence[ast.expr]) -> set[str]:
+    """The names assignment targets bind (`a, (b, c)` -> {a, b, c}; `x.y`, `x[0]`: x)."""
+    return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+
 def dataloader_sites(tree: ast.AST) -> list[tuple[int, frozenset[str]]]:
     """Lines that construct a DataLoader, each with the names its statement assigns."""
     sites: dict[int, set[str]] = {line: set() for line in dataloader_lines(tree)}
     for node in ast.walk(tree):
-        targets: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            targets = list(node.targets)
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
-            targets = [node.target]
-        else:
+        targets = assign_targets(node)
+        if targets is None:
             continue
-        names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        names = target_names(targets)
         for inner in ast.walk(node):
             if isinstance(inner, ast.Call) and is_dataloader_call(inner):
                 sites[inner.lineno] |= names
@@ -152,12 +163,8 @@ def assigned_line(tree: ast.AST, names: set[str]) -> int | None:
     function or a library, comes into the notebook)."""
     lines = []
     for node in ast.walk(tree):
-        targets: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            targets = list(node.targets)
-        elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)):
-            targets = [node.target]
-        if any(isinstance(n, ast.Name) and n.id in names for t in targets for n in ast.walk(t)):
+        targets = assign_targets(node)
+        if targets and not isinstance(node, ast.AugAssign) and target_names(targets) & names:
             lines.append(targets[0].lineno)
     return min(lines) if lines else None
 

@@ -12,7 +12,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..analysis.cell_code import SampleCode, is_dataloader_call, loop_at, parse_cell, sample_code_in
+from ..analysis.cell_code import (
+    SampleCode,
+    assign_targets,
+    is_dataloader_call,
+    loop_at,
+    parse_cell,
+    sample_code_in,
+    target_names,
+)
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -127,13 +135,10 @@ def cell_facts(tree: ast.AST, label: str) -> CellFacts:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in loops:
             if any(isinstance(inner, (ast.For, ast.AsyncFor)) for inner in ast.walk(node)):
                 loops.add(node.name)
-        if isinstance(node, ast.Assign):
-            targets = list(node.targets)
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
-            targets = [node.target]
-        else:
+        targets = assign_targets(node)
+        if targets is None or not isinstance(node, (ast.stmt, ast.expr)):
             continue
-        names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        names = target_names(targets)
         if not isinstance(node, ast.AugAssign):  # `x += 1` does not bring x in
             line = targets[0].lineno
             for name in names:
