@@ -19,6 +19,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "traceml_jupyter"
 # kernel, run or views imports them.
 ORCHESTRATION = ("ranks", "tuning", "processes", "traced_cell", "tracing", "magic", "demo", "cli")
 
+# Packages whose every public function, class and method has a docstring (help() finds it);
+# the rest of the package joins as its docstrings are written.
+DOCUMENTED = ("tuning", "ranks", "kernel", "analysis/checklist")
+
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 # What is still over, at most its size today (it may shrink, not grow), and why it remains.
@@ -239,3 +243,23 @@ def test_every_relative_import_names_a_module_of_the_package() -> None:
             if not found:
                 wrong.append(f"{path.relative_to(PACKAGE)}:{node.lineno} imports {'.' * node.level}{node.module or ''}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_public_name_of_the_documented_packages_has_a_docstring() -> None:
+    missing = []
+    for folder in DOCUMENTED:
+        for path in (PACKAGE / folder).rglob("*.py"):
+            where = path.relative_to(PACKAGE)
+
+            def visit(node: ast.AST, prefix: str, where: Path = where) -> None:
+                for child in ast.iter_child_nodes(node):
+                    if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        if child.name.startswith("_"):
+                            continue
+                        if ast.get_docstring(child) is None:
+                            missing.append(f"{where}:{child.lineno} {prefix}{child.name}")
+                        if isinstance(child, ast.ClassDef):
+                            visit(child, f"{prefix}{child.name}.")
+
+            visit(ast.parse(path.read_text(encoding="utf-8")), "")
+    assert not missing, "no docstring: " + ", ".join(missing)

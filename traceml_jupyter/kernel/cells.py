@@ -76,6 +76,7 @@ def current_cell_index(cells: Sequence[str], cell_source: str | None) -> int | N
 
 
 def cell_transform(shell: Any) -> Any:
+    """The shell's transform_cell (magics and `!cmd` to Python), or None."""
     return getattr(shell, "transform_cell", None) if shell is not None else None
 
 
@@ -86,6 +87,7 @@ def earlier_numbers(cells: Sequence[str], current: int | None) -> range:
 
 
 def cell_label(i: int) -> str:
+    """The label a cell's number has in the history: "In [3]"."""
     return f"In [{i}]"
 
 

@@ -306,6 +306,7 @@ class CodeContext:
 
     @classmethod
     def of(cls, run: Run, shell: Any) -> CodeContext:
+        """Read the run's cells once: the history, the traced cell's tree, the loop and its cell."""
         ctx = cls(run_cells(run, shell))
         ctx.current = current_cell_index(ctx.cells, run.cell_source)
         ctx.earlier = EarlierCells(shell, ctx.cells, ctx.current)
@@ -443,6 +444,7 @@ def _feeder_facts(run: Run, shell: Any, summary: Mapping[str, Any], ctx: CodeCon
 
 
 def checklist_items(run: Run, shell: Any = None, context: CodeContext | None = None) -> list[Item]:
+    """The checklist evaluated on what the run, its loader, its code and the kernel hold."""
     return evaluate(facts_for(run, shell, context=context))
 
 

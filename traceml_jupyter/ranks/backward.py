@@ -30,6 +30,7 @@ class BackwardTimer:
         self.durations: array[int] = array("q")
 
     def wrap(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        """`inner` (torch.autograd.backward) timed: each call's start and duration kept."""
         add_start, add_duration, clock = self.starts.append, self.durations.append, perf_counter_ns
 
         def backward(*args: Any, **kwargs: Any) -> Any:
@@ -80,6 +81,7 @@ class StepSample:
         self.stride = 1
 
     def add(self, steps: np.ndarray, values: np.ndarray) -> None:
+        """Values of these steps, one step in `stride` kept (the stride doubles past CAP)."""
         steps = np.asarray(steps).astype(np.int64)
         keep = steps % self.stride == 0
         self.steps = np.concatenate([self.steps, steps[keep]])
@@ -90,10 +92,12 @@ class StepSample:
             self.steps, self.values = self.steps[keep], self.values[keep]
 
     def drop_from(self, first: int) -> None:
+        """Forget steps from `first` on (they were merged and come again)."""
         keep = self.steps < first
         self.steps, self.values = self.steps[keep], self.values[keep]
 
     def median(self, first_step: int) -> float | None:
+        """The median from `first_step` on (after the warm-up); None without values."""
         return backward_median(self.steps, self.values, first_step)
 
 
@@ -108,19 +112,23 @@ class RankParts:
         self.facts_seen: dict[str, Any] = {}
 
     def add(self, rows: np.ndarray) -> None:
+        """The parts of the sampled steps in `rows` (ROWS columns)."""
         sampled = np.isfinite(rows[ROWS.index("forward_ms")]) | np.isfinite(rows[ROWS.index("optimizer_ms")])
         for name in PART_ROWS:
             self.samples[name].add(rows[0][sampled], rows[ROWS.index(name)][sampled])
         self.backward.add(rows[0][sampled], rows[5][sampled])
 
     def drop_from(self, first: int) -> None:
+        """Forget steps from `first` on (they were merged and come again)."""
         for sample in (*self.samples.values(), self.backward):
             sample.drop_from(first)
 
     def medians(self, first_step: int) -> dict[str, float | None]:
+        """Each part's median from `first_step` on."""
         return {name: sample.median(first_step) for name, sample in self.samples.items()}
 
     def columns(self, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The parts as per-step columns beside `cols` (NaN on steps not sampled)."""
         steps = np.asarray(cols["step"], dtype=np.int64)
         out: dict[str, np.ndarray] = {}
         for name, sample in (*self.samples.items(), ("backward_ms", self.backward)):
@@ -133,6 +141,7 @@ class RankParts:
         return out
 
     def facts(self) -> dict[str, Any]:
+        """What the rank said of its parts (at its end)."""
         return dict(self.facts_seen)
 
 
@@ -174,6 +183,8 @@ class StepTap:
         return undo
 
     def take(self, final: bool = False) -> np.ndarray | None:
+        """The steps closed since the last take as ROWS columns (`final`: the open one too);
+        None: none."""
         rec = self.recorder
         n = rec.n_steps
         self.sent = min(self.sent, n)
@@ -228,5 +239,6 @@ class LocalRank:
         self.backward = StepSample()
 
     def add(self, rows: np.ndarray) -> None:
+        """Backward times of the steps in `rows` (merged steps replace theirs)."""
         self.backward.drop_from(int(rows[0, 0]))  # merged steps come again
         self.backward.add(rows[0], rows[5])

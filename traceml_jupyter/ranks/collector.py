@@ -50,10 +50,12 @@ class Stream:
 
     @property
     def label(self) -> int:
+        """The rank, once known; else the fork's index."""
         return self.rank if self.rank is not None else self.index
 
     @property
     def status(self) -> str:
+        """finished, failed (its end says an error), stopped (closed without an end) or running."""
         if self.end is not None:
             return "failed" if self.end.get("error") else "finished"
         return "stopped" if self.eof else "running"
@@ -69,6 +71,7 @@ class Stream:
         return self.eof or self.end is not None or not self.recorder.n_steps
 
     def apply(self, kind: int, meta: Mapping[str, Any], rows: np.ndarray | None) -> None:
+        """One frame from the rank: who it is (HELLO), steps (STEPS), or its end (END)."""
         if meta.get("rank") is not None:
             self.rank, self.world = int(meta["rank"]), meta.get("world")
         if kind == HELLO:
@@ -99,6 +102,7 @@ class Stream:
         self.parts.add(rows)
 
     def summary(self, warmup: int | None) -> dict[str, Any]:
+        """The rank's summary for the per-rank table (`warmup`: the run's)."""
         rec = self.recorder
         s = summarize(rec.columns(), rec.n_steps, warmup, False, rec.totals())
         end = self.end or {}
@@ -171,6 +175,7 @@ class Collector:
         self.thread = threading.Thread(target=context.run, args=(self._loop,), name="traceml-ranks", daemon=True)
 
     def start(self) -> None:
+        """Start the reading thread."""
         self.thread.start()
 
     def add(self, sock: socket.socket, index: int) -> None:

@@ -30,6 +30,7 @@ def encode(summary: Mapping[str, Any]) -> list[float]:
 
 
 def decode(values: Any) -> dict[str, Any]:
+    """A rank's summary back from the vector `encode` made (NaN: None)."""
     numbers = [float(v) for v in values]
     out: dict[str, Any] = {}
     for key, value in zip(RANK_NUMBERS, numbers, strict=False):

@@ -29,6 +29,7 @@ def distributed_env() -> bool:
 
 
 def describe_error(exc: BaseException | None) -> str | None:
+    """`ValueError: the last line of its message`, or None."""
     if exc is None:
         return None
     text = str(exc).strip().splitlines()

@@ -43,6 +43,7 @@ class Sender:
         sock.setblocking(False)
 
     def hello(self) -> None:
+        """Tell the kernel who this rank is (pid, fork index)."""
         self._put(frame(HELLO, {"pid": self.pid, "index": self.index}))
         self._push()
 

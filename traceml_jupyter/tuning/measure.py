@@ -184,6 +184,8 @@ class Candidate:
         self.cpu_start: float | None = None
 
     def start(self) -> None:
+        """Build the candidate's loader and its first iterator (held: no stop while workers
+        start)."""
         with self.deadlines.held(), warnings.catch_warnings():
             # The step past the CPUs is on purpose: not torch's "excessive worker creation".
             warnings.filterwarnings("ignore", message="This DataLoader will create")
@@ -193,6 +195,8 @@ class Candidate:
         self.in_epoch = 0
 
     def next_epoch(self) -> None:
+        """A new epoch's iterator (persistent workers: the same one, reset); the last one's
+        workers stop."""
         self.in_epoch = 0
         with self.deadlines.held(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="This DataLoader will create")

@@ -10,6 +10,7 @@ from ..analysis.tune_plan import ModelCpu, ModelRate, Split, model_cpu
 
 
 def run_loader(run: Any) -> Any:
+    """The DataLoader the run trained on, while it is alive; else None."""
     ref = getattr(run, "loader_ref", None)
     try:
         return ref() if ref is not None else None

@@ -21,19 +21,21 @@ class TextView:
     """A terminal: one line per candidate as it ends."""
 
     def start(self, label: str, budget: float, model: float | None) -> None:
+        """Say what is tuned, the budget and the model's rate."""
         rate = f"; the model takes {rate_text(model)} batches/s" if model else ""
         print(f"traceml tune: {label}, at most {budget:g} s{rate} (interrupt to stop)", flush=True)
 
     def candidate(self, setting: Setting, index: int, total: int) -> None:
-        pass
+        """Nothing: a terminal gets one line per candidate, once it is measured."""
 
     def measured(self, row: Row, rows: Sequence[Row]) -> None:
+        """One line: the candidate's rate, or why it has none."""
         rate = f"{rate_text(row.batches_per_s)} batches/s" if row.batches_per_s else "no rate"
         extra = f" ({row.status}: {row.message})" if row.status not in (OK, TIMEOUT) else ""
         print(f"  {row.setting.label()}: {rate}{extra}", flush=True)
 
     def finish(self, result: TuneResult) -> None:
-        pass
+        """Nothing: the result prints itself."""
 
 
 class HtmlView:
@@ -56,10 +58,12 @@ class HtmlView:
             self.handle.update(status)
 
     def start(self, label: str, budget: float, model: float | None) -> None:
+        """The display, saying what is tuned."""
         self.label, self.model = label, model
         self._show(f"traceml tune: {label}", f"<b>traceml tune</b> {html.escape(label)}: starting")
 
     def candidate(self, setting: Setting, index: int, total: int) -> None:
+        """The display says which candidate is measured."""
         self._show(
             f"traceml tune: measuring {setting.label()}",
             f"<b>traceml tune</b> {html.escape(self.label)}: measuring "
@@ -67,10 +71,12 @@ class HtmlView:
         )
 
     def measured(self, row: Row, rows: Sequence[Row]) -> None:
+        """The display shows the table so far."""
         text = "\n".join(table_lines([r.to_dict() for r in rows], self.model, None))
         self._show(text, f"<pre>{html.escape(text)}</pre>")
 
     def finish(self, result: TuneResult) -> None:
+        """The display shows the final table, the best setting marked."""
         head = f"traceml tune: done in {result.elapsed_s:.1f} s" + (
             " (stopped)" if result.stopped else ""
         )
@@ -113,6 +119,7 @@ class WidgetView:
         self.label = ""
 
     def start(self, label: str, budget: float, model: float | None) -> None:
+        """Show the chart (the model's rate as a line when known)."""
         from IPython.display import display
 
         from ..views.environment import enable_custom_widget_manager_once
@@ -131,18 +138,21 @@ class WidgetView:
         display(WidgetDisplay(self.box, f"traceml tune: {label} (live chart)"))
 
     def candidate(self, setting: Setting, index: int, total: int) -> None:
+        """The header says which candidate is measured."""
         self.header.value = (
             f"<b>traceml tune</b> {html.escape(self.label)}: measuring "
             f"<code>{html.escape(setting.label())}</code> ({index} of about {total})"
         )
 
     def measured(self, row: Row, rows: Sequence[Row]) -> None:
+        """One bar per candidate measured so far."""
         done = [r for r in rows if r.batches_per_s is not None]
         with self.bars.hold_sync():
             self.bars.x = [r.setting.short() for r in done]
             self.bars.y = [float(r.batches_per_s or 0.0) for r in done]
 
     def finish(self, result: TuneResult) -> None:
+        """The header says the tune is done."""
         self.header.value = (
             f"<b>traceml tune</b> {html.escape(self.label)}: done in {result.elapsed_s:.1f} s"
             + (" (stopped)" if result.stopped else "")
@@ -150,6 +160,7 @@ class WidgetView:
 
 
 def progress_view(show: bool) -> Any:
+    """The view for this front-end (widgets, an HTML display, text); None when `show` is False."""
     if not show:
         return None
     from ..kernel.shell import ipython_shell
@@ -181,9 +192,11 @@ class ProgressViews:
                 self.view = None
 
     def start(self, label: str, budget: float, model: float | None) -> None:
+        """The tune starts: `label`, its budget (s), the model's rate (batches/s)."""
         self._call("start", label, budget, model)
 
     def candidate(self, setting: Setting, index: int, total: int) -> None:
+        """Candidate `index` of about `total` starts."""
         self._call("candidate", setting, index, total)
         if self.progress is not None:
             self.progress(
@@ -191,11 +204,13 @@ class ProgressViews:
             )
 
     def measured(self, row: Row, rows: Sequence[Row]) -> None:
+        """`row` was measured; `rows`: every row so far."""
         self._call("measured", row, rows)
         if self.progress is not None:
             self.progress({"event": "measured", "row": row.to_dict(), "index": len(rows)})
 
     def finish(self, result: TuneResult) -> None:
+        """The tune ended with `result`."""
         self._call("finish", result)
 
 

@@ -28,6 +28,8 @@ class Recipe:
     current: dict[str, Any]  # the user's num_workers, persistent_workers, prefetch, pin_memory
 
     def build(self, setting: Setting, timer: SplitTimer | None = None) -> Any:
+        """A new DataLoader with `setting`; `timer`: time its dataset and collate_fn
+        (num_workers=0)."""
         from torch.utils.data import DataLoader
 
         kwargs = dict(self.kwargs)
@@ -142,6 +144,7 @@ class SplitTimer:
         self.source = "__getitem__"
 
     def wrap_dataset(self, dataset: Any, iterable: bool) -> Any:
+        """The dataset wrapped to time each sample's read (`iterable`: an IterableDataset)."""
         from torch.utils.data import Dataset, IterableDataset
 
         timer = self
@@ -192,6 +195,7 @@ class SplitTimer:
         return TimedDataset()
 
     def wrap_collate(self, collate: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """The collate_fn wrapped to time each batch's assembly."""
         timer = self
 
         def timed_collate(samples: Any) -> Any:
@@ -205,6 +209,8 @@ class SplitTimer:
         return timed_collate
 
     def split(self, batch_ms: float, cpu_share: float | None) -> Split:
+        """Where a batch's `batch_ms` went: the dataset, collate_fn, pinning; `cpu_share`: its
+        CPU work."""
         n = max(1, self.batches)
         return Split(
             batch_ms=batch_ms,

@@ -47,6 +47,7 @@ def result_text(result: TuneResult) -> str:
 
 
 def split_text(split: Mapping[str, Any]) -> str:
+    """The num_workers=0 split (as TuneResult.split holds it) in one sentence."""
     from ..analysis.tune_plan import split_sentence
 
     return split_sentence(
@@ -63,6 +64,7 @@ def split_text(split: Mapping[str, Any]) -> str:
 
 
 def fed(row: Mapping[str, Any], model: float | None) -> str:
+    """"yes" when the row's rate keeps the model fed, "no" when not, "" when unknown."""
     from ..analysis.tune_plan import required_rate
 
     rate = row.get("batches_per_s")
@@ -117,6 +119,8 @@ def _td(content: str, left: bool = False) -> str:
 
 
 def result_html(result: TuneResult) -> str:
+    """The result as HTML: a bar per setting against the model's rate, the advice, the line to
+    write."""
     e = html.escape
     model = result.model_batches_per_s
     top = max([r.get("batches_per_s") or 0.0 for r in result.rows] + [model or 0.0]) or 1.0

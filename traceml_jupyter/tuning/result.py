@@ -70,6 +70,7 @@ class TuneResult:
         }
 
     def text(self) -> str:
+        """The result as plain text (what a terminal prints)."""
         return result_text(self)
 
     def __str__(self) -> str:

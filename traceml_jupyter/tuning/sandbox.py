@@ -78,6 +78,7 @@ class Deadlines:
         raise KeyboardInterrupt()
 
     def arm(self, deadline: float) -> None:
+        """Raise OutOfTime at `deadline` (perf_counter seconds), unless held then."""
         if not self.hard:
             return
         self.pending_alarm = False
@@ -139,6 +140,7 @@ class RandomStates:
 
     @classmethod
     def save(cls, loader: Any) -> RandomStates:
+        """The random states now, and those of `loader`'s generators."""
         import torch
 
         np_state = None
@@ -153,6 +155,7 @@ class RandomStates:
         return cls(random.getstate(), np_state, torch.get_rng_state(), cuda, gens)
 
     def restore(self) -> None:
+        """Put every saved random state back."""
         import torch
 
         random.setstate(self.python)
@@ -186,6 +189,7 @@ def _generators(loader: Any) -> list[Any]:
 
 
 def child_pids() -> set[int]:
+    """The pids of this process's live multiprocessing children."""
     import multiprocessing
 
     return {p.pid for p in multiprocessing.active_children() if p.pid is not None}

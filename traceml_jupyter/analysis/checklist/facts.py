@@ -34,6 +34,7 @@ class Item:
 
     @property
     def line(self) -> int | None:
+        """The line the item points at, if any."""
         return self.site.line if self.site is not None else None
 
     @classmethod
@@ -53,6 +54,7 @@ class Item:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """The item as JSON-ready values (Item.from_dict reads it back)."""
         return {
             "key": self.key,
             "title": self.title,
@@ -132,11 +134,13 @@ def needs_change(bears: bool) -> str:
 
 
 def workers_now(f: Facts) -> int:
+    """The loader's num_workers."""
     assert f.loader is not None
     return int(f.loader.get("num_workers") or 0)
 
 
 def measured_share(share: float | None, what: str) -> str:
+    """" (62 % of copied bytes pinned)" from a measured share; "" when not measured."""
     return "" if share is None else f" ({100 * share:.0f} % of copied bytes {what})"
 
 
@@ -150,4 +154,5 @@ def how_much(share: float, yes: str, no: str) -> str:
 
 
 def capitalised(text: str) -> str:
+    """`text` with its first letter in capitals."""
     return text[:1].upper() + text[1:]

@@ -21,6 +21,7 @@ from .facts import (
 
 
 def pin_memory_item(f: Facts) -> Item:
+    """pin_memory: page-locked batches copy to the GPU asynchronously (on a GPU only)."""
     pinned = bool(f.loader and f.loader.get("pin_memory"))
     title = "Page-locked batches (pin_memory)"
     measured = measured_share(f.pinned_share, "pinned")
@@ -46,6 +47,7 @@ def pin_memory_item(f: Facts) -> Item:
 
 
 def non_blocking_item(f: Facts) -> Item:
+    """non_blocking: the loop's copies to the GPU overlap compute (from pinned memory only)."""
     title = "Asynchronous copies (.to(device, non_blocking=True))"
     if not f.on_gpu:
         return Item(

@@ -216,6 +216,7 @@ def saturated_workers_item(f: Facts, title: str, bears: bool) -> Item:
 
 
 def num_workers_item(f: Facts) -> Item:
+    """num_workers: enough worker processes for the CPUs (the tune's rates, when measured)."""
     n, cpus = workers_now(f), f.cpu_count
     want = suggested_workers(cpus)
     bears = f.verdict in WORKER_VERDICTS
@@ -273,6 +274,7 @@ def num_workers_item(f: Facts) -> Item:
 
 
 def persistent_workers_item(f: Facts) -> Item:
+    """persistent_workers: workers kept between epochs (each epoch's start-up wait)."""
     n, persistent = workers_now(f), bool(f.loader and f.loader.get("persistent_workers"))
     bears = f.verdict in INPUT_VERDICTS
     title = "Keep workers between epochs (persistent_workers)"
@@ -315,6 +317,7 @@ def persistent_workers_item(f: Facts) -> Item:
 
 
 def prefetch_factor_item(f: Facts) -> Item:
+    """prefetch_factor: batches queued per worker (deeper for stalls)."""
     n = workers_now(f)
     raw = f.loader.get("prefetch_factor") if f.loader else None
     title = "Batches prefetched per worker (prefetch_factor)"
@@ -346,6 +349,7 @@ def prefetch_factor_item(f: Facts) -> Item:
 
 
 def collate_item(f: Facts) -> Item:
+    """collate_fn: a custom one to time, the default one fine."""
     assert f.loader is not None
     name = str(f.loader.get("collate_fn") or "default_collate")
     bears = f.verdict in INPUT_VERDICTS
@@ -364,6 +368,7 @@ def collate_item(f: Facts) -> Item:
 
 
 def per_sample_item(f: Facts) -> Item:
+    """__getitem__'s costly calls per sample, read from its source."""
     title = "Per-sample work in __getitem__"
     bears = f.verdict in INPUT_VERDICTS
     code = f.sample_code
@@ -393,6 +398,7 @@ def per_sample_item(f: Facts) -> Item:
 
 
 def storage_item(f: Facts) -> Item:
+    """Storage and shard balance: a few slow fetches (INPUT STRAGGLER)."""
     bears = f.verdict == VerdictLabel.INPUT_STRAGGLER
 
     seen = (
@@ -413,6 +419,7 @@ def storage_item(f: Facts) -> Item:
 
 
 def start_method_item(f: Facts, workers_advised: bool) -> Item:
+    """Workers can import the Dataset under the start method (spawn and a notebook class)."""
     assert f.loader is not None
     n = workers_now(f)
     module = str(f.loader.get("dataset_module") or "")
