@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import TESTS
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 from jupyter_harness import DECODING_DATASET
@@ -25,7 +26,7 @@ from traceml_jupyter.saved import LoadError, SavedRun
 from traceml_jupyter.views.report import render_html
 from traceml_jupyter.views.report_file import report_page
 
-DATA = Path(__file__).parent / "data"
+DATA = TESTS / "data"
 V1 = DATA / "run_v1.json"  # saved by main's code before runs could be loaded (make_run_v1.py)
 
 SETUP = DECODING_DATASET

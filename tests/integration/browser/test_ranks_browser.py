@@ -11,7 +11,9 @@ from typing import Any
 
 import nbformat
 import pytest
+from helpers import REPO
 from jupyter_harness import jupyter_server, notebook
+from ranks_cells import SETUP
 from test_browser import (  # noqa: F401  (chromium is a fixture)
     CHROMIUM,
     SCREENSHOTS,
@@ -22,9 +24,7 @@ from test_browser import (  # noqa: F401  (chromium is a fixture)
     shoot,
     wait_for,
 )
-from test_ranks import SETUP
 
-REPO = Path(__file__).resolve().parents[1]
 TRACED = 1
 # 60 steps of about 45 ms (rank 1 reads 5 ms a sample): the chart is live for a few seconds.
 STRAGGLER = """\

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import re
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import TESTS
 from jupyter_harness import KERNEL_NAME, ensure_python3_kernel, notebook
 
 nbclient = pytest.importorskip("nbclient")
@@ -85,7 +85,7 @@ print(json.dumps({name: {"steps": r.n_steps, "kind": r.step_kind, "phases": [p["
                   for name, r in runs.items()} | {"done": len(done), "total": total}))"""
 
 
-TRAIN_SCRIPT = Path(__file__).resolve().parent / "child_scripts" / "train.py"
+TRAIN_SCRIPT = TESTS / "child_scripts" / "train.py"
 # `!python` runs through ipykernel's own system() (its output piped to the cell): the script is
 # a child process, traced by the start-up hook the cell gives it.
 SCRIPT = f"""\

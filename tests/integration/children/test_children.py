@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
+from helpers import TESTS
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
@@ -32,8 +33,7 @@ from traceml_jupyter.processes.child_run import exit_status
 from traceml_jupyter.processes.startup_hook import CHANNEL, NOTE, TOKEN, pack
 from traceml_jupyter.run import _KEPT_LOADER, Run
 
-HERE = Path(__file__).resolve().parent
-SCRIPTS = HERE / "child_scripts"
+SCRIPTS = TESTS / "child_scripts"
 TRAIN = SCRIPTS / "train.py"
 PYTHON = sys.executable
 
@@ -446,7 +446,7 @@ def test_loop_file_line_steps_a_script_without_training_events(ip: Any, untouche
 def test_torchrun_in_a_cell_names_the_rank_that_holds_the_others_back(ip: Any, untouched: None) -> None:
     port = free_port()
     command = (f"!OMP_NUM_THREADS=1 {PYTHON} -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 "
-               f"--master_port {port} {HERE / 'ranks_scripts' / 'ddp_trace.py'} --plain")
+               f"--master_port {port} {TESTS / 'ranks_scripts' / 'ddp_trace.py'} --plain")
     result, run, out = cell(ip, "%%traceml --no-live\n" + command)
     assert result.error_in_exec is None and run is not None, out
     assert run.verdict == "RANK STRAGGLER", run.text()

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
-PACKAGE = Path(__file__).resolve().parents[1] / "traceml_jupyter"
+PACKAGE = REPO / "traceml_jupyter"
 ORCHESTRATION = {"traced_cell", "tracing", "magic", "tune", "demo", "async_cells", ""}
 
 

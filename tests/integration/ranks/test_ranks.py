@@ -21,14 +21,15 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import REPO, TESTS
+from ranks_cells import SETUP
 from torch.utils.data import DataLoader, Dataset
 
 from traceml_jupyter import ranks
 from traceml_jupyter.analysis.rank_verdict import RANK_NUMBERS
 from traceml_jupyter.run import Run
 
-HERE = Path(__file__).resolve().parent
-SCRIPTS = HERE / "ranks_scripts"
+SCRIPTS = TESTS / "ranks_scripts"
 
 
 # -- the wire and the bookkeeping ---------------------------------------------------------------
@@ -259,50 +260,6 @@ def test_nn_dataparallel_gets_a_note(ip: Any) -> None:
 
 
 # -- a notebook that starts ranks: a real kernel -------------------------------------------------------
-SETUP = '''\
-%load_ext traceml_jupyter
-import json, os, socket, threading, time
-import torch, torch.distributed as dist, torch.multiprocessing as mp
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
-import traceml_jupyter
-
-STEPS = 30
-
-class Shard(Dataset):
-    """Each sample takes `sleep_s` to read (a slow disk on one rank)."""
-    def __init__(self, sleep_s):
-        self.sleep_s = sleep_s
-    def __len__(self):
-        return STEPS * 8
-    def __getitem__(self, i):
-        if self.sleep_s:
-            time.sleep(self.sleep_s)
-        return torch.randn(64), i % 2
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-def train(rank, world, port, sleep_s, fail_at=None):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 2)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for step, (x, y) in enumerate(DataLoader(Shard(sleep_s[rank]), batch_size=8)):
-            if step == fail_at and rank == 1:
-                raise ValueError("rank 1 cannot read its shard")
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-    finally:
-        dist.destroy_process_group()'''
-
 STRAGGLER = """\
 %%traceml --name straggler
 mp.start_processes(train, args=(2, free_port(), (0.0, 0.005)), nprocs=2, start_method="fork")"""
@@ -409,7 +366,7 @@ def test_a_report_is_printed_in_one_write(monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.slow
 def test_torchrun_ranks_gather_and_rank_0_prints_the_table() -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(
         [str(torchrun), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
          str(SCRIPTS / "ddp_trace.py")],

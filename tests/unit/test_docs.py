@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 from IPython.core.inputtransformer2 import TransformerManager
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 FENCE = re.compile(r"^(`{3,}|~{3,})\s*([\w+-]*)")

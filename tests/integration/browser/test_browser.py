@@ -14,6 +14,7 @@ from typing import Any
 
 import nbformat
 import pytest
+from helpers import REPO
 from jupyter_harness import (
     ensure_no_news_overrides,
     ensure_python3_kernel,
@@ -25,7 +26,6 @@ from jupyter_harness import (
 
 CHROMIUM = Path("/usr/bin/chromium")
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run"]
-REPO = Path(__file__).resolve().parents[1]
 SCREENSHOTS = REPO / "artifacts" / "screenshots"
 EPOCHS = 3
 SLEEP_MS = 10.0  # per sample, 8 a batch: >= 80 ms a step, 96 steps: the cell runs >= 8 s

@@ -7,10 +7,10 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import REPO
 
 torch = pytest.importorskip("torch")
 # Asking is_available() initialises CUDA: only on a machine built with CUDA, where these tests
@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 HAS_CUDA = bool(torch.backends.cuda.is_built() and torch.cuda.is_available())
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+SCRIPT = REPO / "scripts" / "gpu_check.py"
 
 
 def load_script() -> Any:

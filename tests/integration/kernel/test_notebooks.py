@@ -14,8 +14,9 @@ from typing import Any
 
 import nbformat
 import pytest
+from helpers import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 # One intra-op thread for torch in the kernel: on a shared 2-core machine, two OpenMP threads
 # slow a step up to 10x whenever another process takes a core (measured: 250 ms steps among
 # 25 ms ones), which no verdict margin survives; one thread is slowed 2x at most.
