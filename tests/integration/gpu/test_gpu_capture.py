@@ -4,15 +4,13 @@ launches kernels without allocating is still on the GPU, a CPU loop next to a GP
 
 from __future__ import annotations
 
-import textwrap
-from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
-from fake_gpu import FakeGpu, FakeTensor, HostClock, install_fake_cuda
-from IPython.utils.capture import capture_output
-
-import traceml_jupyter
+from fake_gpu import FakeGpu, FakeTensor
+from helpers import gpu_fixture
+from helpers import traced as traced_with
 
 SETUP = """
 import time, torch
@@ -44,24 +42,10 @@ def library_fit(loader, gpu_ms):
 """
 
 
-@pytest.fixture()
-def gpu(ip: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
-    machine = FakeGpu(HostClock(), devices=2)
-    install_fake_cuda(monkeypatch, machine)
-    ip.user_ns.update(FakeTensor=FakeTensor, gpu=machine, cuda=machine.module)
-    with capture_output():
-        assert ip.run_cell(textwrap.dedent(SETUP)).error_in_exec is None
-    yield machine
-    FakeTensor.gpu = None
+gpu = gpu_fixture(SETUP, devices=2)
 
 
-def traced(ip: Any, cell: str) -> Any:
-    with capture_output() as out:
-        result = ip.run_cell("%%traceml --no-live --lines off\n" + textwrap.dedent(cell))
-    assert result.error_in_exec is None, out.stdout + out.stderr
-    run = traceml_jupyter.last()
-    assert run is not None
-    return run
+traced = partial(traced_with, options="--no-live --lines off")
 
 
 def test_a_trainer_owned_loop_whose_gpu_is_busy_is_compute_bound_on_the_gpu_clock(ip: Any, gpu: FakeGpu) -> None:

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 from fake_gpu import CudaError, FakeGpu, FakeGraph, FakeTensor, reduce_overhead
+from helpers import gpu_fixture, traced
 from IPython.utils.capture import capture_output
-from stand_in_cells import machine, stand_in_shell, traced
+from stand_in_cells import machine
 
 from traceml_jupyter.capture import cuda_graphs
 from traceml_jupyter.capture.cuda_clock import CudaSteps, Marks
@@ -127,10 +128,7 @@ def train_step(x, gpu_ms):
 """
 
 
-@pytest.fixture()
-def gpu(ip: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
-    yield stand_in_shell(ip, monkeypatch, SETUP)
-    FakeTensor.gpu = None
+gpu = gpu_fixture(SETUP)
 
 
 WHOLE_NETWORK = """\

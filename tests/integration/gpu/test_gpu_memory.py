@@ -4,7 +4,6 @@ error explained above the unchanged traceback; the per-step reads and their boun
 
 from __future__ import annotations
 
-import textwrap
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -21,28 +20,21 @@ from fake_gpu import (
     FakeTensor,
     MemTensor,
     install_fake_allocator,
-    install_fake_cuda,
 )
-from IPython.utils.capture import capture_output
+from helpers import gpu_fixture, run
 
 import traceml_jupyter
 from traceml_jupyter.capture.gpu_memory import GpuMemory, held_before, oom_facts, reads_peak
 from traceml_jupyter.capture.recorder import HISTORY_CAP
 
+# A launch queue of 8 commands: the host keeps pace with the GPU's 1 ms steps, as on a GPU.
+gpu = gpu_fixture(queue_depth=8)
+
 
 @pytest.fixture()
-def gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
-    # A launch queue of 8 commands: the host keeps pace with the GPU's 1 ms steps, as on a GPU.
-    gpu = FakeGpu(queue_depth=8)
-    install_fake_cuda(monkeypatch, gpu)
-    yield gpu
-    FakeTensor.gpu = None
+def allocator(gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAllocator]:
+    yield install_fake_allocator(monkeypatch, gpu, capacity_gib=8.0)
     MemTensor.allocator = None
-
-
-@pytest.fixture()
-def allocator(gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> FakeAllocator:
-    return install_fake_allocator(monkeypatch, gpu, capacity_gib=8.0)
 
 
 @pytest.fixture(autouse=True)
@@ -60,11 +52,8 @@ def names_forgotten(ip: Any) -> Iterator[None]:
 
 def traced(ip: Any, cell: str, names: dict[str, Any]) -> tuple[Any, Any, str]:
     ip.user_ns.update(names)
-    with capture_output() as out:
-        result = ip.run_cell(textwrap.dedent(cell))
-    run = traceml_jupyter.last()
-    shown = out.stdout + "".join(o.data.get("text/plain", "") for o in out.outputs)
-    return run, result, shown
+    result = run(ip, cell)
+    return traceml_jupyter.last(), result, result.shown
 
 
 def batches(n: int = 30) -> list[FakeTensor]:

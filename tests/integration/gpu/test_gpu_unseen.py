@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pytest
 from fake_gpu import FakeGpu, FakeTensor, allocator_stats, hidden_sync
-from stand_in_cells import machine, stand_in_shell
-from stand_in_cells import traced as stand_in_traced
+from helpers import gpu_fixture
+from helpers import traced as traced_with
+from stand_in_cells import machine
 
 from traceml_jupyter.capture import hidden_waits
 from traceml_jupyter.capture.sync_stalls import SYNC_MESSAGE
@@ -118,14 +120,10 @@ tiny_opt = torch.optim.SGD(tiny.parameters(), lr=0.1)
 """
 
 
-@pytest.fixture()
-def gpu(ip: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
-    yield stand_in_shell(ip, monkeypatch, SETUP, devices=2)
-    FakeTensor.gpu = None
+gpu = gpu_fixture(SETUP, devices=2)
 
 
-def traced(ip: Any, cell: str, options: str = "--no-live --lines off") -> Any:
-    return stand_in_traced(ip, cell, options)
+traced = partial(traced_with, options="--no-live --lines off")
 
 
 def test_under_cuda_malloc_async_a_training_loop_is_still_a_gpu_loop(ip: Any, gpu: FakeGpu) -> None:

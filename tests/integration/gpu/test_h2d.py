@@ -4,14 +4,14 @@ a stand-in GPU, `Tensor.to`/`.cuda` always restored, and the user's story throug
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from fake_gpu import FakeGpu, FakeTensor, HostClock, install_fake_cuda
+from fake_gpu import FakeGpu, FakeTensor, HostClock
+from helpers import gpu_fixture, run
 from IPython.utils.capture import capture_output
 from test_host_bound import gpu_columns
 
@@ -185,23 +185,15 @@ compact = [FakeTensor(5_000_000, pinned=True) for _ in range(30)]  # uint8, pinn
 """
 
 
-@pytest.fixture()
-def gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
-    gpu = FakeGpu()
-    install_fake_cuda(monkeypatch, gpu)
-    yield gpu
-    FakeTensor.gpu = None
+gpu = gpu_fixture()
 
 
 def traced(ip: Any, cell: str) -> tuple[Any, str]:
     ip.run_cell(SETUP)
-    with capture_output() as out:
-        result = ip.run_cell(textwrap.dedent(cell))
-    assert result.error_in_exec is None, result.error_in_exec
-    run = traceml_jupyter.last()
-    assert run is not None
-    shown = out.stdout + "".join(o.data.get("text/plain", "") for o in out.outputs)
-    return run, shown
+    result = run(ip, cell, check=True)
+    got = traceml_jupyter.last()
+    assert got is not None
+    return got, result.shown
 
 
 @pytest.mark.slow

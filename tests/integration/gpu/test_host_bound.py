@@ -4,15 +4,13 @@ backlog and the sync waits measured on a stand-in GPU, and the user's story thro
 
 from __future__ import annotations
 
-import textwrap
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from fake_gpu import FakeGpu, FakeTensor, HostClock, install_fake_cuda
-from IPython.utils.capture import capture_output
+from fake_gpu import FakeGpu, FakeTensor, HostClock
+from helpers import gpu_fixture, run
 
 import traceml_jupyter
 from traceml_jupyter.analysis.summary import GPU_WORK_KEYS, summarize
@@ -387,22 +385,15 @@ batches = [FakeTensor(400_000, pinned=True) for _ in range(30)]
 """
 
 
-@pytest.fixture()
-def gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
-    gpu = FakeGpu()
-    install_fake_cuda(monkeypatch, gpu)
-    yield gpu
-    FakeTensor.gpu = None
+gpu = gpu_fixture()
 
 
 def traced(ip: Any, cell: str) -> Any:
     ip.run_cell(SETUP)
-    with capture_output():
-        result = ip.run_cell(textwrap.dedent(cell))
-    assert result.error_in_exec is None, result.error_in_exec
-    run = traceml_jupyter.last()
-    assert run is not None
-    return run
+    run(ip, cell, check=True)
+    got = traceml_jupyter.last()
+    assert got is not None
+    return got
 
 
 @pytest.mark.slow

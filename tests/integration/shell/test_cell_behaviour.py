@@ -8,21 +8,17 @@ import re
 import sys
 import textwrap
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
-from IPython.utils.capture import capture_output
+from helpers import run as run_cell
 
 import traceml_jupyter
 from traceml_jupyter.capture import hooks
 
-
-def run(ip: Any, cell: str) -> Any:
-    with capture_output() as out:
-        result = ip.run_cell(textwrap.dedent(cell), store_history=True)
-    result.out = out
-    return result
+run = partial(run_cell, store_history=True)
 
 
 def both(ip: Any, setup: str, cell: str, names: list[str], options: str = "--no-live") -> tuple[dict[str, Any], dict[str, Any]]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import run, shell_fixture
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
@@ -39,18 +40,9 @@ crit = nn.MSELoss()
 '''
 
 
-def run(ip: Any, cell: str) -> Any:
-    with capture_output() as out:
-        result = ip.run_cell(textwrap.dedent(cell))
-    result.out = out
-    result.shown = out.stdout + "\n".join(o.data.get("text/plain", "") for o in out.outputs)
-    return result
 
 
-@pytest.fixture()
-def shell(ip: Any) -> Any:
-    assert not run(ip, SETUP).error_in_exec
-    return ip
+shell = shell_fixture(SETUP)
 
 
 @pytest.mark.slow

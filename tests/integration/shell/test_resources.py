@@ -6,12 +6,13 @@ with the attribute), a loss kept with its graph grows the process (named with th
 from __future__ import annotations
 
 import json
-import textwrap
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pytest
-from IPython.utils.capture import capture_output
+from helpers import run as run_cell
+from helpers import shell_fixture
 
 import traceml_jupyter
 from traceml_jupyter.analysis.kept_graph import kept_graphs
@@ -72,18 +73,10 @@ for x, y in loader:
 """
 
 
-def run(ip: Any, cell: str) -> Any:
-    with capture_output() as out:
-        result = ip.run_cell(textwrap.dedent(cell))
-    assert result.error_in_exec is None, result.error_in_exec
-    result.shown = out.stdout + "\n".join(o.data.get("text/plain", "") for o in out.outputs)
-    return result
+run = partial(run_cell, check=True)
 
 
-@pytest.fixture()
-def shell(ip: Any) -> Any:
-    run(ip, SETUP)
-    return ip
+shell = shell_fixture(SETUP)
 
 
 def checklist_item(got: Any, key: str) -> dict[str, Any]:

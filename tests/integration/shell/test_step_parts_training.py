@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 from ground_truth import Truth, hand_timed
+from helpers import traced
 from test_training_code import SETUP as TUTORIAL_SETUP
 from test_training_code import TOLERANCE, run
-from test_training_code import traced as tutorial_traced
 
 from traceml_jupyter.run import Run
 
@@ -45,8 +45,6 @@ class SlowGrad(torch.autograd.Function):
 PARTS = ("forward", "backward", "optimizer", "rest")
 
 
-def traced(ip: Any, cell: str, options: str = "--no-live") -> Run:
-    return tutorial_traced(ip, cell, options)[0]
 
 
 def plain(ip: Any, cell: str, models: tuple[str, ...]) -> Truth:

@@ -4,15 +4,13 @@ steps were timed by hand (ground_truth.py), not against the loops' intended cost
 
 from __future__ import annotations
 
-import textwrap
+from functools import partial
 from typing import Any
 
 import pytest
 from ground_truth import Truth, hand_timed
-from IPython.utils.capture import capture_output
-
-import traceml_jupyter
-from traceml_jupyter.run import Run
+from helpers import run as run_cell
+from helpers import shell_fixture, traced_and_result
 
 SETUP = '''
 import time, torch, torch.nn as nn, torch.nn.functional as F
@@ -85,19 +83,10 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 TOLERANCE = 0.10
 
 
-def run(ip: Any, cell: str) -> Any:
-    with capture_output() as out:
-        result = ip.run_cell(textwrap.dedent(cell))
-    assert result.error_in_exec is None, out.stdout + out.stderr
-    result.out = out
-    return result
+run = partial(run_cell, check=True)
 
 
-def traced(ip: Any, cell: str, options: str = "--no-live") -> tuple[Run, Any]:
-    result = run(ip, f"%%traceml {options}\n" + textwrap.dedent(cell))
-    got = traceml_jupyter.last()
-    assert got is not None
-    return got, result
+traced = traced_and_result  # (the run, the cell's result)
 
 
 def plain(ip: Any, cell: str) -> Truth:
@@ -114,10 +103,7 @@ def verdict_for(share: float) -> str:
     return "INPUT-BOUND" if share >= 0.10 else "COMPUTE-BOUND"
 
 
-@pytest.fixture()
-def shell(ip: Any) -> Any:
-    run(ip, SETUP)
-    return ip
+shell = shell_fixture(SETUP)
 
 
 def test_the_mnist_example_layout_times_the_batches_inside_train(shell: Any) -> None:

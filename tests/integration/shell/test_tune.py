@@ -14,13 +14,13 @@ from __future__ import annotations
 import importlib
 import os
 import random
-import textwrap
 import time
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from helpers import run, shell_fixture
 from IPython.utils.capture import capture_output
 from tune_family import FAMILY, Case, per_step, run_case
 
@@ -107,11 +107,6 @@ class Buckets:
 '''
 
 
-def run(ip: Any, cell: str) -> Any:
-    with capture_output() as out:
-        result = ip.run_cell(textwrap.dedent(cell))
-    result.shown = out.stdout + "\n".join(o.data.get("text/plain", "") for o in out.outputs)
-    return result
 
 
 def child_pids() -> set[int]:
@@ -130,10 +125,7 @@ def child_pids() -> set[int]:
     return found
 
 
-@pytest.fixture()
-def shell(ip: Any) -> Any:
-    assert run(ip, SETUP).error_in_exec is None
-    return ip
+shell = shell_fixture(SETUP)
 
 
 @pytest.fixture()

@@ -7,13 +7,13 @@ pure parts (what a source is, the sentences)."""
 from __future__ import annotations
 
 import ast
-import textwrap
+from functools import partial
 from typing import Any
 
 import pytest
-from IPython.utils.capture import capture_output
+from helpers import shell_fixture
+from helpers import traced as traced_with
 
-import traceml_jupyter
 from traceml_jupyter.analysis.checklist import FIX, OK, Facts, evaluate
 from traceml_jupyter.analysis.data_sources import (
     DATALOADER_INPUT_NEXT,
@@ -73,20 +73,10 @@ TRAIN = """\
 DATALOADER_WORDS = ("DataLoader workers", "persistent workers", "pinned memory")
 
 
-def traced(ip: Any, cell: str) -> Any:
-    with capture_output() as out:
-        result = ip.run_cell("%%traceml --no-live\n" + textwrap.dedent(cell), store_history=True)
-    assert result.error_in_exec is None, out.stdout
-    run = traceml_jupyter.last()
-    assert run is not None
-    return run
+traced = partial(traced_with, store_history=True)
 
 
-@pytest.fixture()
-def shell(ip: Any) -> Any:
-    with capture_output():
-        assert ip.run_cell(SETUP, store_history=True).error_in_exec is None
-    return ip
+shell = shell_fixture(SETUP, store_history=True)
 
 
 def items_of(run: Any) -> dict[str, dict[str, Any]]:

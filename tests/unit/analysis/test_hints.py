@@ -8,7 +8,7 @@ import ast
 import textwrap
 from typing import Any
 
-from IPython.utils.capture import capture_output
+from helpers import run
 from synthetic import step_columns
 
 import traceml_jupyter
@@ -66,9 +66,7 @@ def test_only_the_deterministic_work_is_to_be_cached() -> None:
 
 
 def traced(ip: Any, cell: str) -> Any:
-    with capture_output():
-        result = ip.run_cell(textwrap.dedent(cell))
-    assert result.error_in_exec is None
+    run(ip, cell, check=True)
     return traceml_jupyter.last()
 
 

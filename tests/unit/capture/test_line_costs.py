@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from fake_gpu import FakeGpu, HostClock
-from IPython.utils.capture import capture_output
+from helpers import run
 
 import traceml_jupyter
 from traceml_jupyter.capture import line_costs as lc
@@ -302,9 +302,7 @@ def test_heat_scales_bars_to_the_costliest_line() -> None:
 
 
 def traced(ip: Any, cell: str) -> tuple[Any, Any]:
-    with capture_output():
-        result = ip.run_cell(textwrap.dedent(cell))
-    return result, traceml_jupyter.last()
+    return run(ip, cell), traceml_jupyter.last()
 
 
 @pytest.fixture()

@@ -11,11 +11,13 @@ import pickle
 import textwrap
 import threading
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from helpers import traced as traced_with
 from IPython.utils.capture import capture_output
 from torch import nn
 
@@ -39,13 +41,7 @@ class Sleepy(nn.Module):
         return self.fc(x)
 
 
-def traced(ip: Any, cell: str, options: str = "--no-live --lines off") -> Run:
-    with capture_output() as out:
-        result = ip.run_cell(f"%%traceml {options}\n" + textwrap.dedent(cell))
-    assert result.error_in_exec is None, out.stdout + out.stderr
-    run = traceml_jupyter.last()
-    assert run is not None
-    return run
+traced = partial(traced_with, options="--no-live --lines off")
 
 
 def parts(run: Run) -> dict[str, np.ndarray]:

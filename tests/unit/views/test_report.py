@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from html.parser import HTMLParser
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
-from fake_gpu import FakeGpu, FakeTensor, install_fake_cuda
+from fake_gpu import FakeGpu
+from helpers import gpu_fixture, shell_fixture
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
@@ -105,11 +105,7 @@ class Page(HTMLParser):
         return [e for e in self.by_class("tml-line") if e.attrs["title"].startswith(f"line {number}")][0]
 
 
-@pytest.fixture(scope="module")
-def shell(ip: Any) -> Any:
-    result = ip.run_cell(SETUP, store_history=True)
-    assert result.error_in_exec is None
-    return ip
+shell = shell_fixture(SETUP, store_history=True, scope="module")
 
 
 def run_cell(ip: Any, cell: str) -> tuple[Run, Page, Any]:
@@ -469,19 +465,13 @@ def test_heat_bars_on_cuda_are_gpu_time_with_the_host_time_under_them() -> None:
     assert line_bars(None, 8) == {} and line_bars({"statements": []}, 8) == {}
 
 
-@pytest.fixture()
-def gpu(ip: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
-    """Traced cells take the CUDA path on a stand-in GPU (tests/fake_gpu.py)."""
-    gpu = FakeGpu()
-    install_fake_cuda(monkeypatch, gpu)
-    ip.run_cell(
-        "import time\n"
-        "from fake_gpu import FakeTensor\n"
-        "pageable = [FakeTensor(20_000_000) for _ in range(30)]\n"
-        "small = [FakeTensor(400_000, pinned=True) for _ in range(30)]\n"
-    )
-    yield gpu
-    FakeTensor.gpu = None
+# Traced cells take the CUDA path on a stand-in GPU (tests/fake_gpu.py).
+gpu = gpu_fixture(
+    "import time\n"
+    "from fake_gpu import FakeTensor\n"
+    "pageable = [FakeTensor(20_000_000) for _ in range(30)]\n"
+    "small = [FakeTensor(400_000, pinned=True) for _ in range(30)]\n"
+)
 
 
 def facts_table(page: Page) -> dict[str, str]:
