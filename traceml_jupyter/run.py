@@ -269,7 +269,7 @@ class Run:
         capture = self._capture
         if capture is None or capture.thread != threading.get_ident():
             return None
-        return capture.model.current_step  # type: ignore[no-any-return]
+        return capture.current_step()  # type: ignore[no-any-return]
 
     def note_loop_iterable(self, iterable: Any) -> None:
         """After the located loop's first batch: how many iterations a pass has, if it says

@@ -55,6 +55,22 @@ class Recorder:
         if len(self._t0) >= CHUNK:
             self.fold()
 
+    def add_many(self, t0: np.ndarray, t1: np.ndarray, t2: np.ndarray) -> None:
+        """Several steps at once (int64 arrays, as `add` takes them one by one): the chunk is
+        folded where `add` would have folded it."""
+        done, n = 0, len(t0)
+        while done < n:
+            take = min(n - done, CHUNK - len(self._t0))
+            for col, values in ((self._t0, t0), (self._t1, t1), (self._t2, t2)):
+                col.frombytes(values[done : done + take].astype(np.int64, copy=False).tobytes())
+            if self.has_gpu:
+                nans = array("d", [NAN]) * take
+                self._gpu_wait.extend(nans)
+                self._gpu_compute.extend(nans)
+            done += take
+            if len(self._t0) >= CHUNK:
+                self.fold()
+
     def enable_gpu(self) -> None:
         """From now on steps can have GPU timings (add_gpu); earlier ones have none."""
         if not self.has_gpu:
