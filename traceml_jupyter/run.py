@@ -212,6 +212,7 @@ class Run:
         self._loader_infos: dict[Any, dict[str, Any]] = {}
         self._loader_twins: dict[Any, Any] = {}  # stand-ins of its DataLoaders (keep_training_loader)
         self._summary: dict[str, Any] | None = None
+        self._columns: dict[str, np.ndarray] | None = None  # once finished (each read is O(steps))
         self._verdict: Verdict | None = None
         # Optional watches (sync_stalls.GpuWatch, line_costs): per-step columns they measure,
         # aligned to the recorder's steps on demand, and the few facts the verdict quotes.
@@ -357,6 +358,15 @@ class Run:
     def columns(self) -> dict[str, np.ndarray]:
         """The recorder's kept steps, with the columns of the optional watches and the NVML
         samples (gpu_util_pct, gpu_mem_used_mib) placed on the same steps."""
+        if self._columns is not None and self.finished:
+            return dict(self._columns)
+        cols = self._read_columns()
+        if self.finished:
+            self._columns = cols
+            return dict(cols)
+        return cols
+
+    def _read_columns(self) -> dict[str, np.ndarray]:
         cols = self.recorder.columns()
         for name, column in self.extra_columns.items():
             cols[name] = column(cols["step"])
@@ -378,7 +388,7 @@ class Run:
     @gpu_samples.setter
     def gpu_samples(self, samples: dict[str, Any] | None) -> None:
         self._gpu_samples = samples
-        self._summary, self._verdict = None, None
+        self._summary, self._verdict, self._columns = None, None, None
 
     def _analysis(self) -> tuple[dict[str, Any], Verdict]:
         if self._summary is None or self._verdict is None or not self.finished:

@@ -149,15 +149,19 @@ class LineClock:
         return self.take(1)[0]
 
     def take(self, limit: int) -> tuple[bool, int]:
-        """The next steps that share one answer: (timed or not, how many, at most `limit`).
-        The capture sets the flag once for all of them."""
+        """The next steps that share one answer: (timed or not, how many: 1 to `limit`). The
+        capture sets the flag once for all of them."""
         i, full, every = self.position, self.full, self.every
-        if i < full or (i - full) % every == 0:  # timed
-            n = limit if every == 1 else (full + 1 - i if i < full else 1)
-            on = True
+        if i < full:
+            on, n = True, (limit if every == 1 else full + 1 - i)
         else:
-            n, on = every - (i - full) % every, False
-        n = max(1, min(n, limit))
+            r = (i - full) % every
+            if r:
+                on, n = False, every - r
+            else:
+                on, n = True, (limit if every == 1 else 1)
+        if n > limit:
+            n = limit
         self.position = i + n
         return on, n
 

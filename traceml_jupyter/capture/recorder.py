@@ -169,6 +169,21 @@ class Recorder:
             np.concatenate([k_gpu, gpu[:, sel]], axis=1),
         )
 
+    def means_from(self, first: int) -> tuple[float | None, float | None]:
+        """Mean step_ms and data_wait_ms of the kept steps from index `first` on, as `columns()`
+        gives them, without building every column (None: no such step)."""
+        k_steps, k_t, _ = self._kept()
+        t, _ = self._chunk_raw()
+        sel = slice((-self._base) % self._stride, None, self._stride)
+        steps = np.concatenate([k_steps, np.arange(self._base, self.n_steps, dtype=np.int64)[sel]])
+        raw = np.concatenate([k_t, t[:, sel]], axis=1)
+        analysed = steps >= first
+        if not analysed.any():
+            return None, None
+        step = ((raw[2] - raw[0]) / 1e6)[analysed]
+        wait = ((raw[1] - raw[0]) / 1e6)[analysed]
+        return float(np.mean(step)), float(np.mean(wait))
+
     def tail(self, n: int) -> dict[str, np.ndarray]:
         """The last `n` steps, exact within the chunk (for the live view)."""
         have = len(self._t0)

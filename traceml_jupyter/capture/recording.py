@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 DECIDE_STEPS = 3  # the loop's device is decided from the allocations of its first steps
 MAX_PASS_STARTS = 1 << 16
 MAX_PENDING = 4096  # step ends (and other hooks' stamps) held before a replay: bounded memory
-MIN_BUDGET = 4  # fewer step ends before a sampled step: report each event at once
+MIN_BUDGET = 2  # fewer step ends before a sampled step: report each event at once
 _CAPTURES = cuda_graphs._STATE  # CUDA graph captures under way (read on the training-event path)
 _tokens = iter(range(1, 1 << 62))
 
@@ -106,8 +106,8 @@ class Capture:
         self._own_ns = 0  # our GPU bookkeeping's host time in the open step (the GPU watch sums it)
         # The per-step path (stamps.py): while `deferred`, the hooks stamp instead of reporting;
         # `room` is how many step ends their stamps may still hold (each hook takes what it can
-        # end) and `_loop_room` the located loop's iterations, so that a sampled step is never
-        # missed; `due` is the run's next tick.
+        # end) and `_loop_room` the located loop's iterations not yet granted to it, so that a
+        # sampled step is never missed; `due` is the run's next tick.
         self.stamps = Stamps()
         self.deferred = False
         self.room = 0
@@ -219,35 +219,37 @@ class Capture:
         """After a fetch of the located loop gave its batch (at t): set the line flag for the
         iterations to come, and say how many of the next fetches may be stamped before the
         capture looks again (0: report each one now) and until when. `left`: fetches granted
-        before that did not run (the capture looks earlier: a tick is due)."""
+        that did not run (a tick is due before them)."""
+        stamps = self.stamps
+        if not left and t < self.due and self.deferred and self.room >= 0 and stamps.writer is pass_:
+            loop_room = self._loop_room
+            if loop_room > 0:  # the line flag's next run only: the per-step path's one call
+                lines = self.lines
+                if lines is None:
+                    self._loop_room = 0
+                    return loop_room, self.due
+                on, n = lines.take(loop_room)
+                hooks.lines.on = on
+                self._loop_room = loop_room - n
+                return n, self.due
+        return self._look_again(t, left, pass_)
+
+    def _look_again(self, t: int, left: int, pass_: Pass) -> tuple[int, int]:
+        """`_settle_loop` when the stamps are due: replay them, tick if due, grant again."""
         lines, stamps = self.lines, self.stamps
         if left and lines is not None:
             lines.untake(left)
-        loop_left = self._loop_room - (len(stamps.loop) + 1) // 2
-        if (
-            t < self.due
-            and loop_left > 0
-            and self.deferred
-            and stamps.writer is pass_
-            and self.room >= 0
-            and len(stamps.events) < MAX_PENDING
-        ):  # the line flag's next run only
-            if lines is None:
-                return loop_left, self.due
-            on, n = lines.take(loop_left)
-            hooks.lines.on = on
-            return n, self.due
-        began = perf_counter_ns()
+        began, kept_out = perf_counter_ns(), self.model.kept_out_ns
         worked = stamps.pending()
         self.flush()
-        if t >= self.run._next_tick and self.model.recorder.n_steps:  # the views start with a step
+        if self._tick_due(t):
             self._tick(t)
             worked = True
         budget = self._budget()
         k = 0
         if budget >= MIN_BUDGET:
             room = budget // 2 if self._events_seen else 0
-            self._loop_room = k = budget - room
+            k = budget - room
             self._defer(room)
             stamps.writer = pass_
         else:
@@ -256,9 +258,11 @@ class Capture:
         if lines is not None:
             on, n = lines.take(k or 1)
             hooks.lines.on = on
-            k = n if k else 0
-        if worked:  # our own time (the replay, the views) is no step's
-            self.model.exclude_time(perf_counter_ns() - began)
+            k, self._loop_room = (n, k - n) if k else (0, 0)
+        else:
+            self._loop_room = 0
+        if worked:
+            self._own_time(began, kept_out)
         return k, self.due
 
     def aloop(self, iterable: AsyncIterable[Any]) -> AsyncIterator[Any]:
@@ -538,7 +542,8 @@ class Capture:
             return 0
         if self._live_loops > 1:
             return 0
-        budget = self.model.sample_in - 2  # the step that arms the sampler ends when reported
+        # The step end that arms the sampler may be stamped only as the last one before a look.
+        budget = self.model.sample_in - (1 if self._events_seen else 0)
         return min(budget, MAX_PENDING)
 
     def _defer(self, room: int) -> None:
@@ -573,12 +578,26 @@ class Capture:
 
     def _settle(self, t: int) -> None:
         """A hook's stamps are due (its room is used up, or a tick is): replay, tick, grant."""
-        began = perf_counter_ns()
+        began, kept_out = perf_counter_ns(), self.model.kept_out_ns
         self.flush()
-        if t >= self.run._next_tick and self.model.recorder.n_steps:
+        if self._tick_due(t):
             self._tick(t)
         self._grant()
-        self.model.exclude_time(perf_counter_ns() - began)  # our own time is no step's
+        self._own_time(began, kept_out)
+
+    def _own_time(self, began: int, kept_out: int) -> None:
+        """Our own time since `began` (the replay, the views) is no step's: kept out of the open
+        step, less what was kept out meanwhile (a sampled step's bookkeeping keeps out its own)."""
+        model = self.model
+        ns = perf_counter_ns() - began - (model.kept_out_ns - kept_out)
+        if ns > 0:
+            model.exclude_time(ns)
+
+    def _tick_due(self, t: int) -> bool:
+        """The run's views are due and no step end tells them (the model is silent while the
+        hooks stamp: its steps close in a replay). They start with a step."""
+        model = self.model
+        return t >= self.run._next_tick and not model.notify_every_step and model.recorder.n_steps > 0
 
     def _tick(self, t: int) -> None:
         run = self.run
@@ -598,7 +617,10 @@ class Capture:
         run = self.run
         if t >= run._next_tick:
             self._tick(t)
-            self.model.exclude_time(perf_counter_ns() - t)  # the view's own time is nobody's step
+            # The view's own time is nobody's step (what the sampler kept out of it is its own).
+            ns = perf_counter_ns() - t - self.model.excluded
+            if ns > 0:
+                self.model.exclude_time(ns)
             if self.cuda is not None and not cuda_graphs.capturing():
                 try:
                     self.cuda.open(run.recorder.n_steps)

@@ -90,13 +90,18 @@ class Stamps:
             model.in_iteration = True
             self._open = None
             i += 1
-        pairs = (end - i) // 2
-        if pairs >= BULK:
-            both = np.fromiter(loop[i : i + 2 * pairs], dtype=np.int64, count=2 * pairs)
-            if model.iterations(both[0::2], both[1::2], writer):
-                i += 2 * pairs
         stack = model._stack
+        bulk = True
         while i < end:
+            # In bulk while the model is steady, up to the step that calls the sampler (that
+            # one by itself, below).
+            pairs = min((end - i) // 2, model.sample_in - 1)
+            if bulk and pairs >= BULK and model.start is not None and model.steady(writer):
+                both = np.fromiter(loop[i : i + 2 * pairs], dtype=np.int64, count=2 * pairs)
+                if model.iterations(both[0::2], both[1::2], writer):
+                    i += 2 * pairs
+                    continue
+                bulk = False  # a listener to call at each step: one by one
             s = loop[i]
             model.iteration_end(s)
             stack.append(0)

@@ -117,6 +117,7 @@ class StepModel:
     sources: dict[Hashable, Source] = field(default_factory=dict)
     open_passes: list[Pass] = field(default_factory=list)  # unclassified passes with a fetch
     spans: list[Span] = field(default_factory=list)  # phases kept out of the open step
+    kept_out_ns: int = 0  # all the time `exclude_time` kept out (so that no time is kept out twice)
     # Listeners (the capture): a step closed (its end, the serial number of the first fetch that
     # is not its own; its index is the recorder's last); the last n closed steps were merged into
     # the open one; a phase was kept out of the open step.
@@ -357,13 +358,8 @@ class StepModel:
         start = self.start
         if (
             not m
-            or self.level != ITERATION
             or start is None
-            or not pass_.trained
-            or self.deferred is not None
-            or self.open_passes
-            or self._stack
-            or self._outer_passes
+            or not self.steady(pass_)
             or self.sample_in <= m
             or (self.on_step is not None and (self.notify_every_step or int(starts[-1]) >= self.notify_from))
         ):
@@ -391,6 +387,18 @@ class StepModel:
         if self.spans:
             self.spans.clear()
         return True
+
+    def steady(self, pass_: Pass) -> bool:
+        """Iterations of the located loop over `pass_` can go in bulk (`iterations`): they are
+        the steps, and nothing waits to be classified."""
+        return (
+            self.level == ITERATION
+            and pass_.trained
+            and self.deferred is None
+            and not self.open_passes
+            and not self._stack
+            and not self._outer_passes
+        )
 
     def fetch_started(self, source: Source, t0: int) -> bool:
         """A DataLoader fetch outside any other fetch begins: at the fetch level (no loop and no
@@ -469,6 +477,7 @@ class StepModel:
     def exclude_time(self, ns: int) -> None:
         """Time in the open step that is nobody's (the live view's own refresh)."""
         self.excluded += ns
+        self.kept_out_ns += ns
 
     # -- the end ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -479,6 +488,13 @@ class StepModel:
             self.open_passes.remove(p)
             self._train(p)
         self.deferred = None
+        primary = self.primary
+        if self.level == FETCH and primary is not None and not (primary.batches or primary.phase_batches):
+            # Steps between fetches of a DataLoader that never gave a batch (an empty one, a
+            # first fetch that raised) are no steps: what `iter()` took is all they held.
+            closed = self.recorder.n_steps - self.steps_at_start
+            if 0 < closed <= MERGE_MAX and self.recorder.pop_tail(closed) is not None:
+                self.level, self.primary, self.start = NONE, None, None
 
     @property
     def current_step(self) -> int | None:
