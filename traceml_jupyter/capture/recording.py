@@ -115,6 +115,12 @@ class Capture:
         self._loop_room = 0
         self._live_loops = 0  # passes of located loops under way (stamped only when one)
         self._events_seen = False  # hooks other than the loop's stamped since the loop last looked
+        # What a stamped event can end, from the model as it was when the hooks began stamping
+        # (`_defer`): its level (steps only get stronger), whether the first event of that level
+        # in an iteration's body ends no step (`_ends_no_step`), and where the last one was.
+        self._level = 0
+        self._level_free = False
+        self._level_pos = -1
         self._call_sources: dict[int, Source] = {}
         self._optimizer_calls: list[tuple[Any, Any]] = []  # optimizer steps under way: (optimizer, frame)
         self._broken = False  # the replay failed once: every event is reported at once
@@ -248,9 +254,9 @@ class Capture:
         budget = self._budget()
         k = 0
         if budget >= MIN_BUDGET:
-            room = budget // 2 if self._events_seen else 0
+            room = budget // 4 if self._events_seen else 0
             k = budget - room
-            self._defer(room)
+            self._defer(room, loop=True)
             stamps.writer = pass_
         else:
             self._report_now()
@@ -343,18 +349,19 @@ class Capture:
         clock = perf_counter_ns
         if self.deferred and source.batch_kind is not None:  # stamped (stamps.py)
             stamps = self.stamps
-            events = stamps.events
+            events, refs = stamps.events, stamps.refs
             t0 = clock()
-            events.append((len(stamps.loop), CALL_START, t0, source))
+            events += (len(stamps.loop) << 3 | CALL_START, t0)
+            refs.append(source)
             try:
                 item = func(*args, **kwargs)
             except BaseException:
                 self._stamped_fetch_failed(t0, clock(), source, None)
                 raise
             t1 = clock()
-            events.append((len(stamps.loop), CALL_END, t1, source))
-            self.room -= 1
-            if self.room < 0 or t1 >= self.due:
+            events += (len(stamps.loop) << 3 | CALL_END, t1)
+            refs.append(source)
+            if t1 >= self.due:
                 self._settle(t1)
             return item
         self._fetch_begin()
@@ -416,9 +423,10 @@ class Capture:
         if pass_ is not None and self.deferred and pass_.source.batch_kind is not None:  # stamped
             clock = perf_counter_ns
             stamps = self.stamps
-            events = stamps.events
+            events, refs = stamps.events, stamps.refs
             t0 = clock()
-            events.append((len(stamps.loop), FETCH_START, t0, pass_))
+            events += (len(stamps.loop) << 3 | FETCH_START, t0)
+            refs.append(pass_)
             try:
                 item = original(it)
             except BaseException as exc:
@@ -428,8 +436,10 @@ class Capture:
                     self._iter_passes.pop(id(it), None)
                 raise
             t1 = clock()
-            events.append((len(stamps.loop), FETCH_END, t1, pass_))
-            self.room -= 1  # its start may end a step (steps are DataLoader fetches)
+            events += (len(stamps.loop) << 3 | FETCH_END, t1)
+            refs.append(pass_)
+            if self._level <= FETCH:
+                self.room -= 1  # its start ends a step (steps are DataLoader fetches)
             if self.room < 0 or t1 >= self.due:
                 self._settle(t1)
             return item
@@ -483,28 +493,38 @@ class Capture:
     # -- training events --------------------------------------------------------------------------
     def training_event(self, level: int, optimizer: Any = None) -> None:
         t = perf_counter_ns()
+        if self.deferred and not _CAPTURES.active:  # stamped (stamps.py)
+            stamps = self.stamps
+            pos = len(stamps.loop)
+            if level == BACKWARD:
+                self.backward_seen = True
+                kind = BACKWARD_DONE
+            else:
+                if self.optimizer_name is None:
+                    self.optimizer_name = type_name(optimizer)
+                # which optimizer is the first is known now (the first one alive now)
+                kind = FIRST_STEP if self.model._is_first_optimizer(optimizer) else OTHER_STEP
+            stamps.events += (pos << 3 | kind, t)
+            stamps.refs.append(None)
+            if kind != OTHER_STEP and level >= self._level:  # it may end steps (another optimizer never)
+                if level > self._level:
+                    self._level_free = False
+                    self.room -= 2  # a stronger kind of step: merges, then ends two at most
+                elif not self._ends_no_step(pos):
+                    self.room -= 2  # a step ends here, two when it is the iteration's second
+            if self.room < 0 or t >= self.due:
+                self._settle(t)
+            return
         if level == OPTIMIZER and self.optimizer_name is None:
             self.optimizer_name = type_name(optimizer)
         elif level == BACKWARD:
             self.backward_seen = True
         if _CAPTURES.active and self.graphs.held(level, optimizer):
             return  # recorded into a CUDA graph, not run: it ends no step (its replays do)
-        model = self.model
-        if self.deferred:  # stamped (stamps.py); which optimizer is the first is known now
-            if level == BACKWARD:
-                kind = BACKWARD_DONE
-            else:
-                kind = FIRST_STEP if model._is_first_optimizer(optimizer) else OTHER_STEP
-            stamps = self.stamps
-            stamps.events.append((len(stamps.loop), kind, t, None))
-            self.room -= 2  # a training event ends two steps at most
-            if self.room < 0 or t >= self.due:
-                self._settle(t)
-            return
         self.flush()
         if self._deciding:
             self.work.look("work queued when a training event ended")
-        model.training_event(level, t, optimizer)
+        self.model.training_event(level, t, optimizer)
 
     def _graph_replayed(self, level: int | None, optimizer: Any) -> None:
         """A CUDA graph replayed on the loop's thread: work launched on the current device, and
@@ -528,6 +548,8 @@ class Capture:
             self._events_seen = True
         try:
             stamps.replay(self.model)
+            # pos restarts at 0: an event of the steps' kind already held in this iteration?
+            self._level_pos = 0 if self.model.deferred is not None else -1
         except Exception as exc:  # ours: never raised into the user's loop
             stamps.discard()
             self.run.notes.append(f"traceml failed replaying the steps' stamps: {type(exc).__name__}: {exc}")
@@ -546,12 +568,27 @@ class Capture:
         budget = self.model.sample_in - (1 if self._events_seen else 0)
         return min(budget, MAX_PENDING)
 
-    def _defer(self, room: int) -> None:
-        """From now on the hooks stamp, until they have stamped `room` step ends."""
+    def _defer(self, room: int, loop: bool) -> None:
+        """From now on the hooks stamp, until they have stamped `room` step ends (`loop`: in
+        the located loop's iterations, which the loop counts itself)."""
+        model = self.model
         self.deferred = True
         self.room = room
-        self.model.notify_every_step = False  # the ticks are the stamps' (no step end is heard)
-        self.model.notify_from = NEVER
+        self._level = model.level
+        self._level_free = loop and model.iterations_are_steps and model.level >= BACKWARD
+        self._level_pos = 0 if model.deferred is not None else -1
+        model.notify_every_step = False  # the ticks are the stamps' (no step end is heard)
+        model.notify_from = NEVER
+
+    def _ends_no_step(self, pos: int) -> bool:
+        """A training event of the steps' own kind at `pos` among the loop's stamps: True when
+        it only marks its iteration's step, which the iteration's end ends (it is the first
+        such event in the body of an iteration of the located loop, and steps are iterations)."""
+        if not self._level_free or (pos + (self.stamps._open is not None)) & 1 or pos == self._level_pos:
+            self._level_free = False
+            return False
+        self._level_pos = pos
+        return True
 
     def _report_now(self) -> None:
         """From now on each event is reported when it happens, and each step end is heard."""
@@ -567,7 +604,7 @@ class Capture:
             return
         budget = self._budget()
         if budget >= MIN_BUDGET:
-            self._defer(budget)
+            self._defer(budget, loop=False)
         else:
             self._report_now()
 
@@ -577,13 +614,17 @@ class Capture:
         self.room = 0
 
     def _settle(self, t: int) -> None:
-        """A hook's stamps are due (its room is used up, or a tick is): replay, tick, grant."""
+        """A hook's stamps are due (its room is used up, or a tick is): replay, tick, grant.
+        Inside another fetch (a DataLoader's inside the loop's `next()`) our time is that
+        fetch's wait: no tick there, and nothing kept out of the step."""
         began, kept_out = perf_counter_ns(), self.model.kept_out_ns
         self.flush()
-        if self._tick_due(t):
+        outside = not self.model._stack
+        if outside and self._tick_due(t):
             self._tick(t)
         self._grant()
-        self._own_time(began, kept_out)
+        if outside:
+            self._own_time(began, kept_out)
 
     def _own_time(self, began: int, kept_out: int) -> None:
         """Our own time since `began` (the replay, the views) is no step's: kept out of the open

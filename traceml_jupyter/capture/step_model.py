@@ -391,10 +391,16 @@ class StepModel:
     def steady(self, pass_: Pass) -> bool:
         """Iterations of the located loop over `pass_` can go in bulk (`iterations`): they are
         the steps, and nothing waits to be classified."""
+        return self.level == ITERATION and self.deferred is None and self.settled(pass_)
+
+    def settled(self, pass_: Pass) -> bool:
+        """Steps end at iterations of the located loop over `pass_` or at the training events
+        of the steps' kind held by them, and nothing waits to be classified (stamps.py replays
+        such iterations in bulk)."""
         return (
-            self.level == ITERATION
+            self.level >= ITERATION
+            and self.iterations_are_steps
             and pass_.trained
-            and self.deferred is None
             and not self.open_passes
             and not self._stack
             and not self._outer_passes
