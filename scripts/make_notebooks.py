@@ -157,7 +157,8 @@ How many workers does this loader need? `%traceml tune` answers in seconds, with
 it iterates the loader alone (no model, no optimizer) at `num_workers=0, 1, 2, ...`, measures
 the batches a second each setting makes, and sets them against the rate at which the model
 took batches in the run above. The smallest setting that makes batches 1.2x faster than the
-model takes them keeps it fed; the step is then the compute alone, and the speed-up follows.
+model takes them keeps it fed; the step is then the compute plus what taking each batch from
+the workers costs the training process (tune times that too), and the speed-up follows.
 It measures each setting for a few seconds and stops at its budget (here 15 s, by default
 30 s); the chart fills in as it goes.
 """,
@@ -203,7 +204,9 @@ they stay alive between epochs (`persistent_workers=True`), and on a GPU batches
 **at least {FIXED_SPEEDUP:g}x faster** than the slow one, with most of its data wait gone
 (COMPUTE-BOUND). On a busy machine the workers can still fall behind now and then; the
 verdict then names what is left: a smaller INPUT-BOUND share, or a few stalls (INPUT
-STRAGGLER).
+STRAGGLER). On a machine with few cores the workers also take CPU from the model: the
+comparison then says MIXED — faster, but compute slower — which is the price of the fix
+(the Resources part of the report shows the cores it uses).
 """,
             ),
             ("code", "%traceml compare slow fixed"),

@@ -23,6 +23,21 @@ def ip() -> Any:
     return shell
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread for a module's tests (`pytestmark = pytest.mark.usefixtures(...)`):
+    on a shared 2-core machine, two OpenMP threads slow a step up to 10x whenever another
+    process takes a core, which no verdict margin survives; one thread is slowed 2x at most."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_behind() -> Iterator[None]:
     iter_before = DataLoader.__dict__["__iter__"]

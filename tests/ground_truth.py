@@ -60,6 +60,32 @@ class Truth:
             shares.append(wait / (b - a - span))
         return statistics.median(shares[skip:])
 
+    def passes(self, key: Any) -> list[tuple[float, float, float]]:
+        """Each pass over `key`: (start, end, time in its fetches), a pass being its fetches
+        with no other loader's fetch and no optimizer step between them (its last fetch is the
+        one that raised StopIteration)."""
+        events = sorted(
+            [(t0, t1, k == key) for k, t0, t1 in self.fetches] + [(t, t, False) for _, t in self.steps]
+        )
+        out: list[tuple[float, float, float]] = []
+        current: list[float] | None = None
+        for t0, t1, mine in events:
+            if mine:
+                current = [t0, t1, 0.0] if current is None else current
+                current[1] = t1
+                current[2] += t1 - t0
+            elif current is not None:
+                out.append((current[0], current[1], current[2]))
+                current = None
+        if current is not None:
+            out.append((current[0], current[1], current[2]))
+        return out
+
+    def span(self) -> float:
+        """From the first fetch or step to the last."""
+        times = [t for _, t0, t1 in self.fetches for t in (t0, t1)] + [t for _, t in self.steps]
+        return max(times) - min(times)
+
     def total(self, key: Any) -> float:
         return sum(t1 - t0 for k, t0, t1 in self.fetches if k == key)
 

@@ -4,6 +4,8 @@ that outlives its cell, batches and lengths that lie or raise, `await`, syntax e
 
 from __future__ import annotations
 
+import re
+import sys
 import textwrap
 import threading
 from pathlib import Path
@@ -211,20 +213,62 @@ def shown_error(result: Any) -> str:
     return result.out.stdout + result.out.stderr
 
 
-@pytest.mark.parametrize(
-    ("body", "kind"),
-    [("x = (\ny = 1\n", "SyntaxError"), ("for x in [1]:\ny = 1\n", "IndentationError"), ("return 5\n", "SyntaxError")],
-)
-def test_syntax_errors_show_the_cells_line_as_a_plain_cell_does(ip: Any, body: str, kind: str) -> None:
+COMPILE_ERRORS = [
+    ("x = (\ny = 1\n", SyntaxError),
+    ("x = 1 +\n", SyntaxError),
+    ("for x in [1]:\ny = 1\n", IndentationError),
+    ("if True:\n        x = 1\n\ty = 2\n", TabError),
+    ("print('ran')\nreturn 5\n", SyntaxError),  # parses; compiling fails after line 1 ran
+    ("for i in range(2):\n    pass\nawait = 3\n", SyntaxError),
+]
+FIELDS = ("text", "offset", "end_offset")
+
+
+def one_line_down(msg: str) -> str:
+    """A message that quotes a line of the cell ("... after 'for' statement on line 1") quotes
+    it as the traced cell numbers it: one line down, under the %%traceml line."""
+    return re.sub(r"on line (\d+)", lambda m: f"on line {int(m.group(1)) + 1}", msg)
+
+
+@pytest.mark.parametrize(("body", "kind"), COMPILE_ERRORS, ids=lambda v: getattr(v, "__name__", None))
+def test_a_compile_error_is_the_plain_cells_error_object_field_by_field(ip: Any, body: str, kind: type) -> None:
     plain = run(ip, body)
-    traced = run(ip, "%%traceml\n" + body)  # one line down, under the %%traceml line
-    assert type(traced.error_in_exec).__name__ == kind
-    text = shown_error(traced)
-    for word in ("magic.py", "traced_cell.py", "interactiveshell.py", "run_cell_magic"):
-        assert word not in text
-    plain_err = plain.error_before_exec or plain.error_in_exec
-    assert plain_err is not None and f"line {plain_err.lineno + 1}" in text
-    assert kind in text
+    plain_err = plain.error_before_exec
+    assert type(plain_err) is kind and sys.last_value is plain_err
+    traced = run(ip, "%%traceml --no-live\n" + body)
+    err = traced.error_before_exec
+    assert type(err) is kind and traced.error_in_exec is None and sys.last_value is err
+    for field in FIELDS:
+        assert getattr(err, field) == getattr(plain_err, field), field
+    assert err.msg == one_line_down(plain_err.msg)
+    assert err.lineno == plain_err.lineno + 1 and err.end_lineno == plain_err.end_lineno + 1
+    assert str(err).startswith(f"{err.msg} (") and str(err).endswith(f", line {err.lineno})")
+    assert plain.out.stdout.count("ran") == traced.out.stdout.count("ran")  # the same lines ran
+    shown = shown_error(traced)
+    assert f"line {err.lineno}" in shown and f"{kind.__name__}: {err.msg}" in shown
+    for word in ("Traceback", "magic.py", "traced_cell.py", "interactiveshell.py", "run_cell_magic"):
+        assert word not in shown
+
+
+def test_a_compile_error_with_a_bad_option_is_the_options_usage_error(ip: Any) -> None:
+    r = run(ip, "%%traceml --budget 3\nx = (\n")
+    assert type(r.error_in_exec).__name__ == "UsageError" and "go with %traceml tune" in str(r.error_in_exec)
+
+
+def test_a_compile_error_through_run_cell_magic_carries_the_fields(ip: Any) -> None:
+    """Called from code, the magic raises its own error, shown as IPython shows a plain cell's,
+    with the SyntaxError's fields (lineno counting the %%traceml line as line 1)."""
+    plain = run(ip, "x = 1 +\n").error_before_exec
+    with pytest.raises(Exception) as info:
+        ip.run_cell_magic("traceml", "--no-live", "x = 1 +\n")
+    err = info.value
+    assert type(err).__name__ == "SyntaxError"
+    assert (err.msg, err.text, err.offset, err.lineno) == (
+        plain.msg,
+        plain.text,
+        plain.offset,
+        plain.lineno + 1,
+    )
 
 
 def test_a_failed_save_says_so_and_keeps_the_report_and_the_run(ip: Any, tmp_path: Path) -> None:

@@ -19,16 +19,7 @@ TEST_BATCHES = {"fast": 30, "slow": 15, "fixed": 15, "collate": 15, "spiky": 10,
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: on a shared 2-core machine, two OpenMP threads slow a step up to
-    10x whenever another process takes a core, which no verdict margin survives."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def traced(ip: Any, scenario: str) -> Run:

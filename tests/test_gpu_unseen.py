@@ -174,9 +174,9 @@ def test_a_cpu_loop_while_cuda_is_initialised_is_not_taken_in_silence(ip: Any, g
 
 
 GPU_BOUND = """\
-for batch in DataLoader(Slow(24, 0.5), batch_size=None):
+for batch in DataLoader(Slow(24, 0.1), batch_size=None):
     x = batch.to("cuda", non_blocking=True)
-    x.work(8.0)
+    x.work(16.0)
 """
 
 

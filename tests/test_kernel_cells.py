@@ -4,6 +4,7 @@ outlives its cell, and a cell that awaits (run on the kernel's own event loop)."
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -97,13 +98,30 @@ r = traceml_jupyter.last()
 print(json.dumps({"verdict": r.verdict, "steps": r.n_steps, "line": r.loader_site["line"],
                   "env": dict(os.environ) == env_before, "pids": [p["pid"] for p in r.processes],
                   "threads": [t.name for t in threading.enumerate() if t.name.startswith("traceml")]}))"""
+BROKEN = "x = 1 +"  # a compile error, plain and traced: the same error in the kernel's reply
+LAST_ERROR = """\
+import sys
+e = sys.last_value
+print(json.dumps([type(e).__name__, type(e) is SyntaxError, e.msg, e.lineno, e.offset, e.text]))"""
 
 
 def test_training_code_threads_and_awaiting_cells_in_a_real_kernel() -> None:
     ensure_python3_kernel()
     snapshot, script = SCRIPT.split("%%traceml", 1)
-    nb = notebook(SETUP, MNIST, THREAD, AWAIT, FACTS, snapshot.strip(), "%%traceml" + script, SCRIPT_FACTS)
+    nb = notebook(
+        SETUP, MNIST, THREAD, AWAIT, FACTS, snapshot.strip(), "%%traceml" + script, SCRIPT_FACTS,
+        BROKEN, "%%traceml\n" + BROKEN, LAST_ERROR,
+    )
+    for cell in nb.cells[8:10]:
+        cell.metadata["tags"] = ["raises-exception"]
     nbclient.NotebookClient(nb, timeout=120, startup_timeout=60, kernel_name=KERNEL_NAME).execute()
+    [plain], [traced] = ([o for o in c.outputs if o.get("output_type") == "error"] for c in nb.cells[8:10])
+    assert traced["ename"] == plain["ename"] == "SyntaxError"
+    plain_msg, plain_line = re.fullmatch(r"(.*) \(.*, line (\d+)\)", plain["evalue"]).groups()  # type: ignore[union-attr]
+    msg, line = re.fullmatch(r"(.*) \(.*, line (\d+)\)", traced["evalue"]).groups()  # type: ignore[union-attr]
+    assert msg == plain_msg == "invalid syntax" and int(line) == int(plain_line) + 1
+    last = json.loads(next(o["text"] for o in nb.cells[10].outputs if o.get("name") == "stdout"))
+    assert last == ["SyntaxError", True, "invalid syntax", int(line), 8, "x = 1 +\n"]
     facts: dict[str, Any] = json.loads(
         next(o["text"] for o in nb.cells[4].outputs if o.get("name") == "stdout").strip().splitlines()[-1]
     )
@@ -114,7 +132,7 @@ def test_training_code_threads_and_awaiting_cells_in_a_real_kernel() -> None:
         [o.get("data", {}) for o in nb.cells[1].outputs]
     )
     assert "optimizer.step()" in text and "test:" in text
-    outputs = [o for cell in nb.cells for o in cell.outputs]
+    outputs = [o for cell in nb.cells[:8] for o in cell.outputs]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     script = json.loads(next(o["text"] for o in nb.cells[7].outputs if o.get("name") == "stdout").strip())
     assert script["verdict"] == "INPUT-BOUND" and script["steps"] == 20 and len(script["pids"]) == 1

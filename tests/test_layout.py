@@ -108,7 +108,7 @@ def test_the_tree_reads_as_the_flow() -> None:
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
     assert top == [
         "__init__", "__main__", "async_cells", "cli", "demo", "history", "magic", "ranks", "run", "saved",
-        "traced_cell", "tracing", "tune",
+        "syntax_cells", "traced_cell", "tracing", "tune",
     ]
 
 

@@ -337,7 +337,7 @@ def test_save_writes_json_that_round_trips(shell: Any, tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     got = traceml_jupyter.last()
     assert got is not None
-    assert data["schema_version"] == 1 and data["verdict"]["label"] == got.verdict
+    assert data["schema_version"] == 2 and data["verdict"]["label"] == got.verdict
     assert data["summary"]["warmup_steps"] == 1 and data["summary"]["n_analysed"] == 5
     assert len(data["steps"]["data_wait_ms"]) == got.n_steps == 6
     assert data["steps"]["data_wait_gpu_ms"] == [None] * 6  # unmeasured is null, not 0

@@ -98,8 +98,9 @@ def test_the_dataloader_story_holds(tmp_path: Path) -> None:
     [text] = run_demo.comparisons(nb)
     lines = text.splitlines()
     assert lines[0] == "traceml compare: slow -> fixed"
-    # judged against the noise: the fix is an improvement whose interval excludes 1
-    found = re.match(r"  IMPROVEMENT: [\d.]+x faster \(95 % interval ([\d.]+)x to [\d.]+x\); ", lines[1])
+    # judged against the noise: the fix is faster with an interval that excludes 1 (MIXED when
+    # the workers slowed the model's compute on a machine with few cores: the notebook says so)
+    found = re.match(r"  (?:IMPROVEMENT|MIXED): [\d.]+x faster \(95 % interval ([\d.]+)x to [\d.]+x\)", lines[1])
     assert found is not None and float(found[1]) > 1.0, lines[1]
     assert "INPUT-BOUND -> " in lines[1] or "still INPUT-BOUND" in lines[1]
     rates = re.search(r"Throughput \(samples/s\)\s+([\d.]+)\s+([\d.]+)", text)

@@ -379,6 +379,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def test_a_report_is_printed_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks under torchrun share one stdout pipe; with PYTHONUNBUFFERED=1 print() writes a text
+    and its newline apart, and another rank's line could land between them, glued to the end
+    of this text (what once hid rank 1's RANKS line). One write is never split."""
+    from traceml_jupyter.views.display import print_whole
+
+    writes: list[str] = []
+
+    class Stream:
+        def write(self, text: str) -> None:
+            writes.append(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Stream())
+    print_whole("report\nlast line")
+    print("a line")  # what print() does here, for contrast
+    assert writes == ["report\nlast line\n", "a line", "\n"]
+
+
 def test_torchrun_ranks_gather_and_rank_0_prints_the_table() -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}

@@ -315,7 +315,9 @@ def test_a_run_traced_from_code_has_no_cell_pane() -> None:
             pass
     page = Page(render_html(run))
     assert "No cell source" in page.one("tml-code-pane").text
-    assert "tml-item-dataloader" in {c for e in page.by_class("tml-item") for c in e.classes}
+    # No DataLoader: the checklist speaks of what fed the steps (a list), not of loader settings.
+    assert "tml-item-data_source" in {c for e in page.by_class("tml-item") for c in e.classes}
+    assert run.summary["data_source_type"] == "list"
 
 
 def test_gpu_utilisation_from_nvml_samples_or_why_not() -> None:

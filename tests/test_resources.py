@@ -98,7 +98,7 @@ def test_workers_that_burn_every_core_saturate_the_cpu_and_get_no_more_workers(s
     got = traceml_jupyter.last()
     assert got is not None and got.verdict == "INPUT-BOUND"
     s = got.summary
-    assert s["cpu_saturated"] is True, {k: s[k] for k in s if k.startswith("cpu")}
+    assert s["cpu_saturated"] is True, str({k: s[k] for k in s if k.startswith("cpu")})
     assert s["cpu_usable_cores"] == 2 and s["workers_seen"] == 2
     assert s["cpu_workers_running"] >= 0.5  # the workers compute (running or waiting for a CPU)
     labels = [f["label"] for f in s["resource_findings"]]
@@ -329,7 +329,12 @@ def cpu(h: dict[str, Any]) -> dict[str, Any]:
 
 def test_cpu_saturated_when_the_process_and_its_workers_use_every_core() -> None:
     assert cpu(host((0.2, 1.6), 1.85, 0.9))["cpu_saturated"] is True
-    assert cpu(host((0.2, 1.5), 1.75, 0.9))["cpu_saturated"] is False  # 1.7 of 2: a core's room
+    # 0.25 core idle, each computing worker uses 0.75: another worker finds no CPU to run on.
+    assert cpu(host((0.2, 1.5), 1.75, 0.9))["cpu_saturated"] is True
+    # 1 core idle, each worker uses 0.3: room for 3 more.
+    assert cpu(host((0.2, 0.6), 1.0, 0.9))["cpu_saturated"] is False
+    # 1.7 of 2 busy, but the workers mostly sleep: they wait, more of them overlap more waiting.
+    assert cpu(host((0.2, 1.5), 1.75, 0.2))["cpu_saturated"] is False
     # A machine busy with others: our computing workers get their share, no idle core is left.
     loaded = cpu(host((0.3, 0.6), 2.0, 0.9))
     assert loaded["cpu_saturated"] is True and ("CPU SATURATED", "warn") in labels(loaded)

@@ -332,11 +332,16 @@ def iter_timed(truth: Truth) -> Iterator[None]:
 
 
 def start_up_waits(truth: Truth, key: Any) -> list[float]:
-    """Each epoch's hand-timed wait before its first batch (ms): iter() and the first next()
+    """Each epoch's hand-timed wait before its first batch (ms): the previous epoch's last
+    next() (the StopIteration, where its workers are shut down), iter() and the first next()
     (an epoch: iter(), 4 batches, the StopIteration)."""
     iters = sorted((t0, t1) for k, t0, t1 in truth.fetches if k == "iter")
     nexts = sorted((t0, t1) for k, t0, t1 in truth.fetches if k == key)
-    return [((a1 - a0) + (n1 - n0)) * 1e3 for (a0, a1), (n0, n1) in zip(iters, nexts[::5], strict=False)]
+    stops = [(0.0, 0.0)] + nexts[4::5]
+    return [
+        ((s1 - s0) + (a1 - a0) + (n1 - n0)) * 1e3
+        for (s0, s1), (a0, a1), (n0, n1) in zip(stops, iters, nexts[::5], strict=False)
+    ]
 
 
 def test_epochs_whose_workers_restart_report_their_start_up_and_persistent_ones_do_not(shell: Any) -> None:

@@ -34,22 +34,27 @@ if TYPE_CHECKING:
 def load_ipython_extension(ipython: Any) -> None:
     from .async_cells import route_async_cells
     from .magic import TraceMLMagics, import_views_when_idle
+    from .syntax_cells import route_syntax_errors
 
     ipython.register_magics(TraceMLMagics)
     import_views_when_idle(ipython)
     cleanup = getattr(ipython, "input_transformers_cleanup", None)
     if isinstance(cleanup, list) and route_async_cells not in cleanup:
         cleanup.append(route_async_cells)  # cells that await run on IPython's event loop
+    if isinstance(cleanup, list) and route_syntax_errors not in cleanup:
+        cleanup.append(route_syntax_errors)  # cells that do not compile fail as plain cells
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     ipython.magics_manager.magics["cell"].pop("traceml", None)
     ipython.magics_manager.magics["line"].pop("traceml", None)
     from .async_cells import route_async_cells
+    from .syntax_cells import route_syntax_errors
 
     cleanup = getattr(ipython, "input_transformers_cleanup", None)
-    if isinstance(cleanup, list) and route_async_cells in cleanup:
-        cleanup.remove(route_async_cells)
+    for transformer in (route_async_cells, route_syntax_errors):
+        if isinstance(cleanup, list) and transformer in cleanup:
+            cleanup.remove(transformer)
 
 
 def last() -> Run | None:

@@ -27,7 +27,7 @@ from .capture.recorder import Recorder
 if TYPE_CHECKING:
     import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added, all nullable: the cell, the machine, resources, parts, GPU graphs
 REFRESH_NS = 250_000_000  # observers (the live view) run at most 4 times a second
 
 Observer = Callable[["Run"], None]
@@ -185,6 +185,9 @@ class Run:
         self.loop_where: str | None = None  # "this cell", "function train (cell In[3])", ...
         self.loop_is_range = False  # the located loop iterates range(...): its items are no batches
         self.loop_cell_source: str | None = None  # the cell of the function holding the loop
+        self.loop_iter_text: str | None = None  # the located loop's iterable as written: `slow()`
+        self.loop_iterable_type: str | None = None  # what it was when it ran: "generator", ...
+        self.fetch_calls: dict[int, str] = {}  # the loop body's fetch calls by line: get_batch(...)
         self.model_compiled = False  # a torch.compile'd module is in the namespace
         self.cell_source: str | None = None
         self.cell_filename: str | None = None
@@ -197,6 +200,9 @@ class Run:
         self.sources: list[dict[str, Any]] = []  # where batches came from (per loader)
         self.phases: list[dict[str, Any]] = []  # passes kept out of the steps (validation...)
         self.wall_ms: float | None = None  # the whole capture (the cell), for phase shares
+        self.process_cpu_ms: float | None = None  # the process's CPU time (all threads) meanwhile
+        self.thread_cpu_ms: float | None = None  # the training thread's CPU time (Linux)
+        self.thread_wait_ms: float | None = None  # ... and its time ready but waiting for a core
         self.notes: list[str] = []
         self.error: str | None = None
         self.error_before_first_step = False
@@ -275,7 +281,10 @@ class Run:
     def note_loop_iterable(self, iterable: Any) -> None:
         """After the located loop's first batch: how many iterations a pass has, if it says
         (else the length of the DataLoader it iterates: `enumerate(loader)`, `tqdm(loader)`)."""
+        from .capture.sources import loop_iterable_type
+
         self.expected_steps = safe_len(iterable)
+        self.loop_iterable_type = loop_iterable_type(iterable)
         if self.expected_steps is None and self._loader_infos:
             self.expected_steps = list(self._loader_infos.values())[-1].get("len")
 
@@ -419,6 +428,8 @@ class Run:
             "batches_per_step": self.batches_per_step,
             "data_source": training.get("label") if training else None,
             "data_source_kind": training.get("kind") if training else None,
+            "data_source_type": training.get("type") if training else None,
+            "data_source_line": training.get("line") if training else None,
             "phases": list(self.phases),
             "wall_ms": self.wall_ms,
             "model_compiled": self.model_compiled,
@@ -565,6 +576,11 @@ class Run:
             "verdict": self.verdict_detail.to_dict(),
             "summary": _jsonable(self.summary),
             "loop": {"line": self.loop_line, "where": self.loop_where},
+            "cpu": {
+                "process_ms": self.process_cpu_ms,
+                "thread_ms": self.thread_cpu_ms,
+                "thread_wait_ms": self.thread_wait_ms,
+            },
             "step": {"kind": self.step_kind, "definition": self.step_definition},
             "loader": _jsonable(self.loader_info),
             "sources": _jsonable(self.sources),

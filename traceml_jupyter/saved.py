@@ -22,8 +22,8 @@ import numpy as np
 from .analysis.verdict import Verdict
 from .run import _RUNS, SCHEMA_VERSION, Run
 
-# The schema versions this package has written: 1, and the round's 2 (its keys all nullable).
-KNOWN_SCHEMAS = range(1, max(SCHEMA_VERSION, 2) + 1)
+# The schema versions this package has written: 1, and 2 (its added keys all nullable).
+KNOWN_SCHEMAS = range(1, SCHEMA_VERSION + 1)
 # Attributes a run's renderers read, by the key of `Run.to_dict` that holds them (a dotted key
 # for a nested one), for the keys that are not in every version.
 SAVED_ATTRIBUTES = {

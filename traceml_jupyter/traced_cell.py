@@ -115,6 +115,11 @@ class CellSyntaxError(Exception):
         super().__init__(str(error))
         self.error = error
         self.shell = shell
+        # The fields a SyntaxError carries, as the error has them (a cell run through IPython
+        # never gets here: syntax_cells.py hands IPython the plain cell, which raises the real
+        # SyntaxError; this is for `run_cell_magic` called from code).
+        for name in ("msg", "filename", "lineno", "offset", "text", "end_lineno", "end_offset"):
+            setattr(self, name, getattr(error, name, None))
 
     def _render_traceback_(self) -> list[str]:
         err = self.error
@@ -195,6 +200,8 @@ def _instrument(
     """The tree with the loop's iterator, fetch calls and (--lines) body statements hooked."""
     new, sites = instrument_loop(tree, choice, capture.token)
     capture.call_labels = {line: f"`{text}` on line {line}{where}" for line, text in sites.items()}
+    capture.run.fetch_calls = dict(sites)
+    capture.run.loop_iter_text = ast.unparse(find_node(tree, choice).iter)
     statements: list[Any] = []
     if opts.lines:
         from .capture.line_costs import time_lines

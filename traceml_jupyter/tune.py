@@ -25,19 +25,21 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .analysis.figures import ms as _ms
 from .analysis.resources import saturation_text
 from .analysis.tune_plan import (
     DEEPER_PREFETCH,
+    DEFAULT_PREFETCH,
     EMPTY,
     ERROR,
     NO_START,
     OK,
     STOPPED,
     TIMEOUT,
+    ModelCpu,
     ModelRate,
     Row,
     Setting,
@@ -45,6 +47,7 @@ from .analysis.tune_plan import (
     code_line,
     conclude,
     is_waiting,
+    model_cpu,
     rate_text,
     sweep_done,
     worker_counts,
@@ -60,6 +63,13 @@ RESERVE_S = 0.3
 # A candidate may overrun its share by this much (one slow batch) before it is stopped hard.
 GRACE_SHARE = 0.25
 MIN_SHARE_S = 0.5
+# The candidate at the model's pace (paced()): the last PACED_SHARE of a candidate's share (more
+# for a slow model), at most TAKE_S seconds, means of at least TAKE_SAMPLES calls; without the
+# model's rate, pauses of this many times a batch's time at the measured rate (workers ahead).
+PACE_OVER_RATE = 1.25
+PACED_SHARE = 0.4
+TAKE_S = 3.0
+TAKE_SAMPLES = 12
 
 Progress = Callable[[Mapping[str, Any]], None]
 
@@ -541,6 +551,78 @@ def one_line(exc: BaseException) -> str:
     return f"{name}: {lines[0]}"
 
 
+def workers_cpu_s(iterator: Any) -> float | None:
+    """CPU seconds the iterator's worker processes have used so far (None: not readable)."""
+    import psutil
+
+    total = 0.0
+    try:
+        workers = list(getattr(iterator, "_workers", ()) or ())
+        for worker in workers:
+            times = psutil.Process(worker.pid).cpu_times()
+            total += times.user + times.system
+    except Exception:  # a worker that is gone, psutil missing a platform's counters
+        return None
+    return total if workers else None
+
+
+def burn_cpu(seconds: float) -> None:
+    """`seconds` of this thread's CPU time: fixed work, which takes longer when the cores are
+    shared, as a model's compute on the CPU does."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@dataclass(frozen=True)
+class Paced:
+    """The candidate at the model's pace (paced()): ms to take a batch, and the model's stand-in
+    compute over the run's; None: not measured."""
+
+    take_ms: float | None
+    compute_ratio: float | None
+
+
+def paced(
+    fetch: Callable[[], bool],
+    pace_s: float,
+    burn: float,
+    until: float,
+    reference_s: float | None = None,
+    most: int = 400,
+) -> Paced:
+    """The training loop's side with this candidate, the model stood in for: `pace_s` of the
+    model's compute per batch (its CPU share `burn` as CPU time burnt, the rest a sleep, as a
+    host waiting on a GPU), then `fetch()` (next(); False when it starts a new epoch), timed.
+
+    Taking a batch holds unpickling, the shared-memory handles each worker hands over (a worker
+    busy in Python answers late), the queue and the next index sent, and the wait the workers
+    leave at that pace; the burnt compute takes longer when the workers' CPU work crowds the
+    usable cores (its ratio to `reference_s`, the run's compute per batch). Means over the calls
+    after the first third (the queue settles to the pace); None below TAKE_SAMPLES calls (a
+    loader too slow for a mean of its waits)."""
+    takes: list[float] = []
+    walls: list[float] = []
+    for _ in range(most):
+        if time.perf_counter() + pace_s > until:
+            break
+        begin = time.perf_counter()
+        if burn > 0:
+            burn_cpu(burn * pace_s)
+        if burn < 1:
+            time.sleep((1 - burn) * pace_s)
+        fetched = time.perf_counter()
+        if fetch():
+            walls.append(fetched - begin)
+            takes.append(time.perf_counter() - fetched)
+    if len(takes) < TAKE_SAMPLES:
+        return Paced(None, None)
+    first = len(takes) // 3
+    take = 1000.0 * sum(takes[first:]) / len(takes[first:])
+    wall = sum(walls[first:]) / len(walls[first:])
+    return Paced(take, wall / reference_s if reference_s else None)
+
+
 @dataclass
 class Measured:
     row: Row
@@ -554,6 +636,8 @@ def measure(
     soft_end: float,
     hard_end: float,
     split: bool = False,
+    pace_ms: float | None = None,
+    cpu: ModelCpu | None = None,
 ) -> Measured:
     """Iterate one candidate until its share of the budget is spent (or its rate is steady):
     start-up (iter() to the first batch) apart from the steady batches a second."""
@@ -568,6 +652,16 @@ def measure(
         setting.pin_memory and not pin_here,
     )
     skip = max(1, setting.num_workers)
+    # With workers, the last part of the share runs the candidate at the model's pace (paced()):
+    # PACED_SHARE of it, more for a slow model (room for TAKE_SAMPLES and a few), at most 60 %.
+    share = soft_end - time.perf_counter()
+    paced_s = PACED_SHARE * share
+    if pace_ms:
+        paced_s = min(0.6 * share, max(paced_s, (TAKE_SAMPLES + 4) * pace_ms / 1000))
+    steady_end = soft_end - (paced_s if setting.num_workers else 0.0)
+    cpu_start: float | None = None
+    cpu_span: tuple[float, int] | None = None  # workers' CPU seconds over steady batches
+    at_pace = Paced(None, None)
     arrivals: list[float] = []
     cpu_marks: list[float] = []
     samples: int | None = 0
@@ -584,6 +678,18 @@ def measure(
             iterator = iter(loader)
             guard.iterators.append(iterator)
         in_epoch = 0
+
+        def next_epoch() -> None:
+            nonlocal iterator, in_epoch
+            in_epoch = 0
+            with guard.held(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="This DataLoader will create")
+                fresh = iter(loader)  # persistent workers: the same iterator, reset
+                if fresh is not iterator:
+                    guard.iterators.append(fresh)
+                    _close(iterator, force=False)
+                iterator = fresh
+
         while True:
             try:
                 batch = next(iterator)
@@ -591,16 +697,9 @@ def measure(
                 if not in_epoch:
                     status, message = EMPTY, "the loader yielded no batch"
                     break
-                if time.perf_counter() >= soft_end:
+                if time.perf_counter() >= steady_end:
                     break
-                in_epoch = 0
-                with guard.held(), warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message="This DataLoader will create")
-                    fresh = iter(loader)  # persistent workers: the same iterator, reset
-                    if fresh is not iterator:
-                        guard.iterators.append(fresh)
-                        _close(iterator, force=False)
-                    iterator = fresh
+                next_epoch()
                 continue
             if pin_here and probe is not None:
                 begin = time.perf_counter()
@@ -614,10 +713,44 @@ def measure(
             n = batch_length(batch)
             samples = None if n is None or samples is None else samples + n
             del batch
-            if now >= soft_end:
+            if setting.num_workers and len(arrivals) == skip + 1:
+                cpu_start = workers_cpu_s(iterator)
+            if now >= steady_end or (
+                len(arrivals) - skip >= ENOUGH_BATCHES and now - arrivals[skip] >= ENOUGH_WINDOW_S
+            ):
                 break
-            if len(arrivals) - skip >= ENOUGH_BATCHES and now - arrivals[skip] >= ENOUGH_WINDOW_S:
-                break
+        if setting.num_workers and status == OK and len(arrivals) > skip + 1:
+            cpu_end = workers_cpu_s(iterator)
+            if cpu_start is not None and cpu_end is not None:
+                cpu_span = (cpu_end - cpu_start, len(arrivals) - 1 - skip)
+            rate_now = steady_rate(arrivals, skip)
+
+            depth = setting.num_workers * (setting.prefetch_factor or DEFAULT_PREFETCH)
+            refilling = 0
+
+            def fetch() -> bool:
+                """next(); False (not a take) at an epoch's end and while the workers refill
+                their queue for the next one."""
+                nonlocal refilling
+                try:
+                    next(iterator)
+                except StopIteration:
+                    next_epoch()
+                    refilling = depth
+                    return False
+                if refilling:
+                    refilling -= 1
+                    return False
+                return True
+
+            if rate_now:
+                now = time.perf_counter()
+                until = min(max(soft_end, now + 0.2), now + TAKE_S)
+                if pace_ms:  # the model's compute per batch, as the stand-in replays it
+                    share, scale = (cpu.share, cpu.scale) if cpu is not None else (0.0, 1.0)
+                    at_pace = paced(fetch, scale * pace_ms / 1000, share, until, pace_ms / 1000)
+                else:
+                    at_pace = paced(fetch, PACE_OVER_RATE / rate_now, 0.0, until)
     except _OutOfTime:
         status = TIMEOUT if arrivals else NO_START
         message = (
@@ -653,13 +786,16 @@ def measure(
         len(arrivals),
         seconds,
         message,
+        take_ms=at_pace.take_ms,
+        compute_ratio=at_pace.compute_ratio,
+        worker_cpu_ms=1000.0 * cpu_span[0] / cpu_span[1] if cpu_span and cpu_span[1] else None,
     )
     result = Measured(row)
     if probe is not None and rate:
         k = min(1, len(arrivals) - 1)
         wall = arrivals[-1] - arrivals[k]
-        cpu = cpu_marks[-1] - cpu_marks[k]
-        result.split = probe.split(1000.0 / rate, cpu / wall if wall > 0 else None)
+        used = cpu_marks[-1] - cpu_marks[k]
+        result.split = probe.split(1000.0 / rate, used / wall if wall > 0 else None)
     return result
 
 
@@ -695,6 +831,7 @@ class TuneResult:
     budget_s: float = DEFAULT_BUDGET_S
     elapsed_s: float = 0.0
     cpus: int = 1
+    model_cpu_share: float | None = None  # the model's compute that is CPU work (0..1)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -719,6 +856,7 @@ class TuneResult:
             "budget_s": self.budget_s,
             "elapsed_s": self.elapsed_s,
             "cpus": self.cpus,
+            "model_cpu_share": self.model_cpu_share,
         }
 
     def text(self) -> str:
@@ -1141,7 +1279,10 @@ def model_rate(
             )
     per_step = summary.get("batches_per_step")
     batches = float(per_step) if per_step else 1.0
-    step = summary.get("step_ms")
+    # The speed-up's base is the run's time per step (its mean step): what an epoch takes. A
+    # loader whose workers deliver in bursts gives many short steps and a few long ones, and
+    # the median step would miss the long ones.
+    step = ((summary.get("stats") or {}).get("step_ms") or {}).get("mean") or summary.get("step_ms")
     if compute_ms is not None:
         return ModelRate(float(compute_ms), batches, f"compute_ms={compute_ms:g}", step), notes
     compute = summary.get("compute_ms")
@@ -1262,8 +1403,16 @@ def _tune(
     deadline = started + budget
     reserve = min(RESERVE_S, 0.1 * budget)
     on_cuda = torch.cuda.is_initialized()  # pinning only where the user's code uses CUDA
+    # The model's compute burns the training process's CPU when it ran on the CPU clock (or,
+    # given as compute_ms=, when the code uses no GPU); on a GPU the host mostly waits.
+    model_on_cpu = (
+        (run.summary.get("clock") == "cpu")
+        if model is not None and model.source.startswith("run")
+        else not on_cuda
+    )
     rows: list[Row] = []
     split: Split | None = None
+    cpu = _model_cpu(run, model, None, model_on_cpu)  # refined once num_workers=0 is measured
     stopped = False
     error: str | None = None
     explicit = sorted(set(workers)) if workers is not None else None
@@ -1290,7 +1439,14 @@ def _tune(
                 hard_end = min(soft_end + max(0.25, GRACE_SHARE * share), deadline - reserve)
                 views.candidate(setting, len(rows) + 1, len(rows) + remaining)
                 got = measure(
-                    recipe, setting, guard, soft_end, hard_end, split=setting.num_workers == 0
+                    recipe,
+                    setting,
+                    guard,
+                    soft_end,
+                    hard_end,
+                    split=setting.num_workers == 0,
+                    pace_ms=model.compute_ms / model.batches_per_step if model else None,
+                    cpu=cpu,
                 )
                 rows.append(got.row)
                 split = got.split or split
@@ -1302,6 +1458,7 @@ def _tune(
                     error = f"{setting.label()}: {got.row.message}"
                     break
                 if phase == "first":
+                    cpu = _model_cpu(run, model, split, model_on_cpu)
                     waiting = is_waiting(split.cpu_share if split is not None else None)
                     queue = [
                         Setting(n, True, None, on_cuda) for n in worker_counts(cpus, waiting)[1:]
@@ -1319,11 +1476,8 @@ def _tune(
                 _reap(before)
     rows_out = rows
     current = recipe.current
-    model_on_cpu = (
-        (run.summary.get("clock") == "cpu")
-        if model is not None and model.source.startswith("run")
-        else not on_cuda
-    )
+    if model is not None:
+        model = replace(model, cpu_share=cpu.share)
     from_run = run is not None and model is not None and model.source.startswith("run")
     saturated = saturation_text(run.summary) if from_run else None
     verdict = conclude(rows_out, model, current, cpus, split, model_on_cpu, saturated)
@@ -1362,10 +1516,37 @@ def _tune(
         budget_s=budget,
         elapsed_s=time.perf_counter() - started,
         cpus=cpus,
+        model_cpu_share=cpu.share if model is not None else None,
     )
     views.finish(result)
     _remember(loader, result)
     return result
+
+
+def _model_cpu(run: Any, model: ModelRate | None, split: Split | None, on_cpu: bool) -> ModelCpu:
+    """How the model's stand-in replays its compute (paced()): the run's measured CPU work
+    (model_cpu), else all of it burnt on the CPU clock and all of it slept on a GPU."""
+    found = None
+    if model is not None and model.source.startswith("run") and run is not None:
+        try:
+            import numpy as np
+
+            steps = run.steps
+            loading = None
+            if split is not None and split.cpu_share is not None:
+                loading = split.cpu_share * split.batch_ms  # CPU ms a batch at num_workers=0
+            found = model_cpu(
+                run.process_cpu_ms,
+                float(np.nansum(steps["compute_ms"])),
+                len(steps["compute_ms"]) * model.batches_per_step,
+                loading,
+                float(np.nansum(steps["data_wait_ms"])),
+                run.thread_cpu_ms,
+                run.thread_wait_ms,
+            )
+        except Exception:
+            found = None
+    return found if found is not None else ModelCpu(1.0 if on_cpu else 0.0)
 
 
 def _deeper_queue(rows: Sequence[Row], model: float | None, on_cuda: bool) -> list[Setting]:

@@ -2,11 +2,11 @@
 
     .venv/bin/python tests/benchmarks/run_all.py --out docs/benchmarks.md
 
-Overhead, accuracy, memory, live-view cost, long sessions (real kernels) and the resource
-sampler's cost on the CPU; the
-GPU variant too where CUDA is available (otherwise one line says it was skipped). traceml-ai,
-the peer, is installed on first use into its own venv (/tmp/venv-traceml, never pulling
-torch); `--no-traceml-ai` leaves it out. About ten minutes on a 2-core machine.
+Overhead, accuracy, memory, live-view cost, long sessions (real kernels), the resource
+sampler's cost, ranks and `%traceml tune`'s predictions on the CPU; the GPU variant too where
+CUDA is available (otherwise one line says it was skipped). traceml-ai, the peer, is installed
+on first use into its own venv (/tmp/venv-traceml, never pulling torch); `--no-traceml-ai`
+leaves it out. About fifteen minutes on a 2-core machine (tune's family about five of them).
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     import bench_session
     import bench_step_model
     import bench_step_parts
+    import bench_tune
 
     began = time.perf_counter()
     machine = machine_table()
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         ("Several processes (ranks forked from a traced cell)", section("ranks", lambda: bench_ranks.measure(max(args.repeats, 5)))),
         ("Processes a cell starts (`!python`, the command line)", section("children", lambda: bench_children.measure(max(args.repeats, 5)))),
         ("Resources: CPU and memory sampling", section("resources", lambda: bench_resources.tables(max(args.repeats, 5)))),
+        ("`%traceml tune`: predicted against measured speed-up", section("tune", bench_tune.measure)),
         ("GPU", section("gpu", lambda: bench_gpu.measure(args.repeats, peer, install))),
     ]
     minutes = (time.perf_counter() - began) / 60

@@ -71,6 +71,7 @@ def main() -> None:
         dist.destroy_process_group()
         return
     import traceml_jupyter
+    from traceml_jupyter.views.display import print_whole
 
     for name in COLLECTIVES:
         setattr(dist, name, counted(name, getattr(dist, name)))
@@ -83,7 +84,8 @@ def main() -> None:
     at_end = calls[len(during) :]
     steps = [r["n_steps"] for r in run.ranks or []]
     facts = {"straggler": run.straggler, "steps": steps, "during_steps": during, "at_end": at_end}
-    print(f"RANKS {rank} " + json.dumps(facts), flush=True)
+    # One write: every rank shares torchrun's stdout pipe (see print_whole).
+    print_whole(f"RANKS {rank} " + json.dumps(facts))
     dist.destroy_process_group()
 
 

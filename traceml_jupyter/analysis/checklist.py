@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .data_sources import Feeder
 from .figures import ms as _ms
 from .figures import pct as _pct
 from .step_parts import wait_words
@@ -167,6 +168,11 @@ class Facts:
     cpu_saturated: bool | None = None  # CPU SATURATED (analysis/resources.py); None: not measured
     cpu_sentence: str | None = None  # the cores busy, in words ("the training process and ...")
     workers_cores: float | None = None  # median cores the DataLoader workers kept busy
+    # What fed the steps when it is no DataLoader (a generator, a list, an iterator, get_batch()),
+    # where it is, and the code behind it (its costly calls), when found.
+    feeder: Feeder | None = None
+    feeder_site: CodeSite | None = None
+    feeder_code: SampleCode | None = None
 
 
 # -- reading code (pure AST) -----------------------------------------------------------------
@@ -399,6 +405,105 @@ def dataloader_item(f: Facts) -> Item:
         "The loop does not iterate a torch DataLoader (or wraps it where it cannot be seen), "
         "so workers, prefetching and pinned memory could not be read.",
         f.verdict in INPUT_VERDICTS,
+    )
+
+
+def data_source_item(f: Facts, source: Feeder) -> Item:
+    """A source that is no DataLoader (a generator, a list, an iterator, a `get_batch()`), by
+    name and line, and what makes such a source faster."""
+    title = "What feeds the steps"
+    bears = f.verdict in INPUT_VERDICTS
+    seen = f"{source.label}: {source.noun}, no DataLoader"
+    if source.built:
+        return Item(
+            "data_source", title, CHECK if bears else OK, seen, None, f.feeder_site,
+            f"{source.label} is {source.noun}: its items are built before the loop, so taking "
+            "one costs next to nothing, and DataLoader workers, prefetching and pinned memory "
+            "do not apply."
+            + (
+                " A wait here is the loop's own cost per item next to very short steps: give "
+                "each step more work (a larger batch)."
+                if bears
+                else ""
+            ),
+            bears,
+        )
+    reason = (
+        f"{source.label} is {source.noun}: it makes each batch in the training process, between "
+        "steps, so the loop waits for all of its work. Prefetch it in a background thread (a "
+        "queue a few batches ahead: a thread overlaps work that waits on files or the network "
+        "or runs outside Python's lock, as torch and NumPy do), or put it behind a DataLoader "
+        "with workers (an IterableDataset whose __iter__ runs it, split with "
+        "get_worker_info()), so that batches are made while the step computes."
+    )
+    if not bears:
+        return Item("data_source", title, OK, seen, None, f.feeder_site, reason, False)
+    return Item(
+        "data_source", title, FIX, seen, "prefetch in a thread, or a DataLoader with workers",
+        f.feeder_site, reason, True,
+    )
+
+
+def _cacheable(code: SampleCode) -> tuple[list[tuple[str, CodeSite]], list[str]]:
+    """The costly calls that give the same result each time (cacheable), and the random ones."""
+    fixed = [(c, site) for c, site in code.calls if not RANDOM_CALL.search(c)]
+    return fixed, [c for c, _ in code.calls if RANDOM_CALL.search(c)]
+
+
+def per_item_item(f: Facts, source: Feeder) -> Item:
+    """Per-item work of a source that is no DataLoader, read from its code when found."""
+    code = f.feeder_code
+    name = code.dataset if code is not None else source.label
+    title = f"Per-item work in {name}"
+    bears = f.verdict in INPUT_VERDICTS
+    if source.built:
+        return Item(
+            "per_sample_cost", title, OK, "items built before the loop", None, f.feeder_site,
+            "Not applicable: the items exist before the loop starts.", False,
+        )
+    if code is None or not code.calls:
+        seen = "source not available" if code is None else "no decode, I/O or tokenizer call recognised"
+        return Item(
+            "per_sample_cost", title, CHECK if bears else OK, seen, None,
+            code.site if code is not None else f.feeder_site,
+            f"Time one item of {name}: decoding, tokenization or augmentation done for every "
+            "item, every pass, can often be done once and cached.",
+            bears,
+        )
+    return _cache_item(
+        title, code, name, ("item", "pass"), bears,
+        "applies random augmentations, new every pass and not cacheable: make them in a "
+        "background thread or DataLoader workers, or on the whole batch on the GPU.",
+        "run it in a thread or workers",
+    )
+
+
+def _cache_item(
+    title: str,
+    code: SampleCode,
+    what: str,
+    every: tuple[str, str],
+    bears: bool,
+    random_reason: str,
+    random_try: str,
+) -> Item:
+    """The per-sample (per-item) item once costly calls were read in `what`: the ones that give
+    the same result each time can be cached; random augmentations cannot."""
+    names = ", ".join(c for c, _ in code.calls[:4]) + (" ..." if len(code.calls) > 4 else "")
+    fixed, random_names = _cacheable(code)
+    if not fixed:  # random augmentations differ every epoch: nothing to cache
+        return Item(
+            "per_sample_cost", title, CHECK, names, random_try, code.calls[0][1],
+            f"{what} {random_reason}", bears,
+        )
+    unit, period = every
+    keep = f"; the random ones ({', '.join(random_names[:3])}) must stay per {period}" if random_names else ""
+    return Item(
+        "per_sample_cost", title, CHECK, names, "cache or precompute", fixed[0][1],
+        f"{what} repeats this for every {unit} and every {period}; work that gives the same "
+        f"result each time ({', '.join(c for c, _ in fixed[:3])}) can be done once and "
+        f"cached{keep}.",
+        bears,
     )
 
 
@@ -875,25 +980,11 @@ def per_sample_item(f: Facts) -> Item:
             + ("; time it on one sample (%timeit dataset[0]) to be sure." if bears else "."),
             bears,
         )
-    names = ", ".join(c for c, _ in code.calls[:4]) + (" ..." if len(code.calls) > 4 else "")
-    fixed = [(c, site) for c, site in code.calls if not RANDOM_CALL.search(c)]
-    if not fixed:  # random augmentations differ every epoch: nothing to cache
-        return Item(
-            "per_sample_cost", title, CHECK, names, "run it in workers, or on the GPU",
-            code.calls[0][1],
-            f"{code.dataset}.__getitem__ applies random augmentations, which give a new result "
-            "every epoch and cannot be cached: spread them over DataLoader workers, or apply "
-            "them to the whole batch on the GPU.",
-            bears,
-        )
-    random_names = [c for c, _ in code.calls if RANDOM_CALL.search(c)]
-    keep = f"; the random ones ({', '.join(random_names[:3])}) must stay per epoch" if random_names else ""
-    return Item(
-        "per_sample_cost", title, CHECK, names, "cache or precompute", fixed[0][1],
-        f"{code.dataset}.__getitem__ repeats this for every sample and every epoch; work "
-        f"that gives the same result each time ({', '.join(c for c, _ in fixed[:3])}) can be "
-        f"done once and cached{keep}.",
-        bears,
+    return _cache_item(
+        title, code, f"{code.dataset}.__getitem__", ("sample", "epoch"), bears,
+        "applies random augmentations, which give a new result every epoch and cannot be "
+        "cached: spread them over DataLoader workers, or apply them to the whole batch on the GPU.",
+        "run it in workers, or on the GPU",
     )
 
 
@@ -956,7 +1047,10 @@ def start_method_item(f: Facts, workers_advised: bool) -> Item:
 def evaluate(f: Facts) -> list[Item]:
     """Every item, those that bear on the verdict first (each group in checklist order)."""
     items: list[Item] = []
-    if f.loader is None:
+    source = f.feeder if f.loader is None else None
+    if source is not None:
+        items.append(data_source_item(f, source))
+    elif f.loader is None:
         items.append(dataloader_item(f))
     else:
         workers = num_workers_item(f)
@@ -977,7 +1071,7 @@ def evaluate(f: Facts) -> list[Item]:
         items.append(sync)
     if f.loader is not None:
         items.append(collate_item(f))
-    items.append(per_sample_item(f))
+    items.append(per_item_item(f, source) if source is not None else per_sample_item(f))
     items.append(storage_item(f))
     if f.loader is not None:
         items.append(start_method_item(f, workers_advised=workers.status == FIX))

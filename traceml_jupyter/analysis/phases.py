@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .data_sources import phase_remedy
 from .figures import pct
 
 
@@ -67,8 +68,8 @@ def phase_verdict(phases: list[dict[str, Any]]) -> str | None:
         workers = p.get("num_workers")
         seen = f" (num_workers={workers})" if workers is not None else ""
         return (
-            f"{text}, {pct(wait)} of it waiting for {p['label']}{seen}: feed it faster too (more "
-            "workers, persistent_workers=True), or run it less often or on fewer batches."
+            f"{text}, {pct(wait)} of it waiting for {p['label']}{seen}: feed it faster too "
+            f"({phase_remedy(p.get('source_kind'))}), or run it less often or on fewer batches."
         )
     return f"{text}: run it less often, or on fewer batches, to train faster."
 

@@ -12,11 +12,13 @@ Thresholds, and why:
   keeps variable-length batches out. CREEP: the growth is large enough that a run 10x as long
   (a traced cell is often a slice of the training) would use up the memory the peak leaves free
   (critical: one more run as long would).
-- CPU SATURATED: the process and its workers keep >= 90 % of the usable cores busy; or every
-  usable core is busy (>= 90 %, other processes counted) while the process and its workers use
-  >= 10 % of them and its workers compute: found running or waiting for a CPU (not sleeping) in
-  half the samples. No idle core is left for another worker. Workers that wait (I/O, sleep) are
-  found sleeping: more of them overlap more waiting, whatever else runs on the machine.
+- CPU SATURATED: the process and its workers keep >= 90 % of the usable cores busy; or the
+  machine leaves less CPU idle (usable cores minus busy cores, other processes counted) than one
+  of the workers uses, while the process and its workers use >= 10 % of the cores and its workers
+  compute: found running or waiting for a CPU (not sleeping) in half the samples. Another worker
+  would find no CPU to run on (on 2 cores, 2 workers burning 0.6 core each leave 0.2 idle: 1.8
+  busy, 90 % only just missed). Workers that wait (I/O, sleep) are found sleeping: more of them
+  overlap more waiting, whatever else runs on the machine.
 - Worker memory growth: a worker's private memory (USS) grew by >= 64 MiB from its first read to
   its last (prefetched batches live in shared memory once sent; 64 MiB is above a worker's own
   steady buffers), and the dataset holds a Python list/dict of many objects (or it grew >= 256 MiB).
@@ -286,17 +288,19 @@ def cpu_summary(facts: ResourceFacts) -> tuple[dict[str, Any], list[Finding]]:
 
 
 def saturated_cpu(s: Mapping[str, Any], usable: float) -> bool:
-    """The process and its workers use (nearly) every usable core; or every usable core is busy
-    (other processes too) while the process and its workers use a good part of them and its
-    workers compute rather than wait (found running or waiting for a CPU, not sleeping, in half
-    the samples): then no idle core is left for another worker."""
+    """The process and its workers use (nearly) every usable core; or the machine (other
+    processes too) leaves less CPU idle than one worker uses, while the process and its workers
+    use a good part of the cores and its workers compute rather than wait (found running or
+    waiting for a CPU, not sleeping, in half the samples): another worker would find no CPU."""
     family, machine = float(s["cpu_cores"]), s.get("cpu_machine_cores")
     if family >= SATURATED_SHARE * usable:
         return True
-    if machine is None or machine < SATURATED_SHARE * usable or family < OWN_SHARE * usable:
+    workers, running = s.get("cpu_workers"), s.get("cpu_workers_running")
+    if machine is None or not workers or running is None or family < OWN_SHARE * usable:
         return False
-    running = s.get("cpu_workers_running")
-    return running is not None and running >= RUNNING_WORKERS
+    one_worker = float(s["cpu_workers_cores"]) / float(workers)
+    idle = usable - float(machine)
+    return idle < max(one_worker, (1.0 - SATURATED_SHARE) * usable) and running >= RUNNING_WORKERS
 
 
 SATURATED_NEXT = (

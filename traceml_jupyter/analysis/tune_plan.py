@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .figures import ms as _ms
@@ -94,6 +94,14 @@ class Row:
     batches_measured: int = 0
     seconds: float = 0.0
     message: str | None = None  # why it has no rate, or what stopped it
+    # With workers: what taking a ready batch costs the training process (ms, next() timed once
+    # the workers are ahead), and the workers' CPU time per batch (ms). None: not measured.
+    take_ms: float | None = None
+    worker_cpu_ms: float | None = None
+    # The model's compute beside these workers over what the run measured: a stand-in for it (its
+    # CPU work burnt, its waits slept), run at the model's pace with this candidate, took this
+    # many times the run's compute (above 1: the workers' CPU work crowds the cores).
+    compute_ratio: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +114,9 @@ class Row:
             "batches_measured": self.batches_measured,
             "seconds": self.seconds,
             "message": self.message,
+            "take_ms": self.take_ms,
+            "worker_cpu_ms": self.worker_cpu_ms,
+            "compute_ratio": self.compute_ratio,
         }
 
 
@@ -117,7 +128,10 @@ class ModelRate:
     compute_ms: float
     batches_per_step: float = 1.0
     source: str = "compute_ms"
-    step_ms: float | None = None  # the run's median step: the base of the predicted speed-up
+    step_ms: float | None = None  # the run's time per step: the base of the predicted speed-up
+    # The share of the compute that is the training process's CPU work (model_cpu); None: not
+    # known (then all of it on the CPU clock, none on a GPU).
+    cpu_share: float | None = None
 
     @property
     def batches_per_s(self) -> float:
@@ -244,15 +258,81 @@ def _adds_nothing(measured: Sequence[Row], i: int) -> bool:
 # -- the choice -----------------------------------------------------------------------------
 
 
-def predicted_step_ms(row: Row, model: ModelRate) -> float | None:
-    """The step with this setting: loading overlaps compute with workers (the slower of the
-    two bounds the step), and adds to it without."""
+def predicted_step_ms(
+    row: Row, model: ModelRate, cpus: int | None = None, model_on_cpu: bool = False
+) -> float | None:
+    """The step with this setting. Without workers, loading adds to compute. With workers,
+    loading overlaps compute and the step is the slower of the training process's own chain
+    (its compute, slowed by the workers' CPU work, plus taking each batch from the workers, both
+    measured at the model's pace) and the workers' rate measured alone. Where the compute was
+    not measured, the CPU that the training process (its compute too, when the model runs on
+    the CPU) and the workers need per step, shared by the usable `cpus`, bounds it instead."""
     if row.batches_per_s is None or row.batches_per_s <= 0:
         return None
-    load_ms = model.batches_per_step * 1000.0 / row.batches_per_s
+    batches = model.batches_per_step
+    load_ms = batches * 1000.0 / row.batches_per_s
     if row.setting.num_workers == 0:
         return model.compute_ms + load_ms
-    return max(model.compute_ms, load_ms)
+    take = batches * (row.take_ms or 0.0)
+    step = max(model.compute_ms * (row.compute_ratio or 1.0) + take, load_ms)
+    if row.compute_ratio is None and cpus and row.worker_cpu_ms is not None:
+        share = model.cpu_share if model.cpu_share is not None else float(model_on_cpu)
+        own = model.compute_ms * share
+        step = max(step, (own + take + batches * row.worker_cpu_ms) / cpus)
+    return step
+
+
+def step_parts(row: Row, model: ModelRate, step: float) -> str:
+    """What the predicted step is made of, in words: " (6.1 ms compute + 2.2 ms to take each
+    batch from the workers)", " (the workers' pace)", " (the CPU work the cores share)"; ""
+    without workers or without the figures measured at the model's pace."""
+    if row.setting.num_workers == 0 or row.take_ms is None or not row.batches_per_s:
+        return ""
+    take = model.batches_per_step * row.take_ms
+    compute = model.compute_ms * (row.compute_ratio or 1.0)
+    if step > compute + take + 1e-6:
+        load = model.batches_per_step * 1000.0 / row.batches_per_s
+        return " (the workers' pace)" if step <= load + 1e-6 else " (the CPU work the cores share)"
+    beside = " beside the workers" if row.compute_ratio is not None else ""
+    return f" ({_ms(compute)} compute{beside} + {_ms(take)} to take each batch from the workers)"
+
+
+@dataclass(frozen=True)
+class ModelCpu:
+    """A run's compute as work of the training process: `share` of it (uncontended) burns its
+    CPU, the rest waits (a GPU, a sleep); `scale`: that uncontended time over the measured one
+    (below 1 when the run's thread waited for a core other programs held)."""
+
+    share: float
+    scale: float = 1.0
+
+
+def model_cpu(
+    process_cpu_ms: float | None,
+    compute_ms: float,
+    batches: float,
+    loading_cpu_ms: float | None,
+    wait_ms: float,
+    thread_cpu_ms: float | None = None,
+    thread_wait_ms: float | None = None,
+) -> ModelCpu | None:
+    """The model's CPU work, from a run's totals: the process's CPU time less what loading its
+    `batches` took (`loading_cpu_ms` a batch: tune's num_workers=0 split, CPU time, which a busy
+    machine does not change; unknown: all of the run's data wait, `wait_ms`), within the run's
+    `compute_ms`. The training thread's wait for a core (`thread_wait_ms` over `thread_cpu_ms`,
+    Linux) is taken out of the compute in the share of its CPU time that was the model's, so a
+    stand-in replays the model's work, not the run's crowding. None when not measured."""
+    if process_cpu_ms is None or compute_ms <= 0:
+        return None
+    loading = wait_ms if loading_cpu_ms is None else batches * loading_cpu_ms
+    cpu = min(compute_ms, max(0.0, process_cpu_ms - loading))
+    waited = 0.0
+    if thread_wait_ms and thread_cpu_ms and thread_cpu_ms > 0:
+        waited = thread_wait_ms * min(1.0, cpu / thread_cpu_ms)
+    uncontended = max(cpu, compute_ms - waited)
+    if uncontended <= 0:
+        return ModelCpu(0.0)
+    return ModelCpu(cpu / uncontended, uncontended / compute_ms)
 
 
 def choose(rows: Sequence[Row], model_batches_per_s: float | None) -> tuple[Row | None, bool]:
@@ -275,6 +355,52 @@ def choose(rows: Sequence[Row], model_batches_per_s: float | None) -> tuple[Row 
         if plain and (fastest.batches_per_s or 0) < (plain[0].batches_per_s or 0) * PREFETCH_GAIN:
             return plain[0], False
     return fastest, False
+
+
+def with_pace_figures(rows: Sequence[Row]) -> list[Row]:
+    """Rows whose figures at the model's pace were not measured (a deeper queue measured in
+    what was left of the budget, a candidate cut short) borrow them from the measured row with
+    the most similar worker count, so that a missing figure never reads as a free batch."""
+    measured = [r for r in rows if r.setting.num_workers and r.take_ms is not None]
+    out = []
+    for row in rows:
+        if row.setting.num_workers and row.take_ms is None and row.batches_per_s and measured:
+            near = min(measured, key=lambda m: (abs(m.setting.num_workers - row.setting.num_workers), m.setting.size()))
+            row = replace(
+                row,
+                take_ms=near.take_ms,
+                compute_ratio=row.compute_ratio or near.compute_ratio,
+            )
+        out.append(row)
+    return out
+
+
+def quickest(
+    rows: Sequence[Row], model: ModelRate, cpus: int | None, model_on_cpu: bool
+) -> Row | None:
+    """When no setting keeps the model fed: the one with the shortest predicted step (taking
+    batches and the workers' CPU counted, the fastest loader alone may not be the fastest in
+    training), the smaller on a tie within 2 %; a deeper queue only where it beats the same
+    workers with the default queue by PREFETCH_GAIN."""
+    steps = [(predicted_step_ms(r, model, cpus, model_on_cpu), r) for r in rows]
+    known = [(s, r) for s, r in steps if s is not None]
+    plain = {
+        r.setting.num_workers: s
+        for s, r in known
+        if r.setting.prefetch_factor in (None, DEFAULT_PREFETCH)
+    }
+
+    def worth_it(step: float, row: Row) -> bool:
+        if row.setting.prefetch_factor in (None, DEFAULT_PREFETCH):
+            return True
+        base = plain.get(row.setting.num_workers)
+        return base is None or step * PREFETCH_GAIN <= base
+
+    kept = sorted(((s, r) for s, r in known if worth_it(s, r)), key=lambda sr: sr[1].setting.size())
+    if not kept:
+        return None
+    fastest = min(s for s, _ in kept)
+    return next(r for s, r in kept if s <= fastest * 1.02)
 
 
 def changes_from(setting: Setting, current: Mapping[str, Any]) -> dict[str, Any]:
@@ -425,12 +551,17 @@ def conclude(
     if saturated is not None:
         workers = int(current.get("num_workers") or 0)
         rows = [r for r in rows if r.setting.num_workers <= workers] or list(rows)
+    rows = with_pace_figures(rows)
     best, fed = choose(rows, model_rate)
+    if best is not None and not fed and model is not None:
+        best = quickest(rows, model, cpus, model_on_cpu) or best
     notes: list[str] = []
     if best is None:
         return Conclusion(None, {}, False, None, None, ["No setting delivered a batch."], notes)
     changes = changes_from(best.setting, current)
-    step = predicted_step_ms(best, model) if model is not None else None
+    step = predicted_step_ms(best, model, cpus, model_on_cpu) if model is not None else None
+    if step is not None and model is not None and not changes and model.step_ms:
+        step = model.step_ms  # the loader as it is: the step the run measured
     speedup = model.step_ms / step if model is not None and model.step_ms and step else None
     advice = []
     name = best.setting.label()
@@ -447,19 +578,19 @@ def conclude(
             f"model's {rate_text(model_rate)} ({(best.batches_per_s or 0) / (model_rate or 1):.1f}x)."
         )
         if step is not None and changes:
-            text = f"Predicted step {_ms(step)}"
+            text = f"Predicted step {_ms(step)}{step_parts(best, model, step)}"
             if speedup is not None and model.step_ms:
                 text += f": {speedup:.1f}x faster than {model.source} ({_ms(model.step_ms)})"
             advice.append(text + ".")
     else:
         advice.append(
-            f"No setting keeps the model fed: the fastest, {name}, makes "
+            f"No setting keeps the model fed: the best, {name}, makes "
             f"{rate_text(best.batches_per_s)} batches/s (a batch every "
             f"{_ms_fine(1000.0 / (best.batches_per_s or 1.0))}) and the model takes "
             f"{rate_text(model_rate)} (one every {_ms_fine(1000.0 / (model_rate or 1.0))})."
         )
         if step is not None:
-            text = f"With it, predicted step {_ms(step)}"
+            text = f"With it, predicted step {_ms(step)}{step_parts(best, model, step)}"
             if speedup is not None and model.step_ms:
                 text += f" ({speedup:.1f}x faster than {model.source}, {_ms(model.step_ms)})"
             advice.append(text + ".")
@@ -471,7 +602,7 @@ def conclude(
             "that is paid once, not at every epoch."
         )
     note = optimistic_note(split, best.setting.num_workers, cpus, model_on_cpu)
-    if note is not None and model is not None:
+    if note is not None and model is not None and best.compute_ratio is None:
         notes.append(note)
     if saturated is not None:
         what = costliest(split) if split is not None else "each sample's work"

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .data_sources import input_next, straggler_next
 from .figures import ms as _ms
 from .figures import pct as _pct
 
@@ -283,19 +284,6 @@ def larger_batch(summary: Mapping[str, Any]) -> str:
     return f"a larger batch: the memory peak is {_pct(share)} of the GPU, room for about {room:.1f}x the batch"
 
 
-def input_next(summary: Mapping[str, Any]) -> str:
-    """INPUT-BOUND's next step: more workers, unless the CPU is already saturated."""
-    if summary.get("cpu_saturated"):
-        return (
-            "Make each sample cheaper: the CPU is saturated, so more DataLoader workers won't help; "
-            "cache decoded samples, precompute, or move the per-sample work to the GPU (see the checklist)."
-        )
-    return (
-        "Feed the loop faster: more DataLoader workers, persistent workers, pinned memory, "
-        "and less per-sample work (see the checklist)."
-    )
-
-
 def diagnose(summary: Mapping[str, Any]) -> Verdict:
     """The first rule that holds, in order: no data, warm-up, input, straggler, host-to-device
     copies, host, compute."""
@@ -358,8 +346,7 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
             f"{summary['straggler_steps']} of {n} fetches stall (p99 wait "
             f"{_ms(summary['stats']['data_wait_ms']['p99'])}, median {_ms(wait)}) and cost "
             f"{_pct(lost)} of the total time.",
-            "Keep workers alive between epochs (persistent_workers=True), prefetch more, and "
-            "look for slow samples, files or shards.",
+            straggler_next(summary),
             evidence + [("Time lost to stalls", _pct(lost))],
         )
     severity = h2d_bound(summary)

@@ -17,7 +17,7 @@ import sys
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from threading import get_ident
-from time import perf_counter_ns
+from time import perf_counter_ns, process_time_ns
 from typing import TYPE_CHECKING, Any
 
 from . import cuda_graphs, gpu_activity, hooks
@@ -47,6 +47,7 @@ from .stamps import (
 )
 from .step_model import BACKWARD, FETCH, NEVER, OPTIMIZER, Pass, Source, Span, StepModel
 from .step_parts import StepParts
+from .thread_time import thread_schedstat
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -1005,6 +1006,7 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
     the GPU clock. Everything is undone on exit (nested captures restore the outer one)."""
     capture = capture or Capture(run)
     began = perf_counter_ns()
+    cpu_began, sched_began = process_time_ns(), thread_schedstat()
     if run.recorder.n_steps == 0:
         run.recorder.origin_ns = began  # the run's time 0: its code starts now, not when it was set up
     hooks.install()
@@ -1035,5 +1037,10 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
             _guarded(run, "closing the capture", capture.close)
             if capture.gpu_note:
                 run.notes.append(capture.gpu_note)
+            run.process_cpu_ms = (process_time_ns() - cpu_began) / 1e6
+            sched_ended = thread_schedstat()
+            if sched_began is not None and sched_ended is not None:
+                run.thread_cpu_ms = sched_ended[0] - sched_began[0]
+                run.thread_wait_ms = sched_ended[1] - sched_began[1]
             _guarded(run, "reading the CUDA graphs", lambda: _graphs_read(run, capture))
             _guarded(run, "reading the capture", lambda: run.captured(capture, perf_counter_ns() - began))

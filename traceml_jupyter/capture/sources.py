@@ -4,6 +4,9 @@ the batch size, and which kind of event ended the steps. analysis/phases.py puts
 
 from __future__ import annotations
 
+import ast
+import inspect
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,10 +79,130 @@ def training_source(sources: list[Source]) -> Source | None:
     return max(loaders or fed, key=lambda s: (s.wait_ns, s.batches), default=None)
 
 
-def _label(src: Source, name: str | None) -> str:
+# -- what a source that is no DataLoader is: a generator, a list, an iterator, a function --------
+
+# Calls around the iterable that leave it what it is: `enumerate(slow())` is fed by `slow()`.
+PASS_THROUGH = frozenset({"enumerate", "tqdm", "trange", "iter", "islice"})
+# Iterators of the standard library that wrap another (zip, map, enumerate...): their own type
+# says nothing of what feeds them.
+WRAPPER_MODULES = frozenset({"builtins", "itertools"})
+
+
+def object_type(obj: Any) -> str | None:
+    """What an iterable is, in the user's words: "dataloader", "generator", "list", "tuple",
+    "iterator" (it has __next__), "iterable", "function"; None for a standard wrapper (zip,
+    map, enumerate: what it wraps decides) or anything else."""
+    try:
+        if type(obj).__name__ == "DataLoader" or any(c.__name__ == "DataLoader" for c in type(obj).__mro__):
+            return "dataloader"
+        if isinstance(obj, (types.GeneratorType, types.AsyncGeneratorType)):
+            return "generator"
+        if isinstance(obj, list):
+            return "list"
+        if isinstance(obj, tuple):
+            return "tuple"
+        if inspect.isgeneratorfunction(obj) or inspect.isasyncgenfunction(obj):
+            return "generator"
+        if inspect.isclass(obj):
+            return "iterator" if hasattr(obj, "__next__") else "iterable" if hasattr(obj, "__iter__") else None
+        if callable(obj) and not hasattr(obj, "__iter__"):
+            return "function"
+        if type(obj).__module__ in WRAPPER_MODULES and not isinstance(obj, (range, dict, set, str)):
+            return None if hasattr(obj, "__next__") else "iterable"
+        if hasattr(obj, "__next__"):
+            return "iterator"
+        if hasattr(obj, "__iter__"):
+            return "iterable"
+    except Exception:  # a guarded read of the user's object
+        return None
+    return None
+
+
+def loop_iterable_type(iterable: Any) -> str | None:
+    """`object_type` of the located loop's iterable as it ran (a tqdm bar: what it wraps)."""
+    inner = getattr(iterable, "iterable", None) if "tqdm" in type(iterable).__name__ else None
+    return object_type(inner if inner is not None else iterable)
+
+
+def fed_expression(text: str | None) -> ast.expr | None:
+    """The expression that feeds a loop or a fetch call, as written: `slow()` for
+    `enumerate(tqdm(slow()))`, `gen` for `next(gen)`; None when it does not parse."""
+    if not text:
+        return None
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    while isinstance(node, ast.Call) and node.args:
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+        if name not in PASS_THROUGH and not (name == "next" and not isinstance(func, ast.Attribute)):
+            break
+        node = node.args[0]
+    return node
+
+
+def resolve_name(node: ast.expr, namespace: Mapping[str, Any]) -> Any:
+    """The object a name or a dotted name refers to in the namespace (None if it does not)."""
+    if isinstance(node, ast.Name):
+        return namespace.get(node.id)
+    if isinstance(node, ast.Attribute):
+        owner = resolve_name(node.value, namespace)
+        return getattr(owner, node.attr, None) if owner is not None else None
+    return None
+
+
+def expression_type(node: ast.expr | None, namespace: Mapping[str, Any] | None) -> str | None:
+    """`object_type` of what an expression feeds, read off its form (a generator expression, a
+    list display) or off the names it calls or names in the namespace (after the cell)."""
+    if node is None:
+        return None
+    if isinstance(node, ast.GeneratorExp):
+        return "generator"
+    if isinstance(node, (ast.List, ast.ListComp)):
+        return "list"
+    if isinstance(node, ast.Tuple):
+        return "tuple"
+    try:
+        if isinstance(node, ast.Call):
+            called = resolve_name(node.func, namespace or {})
+            if called is None:
+                return None
+            kind = object_type(called)
+            return kind if kind in ("generator", "iterator", "iterable", "dataloader") else "function"
+        return object_type(resolve_name(node, namespace or {}))
+    except Exception:
+        return None
+
+
+def describe_feeder(run: Any, src: Source, namespace: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A source that is no DataLoader by its expression and line (`slow()` on line 3) and what it
+    is (a generator...): {"expression", "line", "type", "label"}; for a DataLoader, its type."""
+    if src.kind == "dataloader":
+        return {"expression": None, "line": None, "type": "dataloader", "label": None}
+    if src.kind == "loop":
+        text, line = getattr(run, "loop_iter_text", None), getattr(run, "loop_line", None)
+        seen = getattr(run, "loop_iterable_type", None)
+    else:
+        line = src.key[1] if isinstance(src.key, tuple) and len(src.key) > 1 else None
+        text = (getattr(run, "fetch_calls", None) or {}).get(line)
+        seen = None
+    node = fed_expression(text)
+    kind = seen or expression_type(node, namespace)
+    if src.kind == "call" and kind is None and text and not text.startswith("next("):
+        kind = "function"
+    expression = ast.unparse(node) if node is not None and src.kind == "loop" else text
+    label = None
+    if expression and line is not None:
+        where = getattr(run, "loop_where", None)
+        label = f"`{expression}` on line {line}" + (f" of {where}" if where and where != "this cell" else "")
+    return {"expression": expression, "line": line, "type": kind, "label": label}
+
+
+def _label(src: Source, name: str | None, feeder: Mapping[str, Any] | None = None) -> str:
     if src.kind == "dataloader":
         return f"`{name}`" if name else "a DataLoader"
-    return src.label
+    return str((feeder or {}).get("label") or src.label)
 
 
 def describe_run_sources(run: Any, capture: Any) -> SourceFacts:
@@ -94,9 +217,13 @@ def describe_run_sources(run: Any, capture: Any) -> SourceFacts:
         obj = src.ref() if src.ref is not None else None
         name = bound_name(obj, namespace)
         info = run._loader_infos.get(src.key) or {}
+        feeder = describe_feeder(run, src, namespace)
         row = {
-            "label": _label(src, name),
+            "label": _label(src, name, feeder),
             "kind": src.kind,
+            "type": feeder["type"],
+            "expression": feeder["expression"],
+            "line": feeder["line"],
             "name": name,
             "training": src is training,
             "wait_ms": src.wait_ns / 1e6,

@@ -37,11 +37,13 @@ from ..analysis.checklist import (
     sample_code_in,
     transfers_in,
 )
+from ..analysis.data_sources import feeder
 from ..analysis.rank_verdict import checklist_verdict
 from ..analysis.resources import cpu_sentence
 from ..capture.dataloaders import dataset_site, inner_dataset
 from ..capture.host import usable_cpus as cpu_count
 from ..capture.locate import dataloader_lines
+from ..capture.sources import fed_expression, resolve_name
 from ..run import tuned_for
 
 if TYPE_CHECKING:
@@ -423,23 +425,27 @@ def _sample_code_from_object(run: Run, shell: Any, dataset: Any) -> SampleCode |
     return _sample_code_at(run, shell, site["dataset_file"], site["dataset_line"], site["dataset_class"])
 
 
-def _sample_code_at(run: Run, shell: Any, filename: str, first_line: int, class_name: str) -> SampleCode | None:
+def _sample_code_at(
+    run: Run, shell: Any, filename: str, first_line: int, class_name: str, name: str | None = None
+) -> SampleCode | None:
     """The `__getitem__` of class `class_name` defined at `first_line` of `filename` (a cell or
-    a file), read from its source."""
+    a file), read from its source; or (`name`, no class) the function defined there: a
+    generator, a `get_batch()`, an iterator's `__next__`, named `name` in the checklist."""
     lines = linecache.getlines(filename)
     if not lines:
         return None
-    key = (filename, first_line, class_name, "".join(lines))
+    text = "".join(lines)
+    key = (filename, first_line, class_name or str(name), text)
     if key in _SOURCE_SAMPLES:
         return _SOURCE_SAMPLES[key]
-    tree = parse_cell(key[3])
+    tree = parse_cell(text)
     node = method_def(tree, first_line) if tree is not None else None
     found = None
     if tree is not None and node is not None:
         label = source_label(run, shell, filename)
-        owner = class_def(tree, class_name)
+        owner = class_def(tree, class_name) if class_name else None
         found = SampleCode(
-            class_name,
+            name or class_name,
             tuple(costly_calls(node, label)),
             CodeSite(node.lineno, label),
             CodeSite(owner.lineno, label) if owner is not None else None,
@@ -475,6 +481,35 @@ def _sample_code(run: Run, shell: Any, ctx: CodeContext) -> SampleCode | None:
         if facts is not None and str(name) in facts.samples:
             return facts.samples[str(name)]
     return SampleCode(str(name), (), None, None)
+
+
+def _feeder_code(run: Run, shell: Any) -> SampleCode | None:
+    """The code behind a source that is no DataLoader: the generator function (`slow` of
+    `slow()`), the `get_batch` function, or an iterator's `__next__`, looked up in the
+    namespace after the cell; None when it cannot be found or read."""
+    row = next((r for r in run.sources if r.get("training")), None)
+    if row is None or row.get("kind") == "dataloader":
+        return None
+    node = fed_expression(row.get("expression"))
+    namespace = getattr(shell, "user_ns", None) or {}
+    try:
+        target = node.func if isinstance(node, ast.Call) else node
+        obj = resolve_name(target, namespace) if target is not None else None
+        if obj is None:
+            return None
+        name = getattr(obj, "__name__", None) or type(obj).__name__
+        code = getattr(obj, "gi_code", None) or getattr(obj, "__code__", None)
+        if code is None:
+            cls = obj if isinstance(obj, type) else type(obj)
+            step = getattr(cls, "__next__", None) or getattr(cls, "__iter__", None)
+            code = getattr(step, "__code__", None)
+            if code is None:
+                return None
+            label = f"{cls.__name__}.{getattr(step, '__name__', '')}"
+            return _sample_code_at(run, shell, code.co_filename, code.co_firstlineno, cls.__name__, label)
+        return _sample_code_at(run, shell, code.co_filename, code.co_firstlineno, "", f"{name}()")
+    except Exception:
+        return None
 
 
 def _process_start_method() -> str:
@@ -629,7 +664,17 @@ def facts_for(
         cpu_saturated=summary.get("cpu_saturated"),
         cpu_sentence=cpu_sentence(summary) if summary.get("cpu_cores") is not None and summary.get("cpu_usable_cores") else None,
         workers_cores=summary.get("cpu_workers_cores"),
+        **_feeder_facts(run, shell, summary, ctx),
     )
+
+
+def _feeder_facts(run: Run, shell: Any, summary: Mapping[str, Any], ctx: CodeContext) -> dict[str, Any]:
+    """What fed the steps when it is no DataLoader, where, and the code behind it."""
+    source = feeder(summary)
+    if source is None:
+        return {}
+    site = CodeSite(source.line, ctx.loop_cell) if source.line is not None else None
+    return {"feeder": source, "feeder_site": site, "feeder_code": _feeder_code(run, shell)}
 
 
 def checklist_items(run: Run, shell: Any = None, context: CodeContext | None = None) -> list[Item]:

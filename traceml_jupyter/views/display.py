@@ -38,11 +38,20 @@ def show_report(run: Run, view: Any = None) -> None:
             pass
     items = keep_checklist(run)
     if ipython_shell() is None:
-        print(run.text())
+        print_whole(run.text())
         return
     from IPython.display import display
 
     display(ReportDisplay(run, items))
+
+
+def print_whole(text: str) -> None:
+    """Print `text` and its newline in one write. Under `torchrun` every rank writes to the
+    same pipe, and print() writes the text and its newline separately when the stream is
+    unbuffered (PYTHONUNBUFFERED=1): another rank's line could land between the two, glued to
+    the end of this text. One write up to the pipe's atomic size (4 KiB) is never split."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def start_live_view(run: Run, show: bool = True) -> Any:
