@@ -86,6 +86,21 @@ class Twin:
         self.stamps.stamp(kind, t, ref)
         self.maybe_flush()
 
+    def dataloader_fetch(self, source: Source, pass_now: Pass, stamped: Pass | None) -> tuple[int, int]:
+        """A DataLoader's fetch: reported to `now` when it happens, and stamped for `later` as
+        `stamped`'s (None: the caller tells `later` itself). Returns its start and end."""
+        now = self.now
+        a = self.tick()
+        if now.level <= FETCH and not now._stack:
+            now.fetch_started(source, a)
+        now.fetch_begin()
+        b = self.tick()
+        now.fetch_end(a, b, None, pass_now, True)
+        if stamped is not None:
+            self.event(FETCH_START, a, stamped)
+            self.event(FETCH_END, b, stamped)
+        return a, b
+
 
 def tell(
     twin: Twin,
@@ -113,14 +128,7 @@ def tell(
     for i in range(iterations):
         stamped = i > 0
         if not looped:  # a library's loop: its DataLoader's fetch only
-            a = twin.tick()
-            if now.level <= FETCH and not now._stack:
-                now.fetch_started(dl_now, a)
-            now.fetch_begin()
-            b = twin.tick()
-            now.fetch_end(a, b, None, dpass_now, True)
-            twin.event(FETCH_START, a, dpass_later)
-            twin.event(FETCH_END, b, dpass_later)
+            twin.dataloader_fetch(dl_now, dpass_now, dpass_later)
         # the loop's fetch (the first one reported at once to both, as the capture does)
         s = twin.tick()
         if looped and i:
@@ -135,16 +143,8 @@ def tell(
         else:
             later.fetch_begin()
         if looped and nested:  # a DataLoader fetch inside the loop's own next()
-            a = twin.tick()
-            if now.level <= FETCH and not now._stack:
-                now.fetch_started(dl_now, a)
-            now.fetch_begin()
-            b = twin.tick()
-            now.fetch_end(a, b, None, dpass_now, True)
-            if stamped:
-                twin.event(FETCH_START, a, dpass_later)
-                twin.event(FETCH_END, b, dpass_later)
-            else:
+            a, b = twin.dataloader_fetch(dl_now, dpass_now, dpass_later if stamped else None)
+            if not stamped:
                 later.fetch_begin()
                 later.fetch_end(a, b, None, dpass_later, True)
         e = twin.tick()
@@ -180,13 +180,7 @@ def tell(
         if validation and i % 7 == 3:  # a validation pass: its end is reported at once
             vnow, vlater = Pass(val_now), Pass(val_later)
             for _ in range(rng.randint(1, 4)):
-                a, b = twin.tick(), twin.tick()
-                if now.level <= FETCH and not now._stack:
-                    now.fetch_started(val_now, a)
-                now.fetch_begin()
-                now.fetch_end(a, b, None, vnow, True)
-                twin.event(FETCH_START, a, vlater)
-                twin.event(FETCH_END, b, vlater)
+                twin.dataloader_fetch(val_now, vnow, vlater)
             twin.flush()
             a, b = twin.tick(), twin.tick()
             for model, p in ((now, vnow), (later, vlater)):

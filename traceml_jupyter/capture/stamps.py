@@ -34,6 +34,18 @@ FETCH_START, FETCH_END, CALL_START, CALL_END, BACKWARD_DONE, FIRST_STEP, OTHER_S
 BULK = 16  # iterations in a row from which the bulk replay pays
 
 
+def _fetched(source: Any, d: int, stack: list[int]) -> bool:
+    """A fetch of `source` that took `d` ns ended (its entry on `stack` holds the time of the
+    fetches inside it): its own time and batch counted. True when it was inside no other fetch
+    (its time is the step's data wait), else its time goes to the fetch around it."""
+    source.wait_ns += d - stack.pop()
+    source.batches += 1
+    if stack:
+        stack[-1] += d
+        return False
+    return True
+
+
 class Stamps:
     """What the hooks appended since the last replay (see the module docstring)."""
 
@@ -155,7 +167,7 @@ class Stamps:
         wait_total, serial, base = model.wait_total, model.fetch_serial, model.step_wait_base
         in_iteration, held, opened = model.in_iteration, model.deferred, self._open
         stack, starts = model._stack, self._fetches  # child time / start of each open fetch
-        ends: tuple[list[int], list[int], list[int]] = ([], [], [])  # the recorder's three stamps
+        ends: list[tuple[int, int, int]] = []  # the steps closed: the recorder's three stamps each
         loop_source = writer.source if writer is not None else None
         while True:
             if ei < n_events and events[2 * ei] >> 3 <= li:
@@ -167,12 +179,7 @@ class Stamps:
                     starts.append(t)
                 elif kind == FETCH_END or kind == CALL_END:
                     d = t - starts.pop()
-                    src = ref.source if kind == FETCH_END else ref
-                    src.wait_ns += d - stack.pop()
-                    src.batches += 1
-                    if stack:
-                        stack[-1] += d
-                    else:
+                    if _fetched(ref.source if kind == FETCH_END else ref, d, stack):
                         wait += d
                         wait_total += d
                         serial += 1
@@ -188,9 +195,7 @@ class Stamps:
                         else:
                             if sample_in <= 1:
                                 break  # the sampler is called
-                            ends[0].append(start)
-                            ends[1].append(start + wait)
-                            ends[2].append(t - excluded)
+                            ends.append((start, start + wait, t - excluded))
                             start, wait, excluded, base = t, 0, 0, wait_total
                             sample_in -= 1
                 ei += 1
@@ -207,9 +212,7 @@ class Stamps:
                 if level == ITERATION or held is not None:
                     if sample_in <= 1:
                         break  # the sampler is called
-                    ends[0].append(start)
-                    ends[1].append(start + wait)
-                    ends[2].append(t - excluded)
+                    ends.append((start, start + wait, t - excluded))
                     start, wait, excluded, base = t, 0, 0, wait_total
                     sample_in -= 1
                     held = None
@@ -219,19 +222,16 @@ class Stamps:
             else:  # it gave its batch
                 assert loop_source is not None
                 d = t - opened
-                loop_source.wait_ns += d - stack.pop()
-                loop_source.batches += 1
-                if stack:
-                    stack[-1] += d
-                else:
+                if _fetched(loop_source, d, stack):
                     wait += d
                     wait_total += d
                     serial += 1
                 in_iteration = True
                 opened = None
             li += 1
-        if ends[0]:
-            model.recorder.add_many(*(np.array(col, dtype=np.int64) for col in ends))
+        if ends:
+            t0, t1, t2 = np.array(ends, dtype=np.int64).T
+            model.recorder.add_many(t0, t1, t2)
             if model.spans:
                 model.spans.clear()
         model.start, model.wait, model.excluded, model.sample_in = start, wait, excluded, sample_in
