@@ -114,7 +114,8 @@ class Stamps:
                 if went != (li, ei):
                     li, ei = went
                     continue
-                window_from = li + 2 * BULK  # one by one for a while, then try again
+                if events[2 * ei] >> 3 > li:  # (else the open iteration's body first, then again)
+                    window_from = li + 2 * BULK  # one by one for a while, then try again
             went = self._steady(model, li, ei, window_from)
             if went != (li, ei):
                 li, ei = went
