@@ -36,6 +36,7 @@ def both(ip: Any, setup: str, cell: str, names: list[str], options: str = "--no-
     return values[0], values[1]
 
 
+@pytest.mark.slow
 def test_a_loop_started_on_a_thread_runs_to_the_end_after_the_cell(ip: Any) -> None:
     errors: list[BaseException] = []
     previous = threading.excepthook
@@ -283,6 +284,7 @@ def test_a_failed_save_says_so_and_keeps_the_report_and_the_run(ip: Any, tmp_pat
         assert got is not None and got.n_steps == 3
 
 
+@pytest.mark.slow
 def test_steps_too_short_to_time_are_not_called_input_bound(ip: Any) -> None:
     r = run(ip, "%%traceml --no-live\ncount = 0\nfor i in iter(range(20000)):\n    count += 1\n")
     assert r.error_in_exec is None and ip.user_ns["count"] == 20000

@@ -264,6 +264,7 @@ def test_the_commands_a_cell_starts_are_named(ip: Any) -> None:
 
 
 # -- a child interpreter, no notebook ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_hook_costs_a_child_that_does_not_train_nothing_but_its_check(untouched: None, tmp_path: Path) -> None:
     """The sitecustomize it hides still runs; nothing connects; the child's output is its own."""
     earlier = tmp_path / "earlier"
@@ -287,6 +288,7 @@ def test_the_hook_costs_a_child_that_does_not_train_nothing_but_its_check(untouc
 
 
 # -- cells ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bang_python_with_a_slow_loader_is_input_bound_at_the_scripts_line(ip: Any, untouched: None, tmp_path: Path) -> None:
     truth_file = tmp_path / "truth.json"
     result, run, out = cell(ip, f"%%traceml --no-live --name script\n!{PYTHON} {TRAIN} --sleep-ms 3 --steps 24 --truth {truth_file}")
@@ -305,6 +307,7 @@ def test_bang_python_with_a_slow_loader_is_input_bound_at_the_scripts_line(ip: A
     assert child["command"].startswith("python ") and "train.py --sleep-ms 3" in child["command"]
 
 
+@pytest.mark.slow
 def test_subprocess_run_and_os_system_of_a_balanced_script_and_one_that_exits_early(ip: Any, untouched: None) -> None:
     source = (
         "%%traceml --no-live\n"
@@ -332,6 +335,7 @@ def kernel_trains(ip: Any) -> Any:
     return ip
 
 
+@pytest.mark.slow
 def test_a_cell_that_trains_itself_and_starts_a_child_that_trains(kernel_trains: Any, untouched: None) -> None:
     """The kernel's own steps are the run's; the child is a note (its frames sent by the cell,
     as a child would send them)."""
@@ -360,6 +364,7 @@ def test_a_cell_that_trains_itself_and_starts_a_child_that_trains(kernel_trains:
     assert "traceml: no step ran: no process this cell started (`echo not python`) trained." in out
 
 
+@pytest.mark.slow
 def test_the_stop_button_ends_the_child_as_without_the_magic(ip: Any, untouched: None) -> None:
     before = traceml_jupyter.last()
 
@@ -383,6 +388,7 @@ def test_the_stop_button_ends_the_child_as_without_the_magic(ip: Any, untouched:
     assert "Step Time:" in out  # the partial report, before the KeyboardInterrupt
 
 
+@pytest.mark.slow
 def test_a_child_that_outlives_its_cell_stops_reporting_cleanly(
     ip: Any, untouched: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -407,6 +413,7 @@ def test_a_child_that_outlives_its_cell_stops_reporting_cleanly(
     assert child.returncode == 0 and done.read_text() == "done" and not err, err  # trained on, untouched
 
 
+@pytest.mark.slow
 def test_percent_run_traces_in_process_and_tune_finds_the_scripts_loader(ip: Any, untouched: None) -> None:
     result, run, out = cell(ip, f"%%traceml --no-live\n%run {TRAIN} --sleep-ms 2 --steps 12")
     assert result.error_in_exec is None and run is not None and run.processes is None
@@ -420,6 +427,7 @@ def test_percent_run_traces_in_process_and_tune_finds_the_scripts_loader(ip: Any
     assert not _KEPT_LOADER  # kept until the next run or clear()
 
 
+@pytest.mark.slow
 def test_loop_file_line_steps_a_script_without_training_events(ip: Any, untouched: None) -> None:
     """A script whose loop reads a generator and trains nothing (no torch): `--loop FILE:LINE`
     makes its iterations the steps, the script run as Python runs it."""
@@ -434,6 +442,7 @@ def test_loop_file_line_steps_a_script_without_training_events(ip: Any, untouche
     assert run is None and "--loop nowhere/train.py:3: there is no file nowhere/train.py" in out
 
 
+@pytest.mark.slow
 def test_torchrun_in_a_cell_names_the_rank_that_holds_the_others_back(ip: Any, untouched: None) -> None:
     port = free_port()
     command = (f"!OMP_NUM_THREADS=1 {PYTHON} -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 "
@@ -454,6 +463,7 @@ def free_port() -> int:
 
 
 # -- the command line ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_command_line_on_a_crashing_script_prints_the_box_and_passes_its_status_through(
     untouched: None, tmp_path: Path
 ) -> None:
@@ -475,6 +485,7 @@ def test_the_command_line_on_a_crashing_script_prints_the_box_and_passes_its_sta
     assert data["processes"][0]["exit_status"] == 1 and data["loader_site"]["line"] == LOADER_LINE
 
 
+@pytest.mark.slow
 def test_the_command_line_refuses_a_bad_save_and_names_a_missing_command() -> None:
     bad = subprocess.run([PYTHON, "-m", "traceml_jupyter", "run", "--save", "x.csv", "--", "true"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--save x.csv: the file name must end in .html or .json" in bad.stderr

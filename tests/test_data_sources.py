@@ -111,6 +111,7 @@ def sleep_line(code: str) -> int:
     ],
     ids=["generator", "enumerate(generator)", "iterator", "get_batch", "next(generator)"],
 )
+@pytest.mark.slow
 def test_a_slow_source_that_is_no_dataloader_gets_advice_that_names_it(
     shell: Any, head: str, label: str, kind: str, line: int, code: str
 ) -> None:
@@ -132,6 +133,7 @@ def test_a_slow_source_that_is_no_dataloader_gets_advice_that_names_it(
     assert run.to_dict()["summary"]["data_source_type"] == kind
 
 
+@pytest.mark.slow
 def test_a_list_is_named_and_gets_no_loader_settings(shell: Any) -> None:
     run = traced(shell, "for x in batches:\n" + TRAIN)
     s = run.summary
@@ -141,6 +143,7 @@ def test_a_list_is_named_and_gets_no_loader_settings(shell: Any) -> None:
     assert items["per_sample_cost"]["status"] == OK and "num_workers" not in items
 
 
+@pytest.mark.slow
 def test_a_dataloader_keeps_its_advice(shell: Any) -> None:
     run = traced(shell, "loader = DataLoader(Slow(), batch_size=4)\nfor x in loader:\n" + TRAIN)
     assert run.verdict == "INPUT-BOUND"

@@ -19,7 +19,7 @@ TEST_BATCHES = {"fast": 30, "slow": 15, "fixed": 15, "collate": 15, "spiky": 10,
 
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 
 def traced(ip: Any, scenario: str) -> Run:

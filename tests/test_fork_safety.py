@@ -98,6 +98,7 @@ loss_fn = torch.nn.CrossEntropyLoss()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", ["--no-live", "--name live-view"])
 def test_a_traced_cpu_cell_calls_nothing_that_initialises_cuda(ip: Any, cuda_calls: Counter[str], options: str) -> None:
     initialised_before = torch.cuda.is_initialized()

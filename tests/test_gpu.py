@@ -46,6 +46,7 @@ def test_gpu_scenario(ip: Any, group: str) -> None:
     assert checks and all(c.ok for c in checks), gpu_check.table(checks)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(HAS_CUDA, reason="this machine has a GPU: the script runs for real")
 def test_without_cuda_the_script_lists_its_scenarios_and_skips() -> None:
     done = script("--all")
@@ -65,6 +66,7 @@ def test_the_scenarios_cover_the_reviews_a_to_m_and_the_trainer() -> None:
     assert all(s.run.__doc__ for s in gpu_check.SCENARIOS)  # each says what it shows
 
 
+@pytest.mark.slow
 def test_the_fork_check_passes_after_a_traced_cell() -> None:
     """Finding 1 in a fresh interpreter: a traced CPU cell leaves CUDA uninitialised and a fork
     child is not in a "bad fork" (on a GPU machine the child also runs a CUDA kernel)."""

@@ -80,6 +80,7 @@ def test_a_trainer_owned_loop_that_starves_the_gpu_is_input_bound_on_the_gpu_clo
     assert run.summary["data_wait_ms"] == pytest.approx(9.0, abs=3.0)  # 12 ms of loading, 3 ms of work hid part
 
 
+@pytest.mark.slow
 def test_a_body_on_a_side_stream_is_timed_on_the_stream_its_step_started_on(ip: Any, gpu: FakeGpu) -> None:
     ip.user_ns["side"] = gpu.new_stream(0)
     run = traced(

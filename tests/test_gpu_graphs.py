@@ -151,6 +151,7 @@ for batch in DataLoader(Slow(24, 1.0), batch_size=None):
 """
 
 
+@pytest.mark.slow
 def test_the_documentations_whole_network_capture_never_raises_and_each_replay_is_a_step(ip: Any, gpu: FakeGpu) -> None:
     run = traced(ip, WHOLE_NETWORK)
     assert gpu.graphs_captured == 1 and ip.user_ns["g"].ready  # the user's capture is intact
@@ -165,6 +166,7 @@ def test_the_documentations_whole_network_capture_never_raises_and_each_replay_i
     assert run.to_dict()["cuda_graphs"]["replays"] == 24
 
 
+@pytest.mark.slow
 def test_a_graph_captured_in_an_earlier_cell_is_replayed_as_the_step(ip: Any, gpu: FakeGpu) -> None:
     """The usual notebook: capture in one cell, the replay loop traced in the next. A
     no-allocation loop that syncs every step (`.item()`): still a GPU loop."""
@@ -186,6 +188,7 @@ def test_a_graph_captured_in_an_earlier_cell_is_replayed_as_the_step(ip: Any, gp
     assert run.cuda_graphs["replays"] == 20 and run.cuda_graphs["captures"] == 0
 
 
+@pytest.mark.slow
 def test_capture_inside_the_loop_at_step_0_then_replays(ip: Any, gpu: FakeGpu) -> None:
     """gpu_check's J: a forward captured in the first step, replayed after."""
     run = traced(
@@ -203,6 +206,7 @@ def test_capture_inside_the_loop_at_step_0_then_replays(ip: Any, gpu: FakeGpu) -
     assert run.summary["compute_ms"] == pytest.approx(4.0, rel=0.25)
 
 
+@pytest.mark.slow
 def test_a_pinned_non_blocking_copy_inside_a_capture_is_left_to_the_replay(ip: Any, gpu: FakeGpu) -> None:
     run = traced(
         ip,
@@ -229,6 +233,7 @@ def test_a_pinned_non_blocking_copy_inside_a_capture_is_left_to_the_replay(ip: A
     assert run.cuda_graphs["calls_skipped_during_capture"] >= 1
 
 
+@pytest.mark.slow
 def test_torch_compile_reduce_overhead_pattern_never_raises(ip: Any, gpu: FakeGpu) -> None:
     """CUDA graph trees: warm-up call, then a "thread_local" capture on their own stream
     replayed at once, then replays, inside the user's steps."""
@@ -252,6 +257,7 @@ def test_torch_compile_reduce_overhead_pattern_never_raises(ip: Any, gpu: FakeGp
     assert run.summary["compute_ms"] == pytest.approx(3.0, rel=0.3)
 
 
+@pytest.mark.slow
 def test_nothing_of_ours_stays_patched_on_the_graph_class(ip: Any, gpu: FakeGpu) -> None:
     cls = gpu.module.CUDAGraph
     before = {n: cls.__dict__.get(n) for n in ("capture_begin", "capture_end", "replay")}
@@ -260,6 +266,7 @@ def test_nothing_of_ours_stays_patched_on_the_graph_class(ip: Any, gpu: FakeGpu)
     assert cuda_graphs._STATE.active == 0
 
 
+@pytest.mark.slow
 def test_steps_closed_inside_a_capture_have_no_gpu_timings_and_break_nothing(ip: Any, gpu: FakeGpu) -> None:
     """A located loop whose iterations run inside one capture: each step closes while the
     capture is under way (no event may be recorded): unknown GPU timings, the capture intact."""
@@ -278,6 +285,7 @@ def test_steps_closed_inside_a_capture_have_no_gpu_timings_and_break_nothing(ip:
     assert run.n_steps == 4 and run.clock == "cpu"  # no GPU timing for a step that ran nothing
 
 
+@pytest.mark.slow
 def test_a_capture_begun_outside_cudagraph_is_seen_once_a_step(ip: Any, gpu: FakeGpu) -> None:
     """A capture begun without torch.cuda.CUDAGraph (the C++ API, another library): the step's
     close asks `is_current_stream_capturing()`, and every later check of the cell asks it too."""

@@ -98,6 +98,7 @@ def test_the_stand_in_allocator_counts_as_torch_documents(gpu: FakeGpu, allocato
 # -- per step --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_high_pressure_from_the_per_step_peak_checked_against_the_allocator(ip: Any, gpu: FakeGpu, allocator: FakeAllocator) -> None:
     # 6000 MiB of parameters, 1600 MiB of activations saved in each forward and freed by
     # backward: every step peaks at 92.8 % of the 8 GiB device.
@@ -139,6 +140,7 @@ def test_high_pressure_from_the_per_step_peak_checked_against_the_allocator(ip: 
     assert allocator.calls["stats"] == measured and allocator.calls["reset"] == measured + 2
 
 
+@pytest.mark.slow
 def test_a_kept_graph_creeps_and_the_cell_line_is_named(ip: Any, gpu: FakeGpu, allocator: FakeAllocator) -> None:
     model = FakeModel(params_mib=500, out_mib=64)
     run, result, shown = traced(
@@ -168,6 +170,7 @@ def test_a_kept_graph_creeps_and_the_cell_line_is_named(ip: Any, gpu: FakeGpu, a
     assert np.diff(ends[ok]) == pytest.approx(64.0 * np.diff(run.steps["step"][ok]), abs=0.01)
 
 
+@pytest.mark.slow
 def test_memory_held_by_earlier_cells_is_named_biggest_first(ip: Any, gpu: FakeGpu, allocator: FakeAllocator) -> None:
     old_model = FakeModel(params_mib=1200)
     old_opt = FakeOptimizer(old_model.parameters())
@@ -235,6 +238,7 @@ def test_held_before_reads_real_torch_objects_by_storage() -> None:
 # -- out of memory ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_error_is_explained_above_the_unchanged_traceback(ip: Any, gpu: FakeGpu, allocator: FakeAllocator) -> None:
     names = {"model": FakeModel(params_mib=1000), "batches": batches(), "kept": [MemTensor(2000 * MIB)], "MemTensor": MemTensor}
     run, result, shown = traced(
@@ -265,6 +269,7 @@ def test_an_out_of_memory_error_is_explained_above_the_unchanged_traceback(ip: A
     assert "Also: OUT OF MEMORY" in shown and "Stopped by: OutOfMemoryError" in shown
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_error_before_the_first_step_is_explained_too(ip: Any, gpu: FakeGpu, allocator: FakeAllocator) -> None:
     names = {"FakeModel": FakeModel, "batches": batches()}
     run, result, shown = traced(
@@ -297,6 +302,7 @@ def test_oom_facts_read_torchs_message() -> None:
 # -- the watch's own behaviour -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_code_that_reads_the_peak_keeps_it(ip: Any, gpu: FakeGpu, allocator: FakeAllocator) -> None:
     assert reads_peak("print(torch.cuda.max_memory_allocated())") and not reads_peak("x = model(y)")
     model = FakeModel(params_mib=100, activations_mib=300)
@@ -344,6 +350,7 @@ def test_a_failing_allocator_read_turns_the_watch_off_without_raising(gpu: FakeG
     assert watch.steps_read == 1 and "illegal memory access" in (watch.off or "")
 
 
+@pytest.mark.slow
 def test_memory_columns_are_bounded_like_the_recorders(gpu: FakeGpu, allocator: FakeAllocator) -> None:
     params = MemTensor(MIB)  # noqa: F841
     watch = GpuMemory(cuda=lambda: gpu.module)

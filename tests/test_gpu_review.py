@@ -560,6 +560,7 @@ def test_15_the_backlog_stays_precise_after_hours_of_float32_event_times(fake_cl
 # -- 17. no CUDA event outlives the cell -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_17_no_event_is_kept_after_the_cell(fake_clock: HostClock) -> None:
     gpu = machine(fake_clock)
     body = "y = x.to('cuda', non_blocking=True).work(1.0)\nv = y.item()"

@@ -163,6 +163,7 @@ def test_in_place_kernels_then_synchronize_keep_the_gpu_clock(ip: Any, gpu: Fake
     assert not any("timed on the CPU clock" in n for n in run.notes)
 
 
+@pytest.mark.slow
 def test_a_cpu_loop_while_cuda_is_initialised_is_not_taken_in_silence(ip: Any, gpu: FakeGpu) -> None:
     gpu.devices[0].allocations = 50  # a model of an earlier cell sits on the GPU
     run = traced(ip, "for batch in DataLoader(Slow(12, 1.0), batch_size=None):\n    time.sleep(0.002)\n")
@@ -180,6 +181,7 @@ for batch in DataLoader(Slow(24, 0.1), batch_size=None):
 """
 
 
+@pytest.mark.slow
 def test_cuda_launch_blocking_withholds_all_syncs_seen_and_host_bound(ip: Any, gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every launch waits for its kernel, unreported: the host seems to issue work the whole
     step with nothing queued. Without NVML that is no HOST-BOUND; with NVML the busy GPU is
@@ -214,6 +216,7 @@ def test_without_launch_blocking_the_same_host_pattern_is_still_host_bound(ip: A
     assert (run.verdict, run.severity) == ("HOST-BOUND", "warn")
 
 
+@pytest.mark.slow
 def test_empty_cache_every_step_is_a_timed_wait_not_host_bound(ip: Any, gpu: FakeGpu) -> None:
     run = traced(
         ip,
@@ -269,6 +272,7 @@ def test_a_wait_event_prefetcher_is_followed_like_wait_stream(ip: Any, gpu: Fake
     assert run.verdict == "H2D-BOUND" and "line 4 runs on a side stream" in run.verdict_detail.why
 
 
+@pytest.mark.slow
 def test_our_own_host_time_is_measured_and_taken_out_of_the_hosts_issue_time(ip: Any, gpu: FakeGpu) -> None:
     """Each CUDA call costs the host 50 µs here: 20 copies a step cost us 2 event records each.
     The host's issue time is the body's minus that; the user's own Python stays in it."""

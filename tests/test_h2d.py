@@ -204,6 +204,7 @@ def traced(ip: Any, cell: str) -> tuple[Any, str]:
     return run, shown
 
 
+@pytest.mark.slow
 def test_large_pageable_batches_are_h2d_bound(ip: Any, gpu: FakeGpu) -> None:
     run, shown = traced(
         ip,
@@ -231,6 +232,7 @@ def test_large_pageable_batches_are_h2d_bound(ip: Any, gpu: FakeGpu) -> None:
     assert saved["verdict"]["label"] == "H2D-BOUND"
 
 
+@pytest.mark.slow
 def test_pinned_compact_non_blocking_copies_fix_it(ip: Any, gpu: FakeGpu) -> None:
     run, _ = traced(
         ip,
@@ -247,6 +249,7 @@ def test_pinned_compact_non_blocking_copies_fix_it(ip: Any, gpu: FakeGpu) -> Non
     assert s["h2d_share"] < 0.1 and s["h2d_pinned_share"] == 1.0 and s["h2d_non_blocking_share"] == 1.0
 
 
+@pytest.mark.slow
 def test_a_cpu_machine_patches_nothing_and_measures_no_copies(ip: Any) -> None:
     ip.run_cell("import torch\nxs = [torch.ones(4) for _ in range(12)]")
     with capture_output():

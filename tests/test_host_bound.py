@@ -405,6 +405,7 @@ def traced(ip: Any, cell: str) -> Any:
     return run
 
 
+@pytest.mark.slow
 def test_python_that_starves_the_gpu_is_host_bound(ip: Any, gpu: FakeGpu) -> None:
     run = traced(
         ip,
@@ -429,6 +430,7 @@ def test_python_that_starves_the_gpu_is_host_bound(ip: Any, gpu: FakeGpu) -> Non
     assert run.summary["gpu_busy_share"] == pytest.approx(0.2)
 
 
+@pytest.mark.slow
 def test_item_every_step_is_named_on_its_line(ip: Any, gpu: FakeGpu) -> None:
     run = traced(
         ip,
@@ -457,6 +459,7 @@ def test_item_every_step_is_named_on_its_line(ip: Any, gpu: FakeGpu) -> None:
     assert saved["sync_stalls"]["sites"][0]["line"] == 5 and "sync_ms" in saved["steps"]
 
 
+@pytest.mark.slow
 def test_a_busy_gpu_is_not_host_bound(ip: Any, gpu: FakeGpu) -> None:
     run = traced(
         ip,

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "traceml_jupyter"
 ORCHESTRATION = {"traced_cell", "tracing", "magic", "tune", "demo", "async_cells", ""}
 
@@ -112,6 +114,7 @@ def test_the_tree_reads_as_the_flow() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_importing_the_package_loads_no_heavy_library() -> None:
     code = (
         "import sys, traceml_jupyter\n"

@@ -172,6 +172,7 @@ def run_source(source: str, rewrite: bool, sample: Callable[[], bool]) -> dict[s
     return {k: v for k, v in ns.items() if k in ("out", "done", "seen", "count", "first")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", sorted(LOOP_FORMS))
 @pytest.mark.parametrize("sampled", ["always", "never", "alternate"])
 def test_the_rewrite_keeps_the_loops_meaning(form: str, sampled: str) -> None:
@@ -183,6 +184,7 @@ def test_the_rewrite_keeps_the_loops_meaning(form: str, sampled: str) -> None:
     assert run_source(source, True, sample) == plain
 
 
+@pytest.mark.slow
 def test_each_top_level_statement_is_timed_with_its_lines() -> None:
     source = "for x in range(3):  # traceml: loop\n    y = x\n    if y:\n        z = 1\n    w = [\n        y,\n    ]\n"
     tree = ast.parse(source)
@@ -202,6 +204,7 @@ def test_each_top_level_statement_is_timed_with_its_lines() -> None:
     assert {n.lineno for n in ast.walk(loop) if hasattr(n, "lineno")} <= set(range(1, 8))
 
 
+@pytest.mark.slow
 def test_break_continue_and_exceptions_still_end_the_statements_time() -> None:
     source = textwrap.dedent(
         """\
@@ -310,6 +313,7 @@ def no_names_left(ip: Any) -> Iterator[None]:
     assert LINES not in ip.user_ns
 
 
+@pytest.mark.slow
 def test_a_cpu_run_gets_ms_per_step_for_each_body_line(ip: Any, no_names_left: None) -> None:
     ip.run_cell("import time\nimport torch\nbatches = [torch.ones(8, 8) for _ in range(24)]")
     result, run = traced(
@@ -346,6 +350,7 @@ def test_lines_off_times_nothing(ip: Any, no_names_left: None) -> None:
     assert result.error_in_exec is None and run.line_costs is None
 
 
+@pytest.mark.slow
 def test_a_traceback_points_at_the_line_that_failed(ip: Any, no_names_left: None) -> None:
     ip.run_cell("batches = list(range(12))")
     result, run = traced(
@@ -364,6 +369,7 @@ def test_a_traceback_points_at_the_line_that_failed(ip: Any, no_names_left: None
     assert run.line_costs is not None and run.n_steps == 6  # the partial run still has its costs
 
 
+@pytest.mark.slow
 def test_a_loop_in_a_function_of_the_cell_is_timed_and_restored(ip: Any, no_names_left: None) -> None:
     ip.run_cell("batches = list(range(12))")
     result, run = traced(
@@ -385,6 +391,7 @@ def test_a_loop_in_a_function_of_the_cell_is_timed_and_restored(ip: Any, no_name
     assert ip.user_ns["again"] == 66
 
 
+@pytest.mark.slow
 def test_a_loop_in_another_cell_gets_its_cost_per_line_in_its_own_numbering(ip: Any, no_names_left: None) -> None:
     ip.run_cell("def fit(data):\n    for x in data:  # traceml: loop\n        y = x\n    return y\n")
     plain = ip.user_ns["fit"].__code__

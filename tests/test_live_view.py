@@ -116,6 +116,7 @@ def no_traceml_thread() -> bool:
 # -- the widget view ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_refreshes_are_throttled_and_each_is_one_batched_update_per_widget(
     ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
 ) -> None:
@@ -148,6 +149,7 @@ def test_refreshes_are_throttled_and_each_is_one_batched_update_per_widget(
     assert no_traceml_thread()
 
 
+@pytest.mark.slow
 def test_the_final_refresh_carries_the_last_step(
     ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
 ) -> None:
@@ -170,6 +172,7 @@ def test_the_final_refresh_carries_the_last_step(
     assert centre[0] < centre[-1] <= n + 1
 
 
+@pytest.mark.slow
 def test_the_chart_is_displayed_with_a_text_fallback_and_left_in_place(
     ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
 ) -> None:
@@ -187,6 +190,7 @@ def test_the_chart_is_displayed_with_a_text_fallback_and_left_in_place(
     assert views[0].chart is not None
 
 
+@pytest.mark.slow
 def test_the_header_says_where_the_run_is_and_what_bounds_it(
     ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
 ) -> None:
@@ -237,6 +241,7 @@ for i in list(range(50)):
     assert no_traceml_thread()
 
 
+@pytest.mark.slow
 def test_a_loop_that_runs_no_step_says_so(
     ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
 ) -> None:
@@ -248,6 +253,7 @@ def test_a_loop_that_runs_no_step_says_so(
     assert "no step ran" in out.stdout
 
 
+@pytest.mark.slow
 def test_the_gpu_note_is_left_on_the_run_for_the_report(
     ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
 ) -> None:
@@ -294,6 +300,7 @@ def test_colab_gets_its_widget_manager_once_before_the_first_widget(
     assert len(views) == 2
 
 
+@pytest.mark.slow
 def test_without_bqplot_a_widget_kernel_gets_the_html_display(
     ip: Any,
     recording: Recording,
@@ -313,6 +320,7 @@ def test_without_bqplot_a_widget_kernel_gets_the_html_display(
 # -- front-ends without widgets -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_terminal_gets_no_widget_and_no_traceback(
     ip: Any, recording: Recording, views: list[live.LiveView], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -330,6 +338,7 @@ def test_a_terminal_gets_no_widget_and_no_traceback(
     assert no_traceml_thread()
 
 
+@pytest.mark.slow
 def test_a_kernel_without_widgets_gets_an_updating_html_display(
     ip: Any, recording: Recording, views: list[live.LiveView], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -349,6 +358,7 @@ def test_a_kernel_without_widgets_gets_an_updating_html_display(
     assert final["text/plain"].startswith("traceml ") and "done: 320 steps" in final["text/plain"]
 
 
+@pytest.mark.slow
 def test_no_live_shows_no_view_but_still_samples_the_gpu(
     ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None
 ) -> None:

@@ -6,6 +6,8 @@ import ast
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import pytest
+
 from traceml_jupyter.capture.hooks import FETCH
 from traceml_jupyter.capture.locate import (
     called_names,
@@ -128,6 +130,7 @@ else:
     assert plain == traced and len(spy.seen) == 1
 
 
+@pytest.mark.slow
 def test_rewrite_keeps_return_inside_functions_and_the_else_branch() -> None:
     src = """
 def first_big(xs):

@@ -53,6 +53,7 @@ def shell(ip: Any) -> Any:
     return ip
 
 
+@pytest.mark.slow
 def test_a_slow_dataset_is_input_bound_with_the_injected_wait(shell: Any) -> None:
     run(shell, "loader = DataLoader(SleepyBatches(30, 0.020), batch_size=None)")
     r = run(
@@ -79,6 +80,7 @@ def test_a_slow_dataset_is_input_bound_with_the_injected_wait(shell: Any) -> Non
     assert "Why:" in text and "Next:" in text
 
 
+@pytest.mark.slow
 def test_a_fast_in_memory_loader_with_a_heavy_model_is_compute_bound(shell: Any) -> None:
     r = run(
         shell,
@@ -173,6 +175,7 @@ LOOP_FORMS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", sorted(LOOP_FORMS))
 def test_every_loop_form_keeps_its_meaning(shell: Any, form: str) -> None:
     run(shell, "torch.manual_seed(1); loader = DataLoader(TensorDataset(torch.randn(40, 32), torch.randn(40, 1)), batch_size=8)")
@@ -190,6 +193,7 @@ def test_every_loop_form_keeps_its_meaning(shell: Any, form: str) -> None:
         assert shell.user_ns["train"](0) == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 0)]
 
 
+@pytest.mark.slow
 def test_an_error_in_the_cell_is_reraised_after_the_partial_report(shell: Any) -> None:
     run(shell, "loader = DataLoader(TensorDataset(torch.randn(40, 32), torch.randn(40, 1)), batch_size=8)")
     r = run(
@@ -221,6 +225,7 @@ def test_the_traceback_names_the_cell_by_its_own_number(shell: Any) -> None:
     assert f"Cell In[{r.execution_count}], line 3" in out.stdout
 
 
+@pytest.mark.slow
 def test_keyboard_interrupt_stops_the_cell_and_keeps_the_partial_run(shell: Any) -> None:
     run(shell, "loader = DataLoader(TensorDataset(torch.randn(40, 32), torch.randn(40, 1)), batch_size=8)")
     r = run(
@@ -241,6 +246,7 @@ def test_keyboard_interrupt_stops_the_cell_and_keeps_the_partial_run(shell: Any)
     assert shell.user_ns["done"] == 3
 
 
+@pytest.mark.slow
 def test_a_loader_that_raises_is_reraised_with_its_own_traceback(shell: Any) -> None:
     run(shell, "bad = SleepyBatches(10, 0.0); bad.fail_at = 4; bad_loader = DataLoader(bad, batch_size=None)")
     r = run(
@@ -306,6 +312,7 @@ def test_a_cell_without_a_loop_runs_untouched_with_one_line(shell: Any) -> None:
     assert "# traceml: loop" in lines[0] and "--loop" in lines[0]
 
 
+@pytest.mark.slow
 def test_leading_blank_lines_keep_line_numbers(shell: Any) -> None:
     r = run(shell, "%%traceml\n\n\nfor v in [1, 2]:\n    1 / (v - 2)\n")
     assert isinstance(r.error_in_exec, ZeroDivisionError)
@@ -319,6 +326,7 @@ def test_the_last_expression_is_shown_as_out(shell: Any) -> None:
     assert r.result == 30
 
 
+@pytest.mark.slow
 def test_a_cell_run_twice_gives_two_runs(shell: Any) -> None:
     cell = "%%traceml\nfor v in [1, 2, 3]:\n    pass\n"
     before = len(traceml_jupyter.runs())
@@ -345,6 +353,7 @@ def test_save_writes_json_that_round_trips(shell: Any, tmp_path: Path) -> None:
     assert data == json.loads(json.dumps(got.to_dict(), allow_nan=False))
 
 
+@pytest.mark.slow
 def test_a_loop_inside_a_function_from_another_cell(shell: Any) -> None:
     run(shell, "loader = DataLoader(TensorDataset(torch.randn(40, 32), torch.randn(40, 1)), batch_size=8)")
     r = run(
@@ -452,6 +461,7 @@ def test_the_python_api_gives_the_same_run_object() -> None:
     assert r.expected_steps == 4
 
 
+@pytest.mark.slow
 def test_load_ext_imports_no_heavy_module() -> None:
     code = (
         "import sys\n"

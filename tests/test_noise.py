@@ -153,6 +153,7 @@ def ar1(n: int, phi: float, seed: int) -> np.ndarray:
     return drifting_steps(n, phi, np.random.default_rng(seed))
 
 
+@pytest.mark.slow
 def test_blocks_keep_drifting_steps_honest_where_resampling_single_steps_is_not() -> None:
     # Two runs of one process whose steps drift (correlated over ~10 steps): how often does
     # the 95 % interval of B - A exclude 0? About 5 % of pairs should; single steps resampled

@@ -64,6 +64,7 @@ def test_notebooks_in_git_carry_no_outputs(path: Path) -> None:
     assert "widgets" not in nb.metadata
 
 
+@pytest.mark.slow
 def test_notebooks_are_what_the_generator_writes() -> None:
     check = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "make_notebooks.py"), "--check"],

@@ -143,6 +143,7 @@ def no_leaks() -> Iterator[None]:
     assert not left, f"descriptors left open: {left}"
 
 
+@pytest.mark.slow
 def test_ranks_with_different_step_counts_are_said(no_leaks: None) -> None:
     run = Run("uneven")
     with ranks.followed(run):  # rank 0 reads with 2 DataLoader workers (forked by the rank: no ranks)
@@ -157,6 +158,7 @@ def test_ranks_with_different_step_counts_are_said(no_leaks: None) -> None:
     assert "a step = one `optimizer.step()`" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interrupted", [False, True])
 def test_a_rank_still_running_when_the_cell_ends_is_a_note(
     no_leaks: None, monkeypatch: pytest.MonkeyPatch, interrupted: bool
@@ -188,6 +190,7 @@ def test_a_rank_still_running_when_the_cell_ends_is_a_note(
     assert run.ranks is not None and run.ranks[0]["status"] == "running"
 
 
+@pytest.mark.slow
 def test_dataloader_workers_are_not_ranks(no_leaks: None) -> None:
     run = Run("workers")
     loader = DataLoader(Batches(16), batch_size=4, num_workers=2, multiprocessing_context="fork")
@@ -219,6 +222,7 @@ def accelerate_training() -> None:
         opt.step()
 
 
+@pytest.mark.slow
 def test_accelerate_notebook_launcher_forks_ranks_too() -> None:
     accelerate = pytest.importorskip("accelerate")
     run = Run("accelerate")
@@ -229,6 +233,7 @@ def test_accelerate_notebook_launcher_forks_ranks_too() -> None:
     assert not ranks._collectors and not mp.active_children()
 
 
+@pytest.mark.slow
 def test_nn_dataparallel_gets_a_note(ip: Any) -> None:
     ip.run_cell(
         "import torch\n"
@@ -332,6 +337,7 @@ def cell_text(cell: Any) -> str:
     return "\n".join(out)
 
 
+@pytest.mark.slow
 @pytest.mark.kernel
 def test_a_notebook_cell_that_forks_ddp_ranks() -> None:
     nbclient = pytest.importorskip("nbclient")
@@ -400,6 +406,7 @@ def test_a_report_is_printed_in_one_write(monkeypatch: pytest.MonkeyPatch) -> No
     assert writes == ["report\nlast line\n", "a line", "\n"]
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_gather_and_rank_0_prints_the_table() -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}

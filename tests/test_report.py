@@ -173,6 +173,7 @@ def _inside(page: Page, parent: Element) -> list[Element]:
     return [e for e in page.elements[start + 1 :] if e.ancestors >= parent.classes]
 
 
+@pytest.mark.slow
 def test_pin_memory_on_a_cpu_only_run_is_ok_and_folded(shell: Any) -> None:
     run, page, _ = run_cell(shell, SLOW_CELL)
     assert run.clock == "cpu"
@@ -183,6 +184,7 @@ def test_pin_memory_on_a_cpu_only_run_is_ok_and_folded(shell: Any) -> None:
     assert "tml-ok" in page.one("tml-item-non_blocking").classes
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Got pickle error:UserWarning")
 def test_a_notebook_dataset_with_spawned_workers_gets_the_start_method_fix(shell: Any) -> None:
     cell = """%%traceml --no-live
@@ -249,6 +251,7 @@ for x, y in loader:
     assert f"In [{built_in}], line 2" in page.one("tml-item-num_workers").text
 
 
+@pytest.mark.slow
 def test_a_loop_in_a_function_of_an_earlier_cell_is_named(shell: Any) -> None:
     defined_in = next_cell_number(shell)
     shell.run_cell(
@@ -284,6 +287,7 @@ for x, y in DataLoader(SlowSamples(8), batch_size=2):
     assert "label = \"<script>alert('x')</script>\"" in page.line(2).text
 
 
+@pytest.mark.slow
 def test_unmeasured_values_show_n_a_never_zero(shell: Any) -> None:
     cell = "%%traceml --no-live\nfor x in DataLoader(SlowSamples(0)):\n    x.sum().backward()\n"
     with capture_output():
@@ -411,6 +415,7 @@ def heat_of(page: Page, number: int) -> tuple[float | None, str | None, float | 
     return width, label, host
 
 
+@pytest.mark.slow
 def test_a_cpu_report_shows_ms_per_step_beside_the_body_lines(shell: Any) -> None:
     shell.run_cell("batches = [torch.ones(8, 8) for _ in range(24)]")
     run, page, result = run_cell(shell, LINES_CELL)
@@ -484,6 +489,7 @@ def facts_table(page: Page) -> dict[str, str]:
     return {k.text: v.text for k, v in zip(cells[::2], cells[1::2], strict=True)}
 
 
+@pytest.mark.slow
 def test_an_h2d_bound_report_shows_the_copy_and_points_at_its_line(ip: Any, gpu: FakeGpu) -> None:
     run, page, result = run_cell(
         ip,
@@ -519,6 +525,7 @@ for x in pageable:
     assert "GPU ms per step" in page.one("tml-code-pane").text
 
 
+@pytest.mark.slow
 def test_a_host_bound_report_names_the_sync_line_and_the_host_fixes(ip: Any, gpu: FakeGpu) -> None:
     run, page, result = run_cell(
         ip,

@@ -90,6 +90,7 @@ def checklist_item(got: Any, key: str) -> dict[str, Any]:
     return next(i for i in got.checklist if i["key"] == key)
 
 
+@pytest.mark.slow
 def test_workers_that_burn_every_core_saturate_the_cpu_and_get_no_more_workers(shell: Any) -> None:
     # 2 workers burning 4 ms a sample on this 2-core machine (each batch of 4 is 16 ms of CPU);
     # the model is tiny, so the loop waits for them: INPUT-BOUND, and the CPU has no core left.
@@ -120,6 +121,7 @@ def test_workers_that_burn_every_core_saturate_the_cpu_and_get_no_more_workers(s
     assert "<style" not in page and "<script" not in page
 
 
+@pytest.mark.slow
 def test_workers_that_sleep_leave_the_cpu_idle_and_more_workers_are_advised(shell: Any) -> None:
     # 2 workers waiting 8 ms a sample (I/O): the CPU is idle, so more workers overlap more waiting.
     run(shell, "loader = DataLoader(Sleeping(4 * 120, 8.0), batch_size=4, num_workers=2)")
@@ -136,6 +138,7 @@ def test_workers_that_sleep_leave_the_cpu_idle_and_more_workers_are_advised(shel
     assert "wait" in item["reason"]
 
 
+@pytest.mark.slow
 def test_a_python_list_read_by_forked_workers_grows_their_private_memory(shell: Any) -> None:
     # 1.6 million (float, int) tuples, read in chunks by 2 forked workers: reading them writes
     # their reference counts, so each worker copies the pages it reads (copy-on-read); RSS
@@ -160,6 +163,7 @@ def test_a_python_list_read_by_forked_workers_grows_their_private_memory(shell: 
     shell.user_ns.pop("loader", None)  # its persistent workers end with it
 
 
+@pytest.mark.slow
 def test_a_loss_kept_with_its_graph_grows_the_process_and_names_the_line(shell: Any) -> None:
     # An evaluation written without torch.no_grad(): `total = total + loss` keeps each step's
     # graph, and with it the activations saved for a backward that never comes (2 MiB a step, 96 steps).
@@ -424,6 +428,7 @@ def test_compare_puts_memory_and_cpu_side_by_side() -> None:
 # -- bad cases: a note, never an error of ours ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_worker_that_exits_between_samples_is_marked_not_raised() -> None:
     import subprocess
     import sys

@@ -218,6 +218,7 @@ def test_missing_paths_and_directories_are_refused_in_one_line(tmp_path: Path) -
 # -- the report as a file ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_save_html_writes_one_standalone_page(ip: Any, saved: tuple[Run, Path], tmp_path: Path) -> None:
     run, _ = saved
     page_path = tmp_path / "report.html"
@@ -240,6 +241,7 @@ def test_save_html_writes_one_standalone_page(ip: Any, saved: tuple[Run, Path], 
 # -- the history and names across kernels -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_history_finds_runs_of_an_earlier_kernel_by_name(ip: Any, saved: tuple[Run, Path], tmp_path: Path) -> None:
     where = tmp_path / "history"
     with capture_output() as out:
@@ -262,6 +264,7 @@ def test_the_history_finds_runs_of_an_earlier_kernel_by_name(ip: Any, saved: tup
     assert "no history" in out.stdout
 
 
+@pytest.mark.slow
 def test_a_name_for_two_different_runs_is_refused(ip: Any, saved: tuple[Run, Path], tmp_path: Path) -> None:
     where = tmp_path / "history"
     history.choose(str(where))
@@ -276,6 +279,7 @@ def test_a_name_for_two_different_runs_is_refused(ip: Any, saved: tuple[Run, Pat
     assert "in the history" in message and "\n" not in message
 
 
+@pytest.mark.slow
 def test_bad_names_paths_and_globs_say_which_and_why(ip: Any, saved: tuple[Run, Path], tmp_path: Path) -> None:
     cases = {
         "compare nosuch slow": "no run named 'nosuch' in this kernel (known: 'slow') and no "
@@ -300,6 +304,7 @@ def test_bad_names_paths_and_globs_say_which_and_why(ip: Any, saved: tuple[Run, 
         ip.run_line_magic("traceml", f"history {tmp_path / 'a.json'}")
 
 
+@pytest.mark.slow
 def test_a_history_that_cannot_be_written_costs_nothing_but_a_line(ip: Any, saved: tuple[Run, Path], tmp_path: Path) -> None:
     blocked = tmp_path / "blocked"
     history.choose(str(blocked))
@@ -311,6 +316,7 @@ def test_a_history_that_cannot_be_written_costs_nothing_but_a_line(ip: Any, save
     assert traceml_jupyter.last().name == "lost"
 
 
+@pytest.mark.slow
 def test_traceml_history_in_the_environment_saves_every_run(
     ip: Any, saved: tuple[Run, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -74,6 +74,7 @@ def run(ip: Any, cell: str) -> tuple[int, Any, str]:
 # -- item 6: each earlier cell is read at most once per kernel ---------------------------------
 
 
+@pytest.mark.slow
 def test_each_earlier_cell_is_read_at_most_once_however_many_cells_are_traced(
     ip: Any, reads: Counter[str]
 ) -> None:
@@ -91,6 +92,7 @@ def test_each_earlier_cell_is_read_at_most_once_however_many_cells_are_traced(
     assert max(reads.values()) == 1  # no cell of the session was read twice
 
 
+@pytest.mark.slow
 def test_a_report_reads_new_cells_for_at_most_its_budget_and_the_next_one_goes_on(
     ip: Any, reads: Counter[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -104,6 +106,7 @@ def test_a_report_reads_new_cells_for_at_most_its_budget_and_the_next_one_goes_o
     assert reads[SETUP] == 1 and f"DataLoader in In [{setup}]" in html
 
 
+@pytest.mark.slow
 def test_a_loop_in_a_function_of_an_earlier_cell_is_read_once(
     ip: Any, reads: Counter[str]
 ) -> None:
@@ -150,6 +153,7 @@ def train():
 # -- item 7: quoted names -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quoted", ['"my run"', "'my run'"])
 def test_a_quoted_name_with_spaces_names_the_run_and_compare_finds_it(
     ip: Any, quoted: str
@@ -173,6 +177,7 @@ def test_an_unclosed_quote_is_a_one_line_usage_error_and_the_cell_does_not_run(i
     assert "ran" not in ip.user_ns
 
 
+@pytest.mark.slow
 def test_a_save_path_keeps_its_backslashes(ip: Any, tmp_path: Any) -> None:
     from traceml_jupyter.magic import split_line
 
@@ -208,6 +213,7 @@ def chart_outputs(cap: Any) -> list[Any]:
     return [o for o in cap.outputs if o.transient and "display_id" in o.transient]
 
 
+@pytest.mark.slow
 def test_only_the_newest_charts_keep_their_widgets_older_ones_become_pictures(
     ip: Any, widget_front_end: None
 ) -> None:
@@ -246,6 +252,7 @@ def test_a_short_run_builds_no_widget_and_leaves_its_final_picture(
     assert "done: 4 steps" in outputs[-1].data["text/html"] and outputs[-1].update
 
 
+@pytest.mark.slow
 def test_clear_forgets_the_runs_and_gives_their_widgets_back(
     ip: Any, widget_front_end: None
 ) -> None:

@@ -131,6 +131,7 @@ def test_a_closure_passed_to_step_is_not_the_optimizer_and_its_forward_and_backw
     assert s["forward_ms"] + s["backward_ms"] + s["optimizer_ms"] + s["rest_ms"] <= s["compute_ms"] * 1.05
 
 
+@pytest.mark.slow
 def test_a_loss_module_is_no_forward_and_a_model_without_modules_is_said_so(ip: Any) -> None:
     ip.user_ns.update(Sleepy=Sleepy)
     with capture_output():
@@ -193,6 +194,7 @@ def test_a_model_called_on_another_thread_is_not_this_steps_forward() -> None:
     assert np.nanmedian(run.steps["forward_ms"][1:]) < 15.0  # the 2 ms call, not the 32 ms one
 
 
+@pytest.mark.slow
 def test_an_error_inside_the_models_forward_reaches_the_cell_unchanged(ip: Any) -> None:
     class Broken(nn.Module):
         def __init__(self) -> None:
@@ -300,6 +302,7 @@ def test_the_json_carries_each_steps_parts_nullable_and_the_trend() -> None:
     assert saved["epoch_startup"] is None  # no DataLoader: no pass to start
 
 
+@pytest.mark.slow
 def test_compiled_modules_are_timed_whole_and_never_recompiled() -> None:
     """torch.compile(model) and model.compile(): called from the step's code, each is a forward;
     patching their classes for sampled steps only causes no recompilation."""

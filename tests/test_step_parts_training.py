@@ -20,6 +20,8 @@ from test_training_code import traced as tutorial_traced
 
 from traceml_jupyter.run import Run
 
+pytestmark = pytest.mark.slow  # training runs timed against the hand-timed truth
+
 # The tutorial layout's dataset and model (test_training_code.py), and a backward of known cost.
 SETUP = (
     TUTORIAL_SETUP

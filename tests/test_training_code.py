@@ -78,7 +78,7 @@ for epoch in range(1, 3):
 '''
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 # Two runs of the same cell on a shared machine: medians over 16-24 steps differ by a few
 # points of share; a tool that timed the wrong thing is off by tens.

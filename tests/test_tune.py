@@ -153,6 +153,7 @@ for x, y in loader:
 """
 
 
+@pytest.mark.slow
 def test_tune_predicts_the_fix_and_the_fix_delivers_it(shell: Any, no_processes_left: Any) -> None:
     run(
         shell,
@@ -214,6 +215,7 @@ def test_tune_predicts_the_fix_and_the_fix_delivers_it(shell: Any, no_processes_
 # fix leaves the step compute-bound (taking each batch from the workers is then the step's extra)
 # and one whose workers still set the pace. Sleeps on both sides: their figures hold on a busy
 # machine; what the training process pays per batch is measured by tune under the same load.
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FAMILY[:2], ids=lambda c: c.name)
 def test_the_predicted_speedup_is_within_15_percent_of_the_rerun(
     shell: Any, no_processes_left: Any, case: Case
@@ -228,6 +230,7 @@ def test_the_predicted_speedup_is_within_15_percent_of_the_rerun(
 # -- safety -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_budget_holds_and_a_candidate_that_cannot_start_says_so(
     shell: Any, no_processes_left: Any
 ) -> None:
@@ -246,6 +249,7 @@ def test_the_budget_holds_and_a_candidate_that_cannot_start_says_so(
     assert tuned.best == {}  # nothing beat the loader as it is
 
 
+@pytest.mark.slow
 def test_stop_button_in_a_sample_ends_with_the_partial_table(
     shell: Any, no_processes_left: Any
 ) -> None:
@@ -259,6 +263,7 @@ def test_stop_button_in_a_sample_ends_with_the_partial_table(
     assert "Stopped" in tuned.text()
 
 
+@pytest.mark.slow
 def test_stop_button_between_candidates_keeps_what_was_measured(
     shell: Any, no_processes_left: Any
 ) -> None:
@@ -285,6 +290,7 @@ def test_stop_button_between_candidates_keeps_what_was_measured(
     assert all(row["batches_per_s"] for row in tuned.rows)
 
 
+@pytest.mark.slow
 def test_random_states_and_the_users_loader_are_as_they_were(
     shell: Any, no_processes_left: Any
 ) -> None:
@@ -312,6 +318,7 @@ def test_random_states_and_the_users_loader_are_as_they_were(
     assert sorted(i for _, idx in loader for i in idx.tolist()) == list(range(64))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make, where, in_worker",
     [
@@ -337,6 +344,7 @@ def test_a_raising_dataset_gives_one_line_naming_the_candidate(
         assert len(list(shell.user_ns["broken"])) == 16
 
 
+@pytest.mark.slow
 def test_a_raising_collate_fn_names_the_candidate(shell: Any, no_processes_left: Any) -> None:
     run(
         shell,
@@ -350,6 +358,7 @@ def test_a_raising_collate_fn_names_the_candidate(shell: Any, no_processes_left:
     assert shell.user_ns["tuned"].error == "num_workers=0: TypeError: cannot stack"
 
 
+@pytest.mark.slow
 def test_an_iterable_dataset_is_measured_item_by_item(shell: Any, no_processes_left: Any) -> None:
     run(shell, "stream = DataLoader(SleepyStream(200, 5), batch_size=2)")
     tuned = traceml_jupyter.tune(
@@ -365,6 +374,7 @@ def test_an_iterable_dataset_is_measured_item_by_item(shell: Any, no_processes_l
     assert any("IterableDataset" in note for note in tuned.notes)
 
 
+@pytest.mark.slow
 def test_a_custom_batch_sampler_is_kept_and_not_advanced(
     shell: Any, no_processes_left: Any
 ) -> None:
@@ -379,6 +389,7 @@ def test_a_custom_batch_sampler_is_kept_and_not_advanced(
     assert tuned.code is None or "batch_sampler=buckets" in tuned.code
 
 
+@pytest.mark.slow
 def test_without_the_models_rate_it_ranks_and_says_it_cannot_predict(
     shell: Any, no_processes_left: Any
 ) -> None:
@@ -389,6 +400,7 @@ def test_without_the_models_rate_it_ranks_and_says_it_cannot_predict(
     assert "cannot be predicted" in tuned.advice[0]
 
 
+@pytest.mark.slow
 def test_what_is_not_a_dataloader_gets_one_clear_line(shell: Any) -> None:
     run(shell, "plain = [1, 2, 3]")
     r = run(shell, "%traceml tune plain")
@@ -406,6 +418,7 @@ def test_what_is_not_a_dataloader_gets_one_clear_line(shell: Any) -> None:
     assert "go with %traceml tune" in str(r.error_in_exec)
 
 
+@pytest.mark.slow
 def test_the_live_view_is_a_bar_chart_with_the_models_rate(
     shell: Any, monkeypatch: pytest.MonkeyPatch, no_processes_left: Any
 ) -> None:
@@ -431,6 +444,7 @@ def test_the_live_view_is_a_bar_chart_with_the_models_rate(
     assert "traceml tune" in html and "num_workers=1" in html
 
 
+@pytest.mark.slow
 def test_without_widgets_the_progress_is_one_updating_html_display(
     shell: Any, monkeypatch: pytest.MonkeyPatch, no_processes_left: Any
 ) -> None:
@@ -696,6 +710,7 @@ def test_parsing_the_magics_line() -> None:
         parse_workers("0,x")
 
 
+@pytest.mark.slow
 def test_at_the_models_pace_taking_batches_and_the_slowed_compute_are_timed() -> None:
     class Ready:
         """A batch costs 2 ms to take; the first (the queue refilling) 50 ms; every tenth call
