@@ -13,12 +13,12 @@ and after every cell the process is checked to be as it was (hygiene).
 
 The table goes to stdout and JSON to $OUT/gpu_check.json ($OUT, else ./artifacts). Without a
 CUDA device it prints "skipped: no CUDA device" and the scenario list, and exits 0.
-tests/test_gpu.py runs the script's own checks on the CPU (the listing, the fork check).
+tests/integration/gpu/test_gpu.py runs the script's own checks on the CPU (the listing, the fork check).
 
 Scenarios A-M are the GPU review's (../shared/reviews/gpu-review.md, "Proposed validation");
 the finding each one shows is in the list. Not covered on a single GPU whose MIG settings must
 not change: DataParallel over several GPUs (finding 2 with replicas) and MIG (findings 5, 9):
-the stand-in GPU tests cover them (tests/test_gpu_review.py).
+the stand-in GPU tests cover them (tests/integration/gpu/test_gpu_review.py).
 """
 
 from __future__ import annotations

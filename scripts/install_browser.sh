@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Debian's chromium for the browser tests (tests/test_browser.py), unless it is there.
+# Installs Debian's chromium for the browser tests (tests/integration/browser/test_browser.py), unless it is there.
 # Playwright drives it at /usr/bin/chromium; `playwright install` is never needed.
 set -euo pipefail
 

@@ -1,6 +1,6 @@
 """Traced cells on the stand-in GPU (tests/fake_gpu.py) through a real IPython shell: a machine
-installed in place of torch.cuda, a setup cell that defines a slow dataset, and the run a traced
-cell made."""
+installed in place of torch.cuda and a setup cell that defines a slow dataset (the `gpu` fixture:
+helpers.gpu_fixture; the run a traced cell made: helpers.traced)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from typing import Any
 
 from fake_gpu import FakeGpu, FakeTensor, HostClock, install_fake_cuda
 from IPython.utils.capture import capture_output
-
-import traceml_jupyter
 
 # A map-style dataset whose items cost the host `ms` (decoding), made of pinned FakeTensors.
 SLOW_DATASET = """
@@ -44,13 +42,3 @@ def stand_in_shell(ip: Any, monkeypatch: Any, setup: str = "", **machine: Any) -
     with capture_output():
         assert ip.run_cell(SLOW_DATASET + textwrap.dedent(setup)).error_in_exec is None
     return gpu
-
-
-def traced(ip: Any, cell: str, options: str = "--no-live") -> Any:
-    """Run `cell` under `%%traceml OPTIONS` (its first line is line 2); the run it made."""
-    with capture_output() as out:
-        result = ip.run_cell(f"%%traceml {options}\n" + textwrap.dedent(cell))
-    assert result.error_in_exec is None, out.stdout + out.stderr + repr(result.error_in_exec)
-    run = traceml_jupyter.last()
-    assert run is not None
-    return run

@@ -5,7 +5,7 @@ the way a user runs it: the training cell under `%%traceml` with `num_workers=0`
 tune`, then the same cell on a loader built with `tuned.best`; the measured speed-up (the first
 run's median step over the rerun's) against the predicted one.
 
-Used by tests/test_tune.py (a few cases) and tests/benchmarks/bench_tune.py (the whole family).
+Used by tests/integration/shell/test_tune.py (a few cases) and tests/benchmarks/bench_tune.py (the whole family).
 Burns count the thread's CPU time, not the wall clock, so a burn is a fixed amount of work
 that takes longer when the cores are shared, as real work does.
 """

@@ -11,7 +11,7 @@ ticks). Per-step overhead = the slope of the child's CPU time over steps (a long
 run, fastest of the repeats) minus the plain loop's slope, so fixed costs cannot hide in it.
 The kernel's side (its reader thread, per rank step) is this process's CPU time during the
 rank runs, per step. Collectives: forked ranks add none; torchrun ranks one all_gather at the
-end of trace() (tests/test_ranks.py counts them).
+end of trace() (tests/integration/ranks/test_ranks.py counts them).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 tests/ranks_scripts/ddp_trace.py
 
 With `--plain` it is the same DDP script with nothing of traceml in it (traced from a cell's
-`!torchrun` by the start-up hook: tests/test_children.py).
+`!torchrun` by the start-up hook: tests/integration/children/test_children.py).
 
 Rank 0 prints the report with the per-rank table (rank 1 holds the others back: input); every
 rank prints one `RANKS <rank> <json>` line with what its `run` holds, and how many collectives
