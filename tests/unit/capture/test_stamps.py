@@ -323,6 +323,7 @@ def test_a_stamped_run_records_every_step_of_a_long_fast_loop() -> None:
     assert run.summary["parts_sampled_steps"] > 64
 
 
+@pytest.mark.slow  # a live chart over a loop of about a second
 def test_the_live_view_sees_steps_while_the_hooks_stamp(ip: Any) -> None:
     """The run's observers tick while the steps are stamped (at most 4 times a second), and
     each tick sees every step stamped before it."""
