@@ -220,6 +220,7 @@ class Run:
         self._loader_infos: dict[Any, dict[str, Any]] = {}
         self._loader_twins: dict[Any, Any] = {}  # stand-ins of its DataLoaders (keep_training_loader)
         self._summary: dict[str, Any] | None = None
+        self._columns: dict[str, np.ndarray] | None = None  # once finished (each read is O(steps))
         self._verdict: Verdict | None = None
         # Optional watches (sync_stalls.GpuWatch, line_costs): per-step columns they measure,
         # aligned to the recorder's steps on demand, and the few facts the verdict quotes.
@@ -279,7 +280,7 @@ class Run:
         capture = self._capture
         if capture is None or capture.thread != threading.get_ident():
             return None
-        return capture.model.current_step  # type: ignore[no-any-return]
+        return capture.current_step()  # type: ignore[no-any-return]
 
     def note_loop_iterable(self, iterable: Any) -> None:
         """After the located loop's first batch: how many iterations a pass has, if it says
@@ -370,6 +371,15 @@ class Run:
     def columns(self) -> dict[str, np.ndarray]:
         """The recorder's kept steps, with the columns of the optional watches and the NVML
         samples (gpu_util_pct, gpu_mem_used_mib) placed on the same steps."""
+        if self._columns is not None and self.finished:
+            return dict(self._columns)
+        cols = self._read_columns()
+        if self.finished:
+            self._columns = cols
+            return dict(cols)
+        return cols
+
+    def _read_columns(self) -> dict[str, np.ndarray]:
         cols = self.recorder.columns()
         for name, column in self.extra_columns.items():
             cols[name] = column(cols["step"])
@@ -391,7 +401,7 @@ class Run:
     @gpu_samples.setter
     def gpu_samples(self, samples: dict[str, Any] | None) -> None:
         self._gpu_samples = samples
-        self._summary, self._verdict = None, None
+        self._summary, self._verdict, self._columns = None, None, None
 
     def _analysis(self) -> tuple[dict[str, Any], Verdict]:
         if self._summary is None or self._verdict is None or not self.finished:

@@ -13,7 +13,6 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from IPython.core.error import UsageError
 
 from . import ranks
@@ -455,14 +454,5 @@ def line_costs_kept(run: Run, clock: Any) -> Iterator[Any]:
 def _costs_of(run: Run, clock: Any) -> dict[str, Any]:
     n = int(run.recorder.n_steps)
     warm = auto_warmup(n) if run.warmup is None else max(0, int(run.warmup))
-    cols = run.recorder.columns()
-    analysed = cols["step"] >= warm
-    step = cols["step_ms"][analysed]
-    fetch = cols["data_wait_ms"][analysed]
-    return line_costs(
-        clock,
-        warm,
-        float(np.mean(step)) if len(step) else None,
-        float(np.mean(fetch)) if len(fetch) else None,
-        run.loop_line,
-    )
+    step, fetch = run.recorder.means_from(warm)
+    return line_costs(clock, warm, step, fetch, run.loop_line)

@@ -1,12 +1,15 @@
-"""Per-step cost of the step model (training events, fetches wherever they happen) next to the
-capture before it (the iterator hook alone, commit 8a46db9), on the same cells, in one run.
+"""Per-step cost of `%%traceml` (the step model, the fetch and training hooks, the per-line
+costs, at their defaults) next to the floor (two clock reads and a generator hop, timed in the
+same process) and to earlier captures on the same cells, in one run; then what remains on the
+per-step path, part by part.
 
     .venv/bin/python tests/benchmarks/bench_step_model.py [--repeats 5]
 
 Each version runs in a worker process of its own (the package imported from its own tree:
-this checkout, and `git archive` of the old commit); repeats alternate between them. The cost per
-step is the slope of process CPU time over steps (a long and a short run) minus the plain
-loop's slope, so fixed costs cannot hide in it and other processes cannot inflate it.
+this checkout, and `git archive` of the earlier commits); repeats alternate between them. The
+cost per step is the slope of process CPU time over steps (a long and a short run) minus the
+plain loop's slope, so fixed costs cannot hide in it and other processes cannot inflate it.
+What the report at the end costs per step (its summary reads every step) is in the slope too.
 
 A real training step (DataLoader, backward, optimizer) costs hundreds of µs here and varies by
 more than what the hooks add, so that row says when it is not resolved; the row "our work in a
@@ -17,11 +20,13 @@ with a trivial stand-in for torch's work, which resolves their cost.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +35,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tables import Table, noise_of, num, show, target  # noqa: E402
 
 BEFORE = "8a46db9"  # the last commit before the step model
-TARGET_US = 2.0
+START = "9fc1c6f"  # the start of issue 22's turn: the step model with every hook reporting at once
+TARGET_US = 1.0  # `%%traceml --no-live`
+TARGET_LIVE_US = 1.1  # `%%traceml` with the live chart
+TARGET_CPU_RATIO = 1.02  # CPU time live / `--no-live` (the live view's own budget)
 ROOT = Path(__file__).resolve().parents[2]
 
 SETUP = """\
 import torch
+from time import perf_counter_ns
 from torch.utils.data import DataLoader, TensorDataset
 torch.manual_seed(0)
 items_short = [(i, i) for i in range({short})]
@@ -44,50 +53,82 @@ opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 _ds = TensorDataset(torch.randn({long_train}, 4), torch.randn({long_train}, 1))
 train_short = DataLoader(_ds, batch_size=1, sampler=range({short_train}))
 train_long = DataLoader(_ds, batch_size=1, sampler=range({long_train}))
+
+def floor(items):
+    # what any hook on a loop's iterator pays at least: two clock reads and a generator hop
+    clock = perf_counter_ns
+    for item in items:
+        clock()
+        clock()
+        yield item
 """
 
 # (label, cell body over `{data}`, short, long)
+HOOK = "hook only (empty body, list)"
+TRAIN = "train step (DataLoader, backward, optimizer)"
 LOOPS = {
-    "hook only (empty body, list)": ("for x, y in items_{n}:\n    pass\n", "items", 2_000, 30_000),
-    "train step (DataLoader, backward, optimizer)": (
-        "for x, y in train_{n}:\n    opt.zero_grad()\n    (model(x) - y).pow(2).mean().backward()\n    opt.step()\n",
-        "train",
+    HOOK: ("for x, y in {wrap}items_{n}{close}:\n    pass\n", 2_000, 30_000),
+    TRAIN: (
+        "for x, y in {wrap}train_{n}{close}:\n    opt.zero_grad()\n    (model(x) - y).pow(2).mean().backward()\n"
+        "    opt.step()\n",
         500,
         5_000,
     ),
 }
+FLOOR = "floor: two clock reads and a generator hop"
+NO_LIVE = "%%traceml --no-live"
+LIVE = "%%traceml (live chart)"
 VARIANTS = {
     "plain": "",
+    FLOOR: "",
     "%%traceml --no-live --lines off": "%%traceml --no-live --lines off\n",
-    "%%traceml --no-live": "%%traceml --no-live\n",
+    NO_LIVE: "%%traceml --no-live\n",
+    LIVE: "%%traceml\n",
 }
+
+
+def cell(label: str, variant: str, n: str) -> str:
+    body, _, _ = LOOPS[label]
+    wrap = ("floor(", ")") if variant == FLOOR else ("", "")
+    return VARIANTS[variant] + body.format(n=n, wrap=wrap[0], close=wrap[1])
+
+
+def live_chart() -> None:
+    """The live view builds its real bqplot chart in this shell, which has no front-end, and
+    every update is serialised as a kernel would (the comm of live_view_cost.py)."""
+    from live_view_cost import install_serialising_comm
+
+    os.environ["TRACEML_LIVE"] = "widget"
+    install_serialising_comm()
 
 
 def worker(repeats: int) -> None:
     """In a worker: every loop and variant, `repeats` times; prints one JSON line of CPU times."""
     from shell_cells import run_cell
 
-    lens = {"short": LOOPS["hook only (empty body, list)"][2], "long": LOOPS["hook only (empty body, list)"][3]}
-    train = {"short_train": LOOPS["train step (DataLoader, backward, optimizer)"][2]}
-    train["long_train"] = LOOPS["train step (DataLoader, backward, optimizer)"][3]
-    run_cell(SETUP.format(**lens, **train))
+    live_chart()
+    lens = {"short": LOOPS[HOOK][1], "long": LOOPS[HOOK][2], "short_train": LOOPS[TRAIN][1], "long_train": LOOPS[TRAIN][2]}
+    run_cell(SETUP.format(**lens))
     out: dict[str, dict[str, list[list[float]]]] = {}
-    for label, (body, _, _short, _long) in LOOPS.items():
-        cells = {v: [head + body.format(n=n) for n in ("short", "long")] for v, head in VARIANTS.items()}
+    for label in LOOPS:
+        cells = {v: [cell(label, v, n) for n in ("short", "long")] for v in VARIANTS}
         out[label] = {v: [] for v in VARIANTS}
         for variant in VARIANTS:
             run_cell(cells[variant][0])  # warm-up
         # Variants interleaved within each repeat: this machine's speed drifts over seconds.
         for _ in range(repeats):
             for variant in VARIANTS:
-                out[label][variant].append([run_cell(cell)[1] for cell in cells[variant]])
+                gc.collect()
+                out[label][variant].append([run_cell(c)[1] for c in cells[variant]])
     result: dict[str, Any] = {"cells": out}
     if has_step_model():
         result["hooks_alone"] = hooks_alone_us()
+    if has_stamps():
+        result["parts"] = remaining_parts(repeats)
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def old_tree(tmp: Path, commit: str = BEFORE) -> Path:
+def old_tree(tmp: Path, commit: str) -> Path:
     """The package as it was at `commit`, extracted under `tmp`."""
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", commit, "traceml_jupyter"], check=True, capture_output=True
@@ -119,19 +160,26 @@ def noise_us(runs: list[list[float]], short: int, long: int) -> float:
     return noise_of([(r[1] - r[0]) / (long - short) * 1e6 for r in runs])
 
 
-def has_step_model() -> bool:
-    """The package imported in this worker has the step model's hooks (not the old tree)."""
+def package_has(path: str) -> bool:
     import traceml_jupyter
 
-    return (Path(traceml_jupyter.__file__).parent / "capture" / "step_model.py").exists()
+    return (Path(traceml_jupyter.__file__).parent / path).exists()
+
+
+def has_step_model() -> bool:
+    """The package imported in this worker has the step model's hooks (not the oldest tree)."""
+    return package_has("capture/step_model.py")
+
+
+def has_stamps() -> bool:
+    """The package imported in this worker stamps on the per-step path (this turn's tree)."""
+    return package_has("capture/stamps.py")
 
 
 def hooks_alone_us(steps: int = 20_000, repeats: int = 15) -> float:
     """µs per step of the capture's own work in a training step: the loop's fetch holding a
     DataLoader fetch, a backward() and an optimizer step, each reported to the capture as the
     patches do, around a trivial stand-in for torch's work; minus that stand-in's loop."""
-    import time
-
     import traceml_jupyter
     from traceml_jupyter.capture import hooks
     from traceml_jupyter.capture.step_model import BACKWARD, OPTIMIZER
@@ -146,7 +194,10 @@ def hooks_alone_us(steps: int = 20_000, repeats: int = 15) -> float:
             self.n -= 1
             return self.n
 
-    optimizer = object()
+    class Optimizer:  # a stand-in the capture can hold a weak reference to, as it does a real one
+        pass
+
+    optimizer = Optimizer()
 
     def plain() -> float:
         batches = Batches(steps)
@@ -184,26 +235,129 @@ def hooks_alone_us(steps: int = 20_000, repeats: int = 15) -> float:
     return (best_traced - best_plain) / steps * 1e6
 
 
+def remaining_parts(repeats: int, short: int = 2_000, long: int = 30_000) -> dict[str, float]:
+    """This tree only: the hook-only loop's per-step cost, part by part (µs per step), each
+    the slope difference of two variants measured here, alternating."""
+    from shell_cells import run_cell
+
+    from traceml_jupyter import traced_cell
+    from traceml_jupyter.capture import step_parts
+
+    real_begin, real_finish = step_parts.StepParts.begin, traced_cell._finish
+    report = [0.0]
+
+    def finish(*args: Any, **kwargs: Any) -> Any:
+        began = time.process_time()
+        try:
+            return real_finish(*args, **kwargs)
+        finally:
+            report[0] += time.process_time() - began
+
+    traced_cell._finish = finish  # type: ignore[assignment]
+    # variant: (cell head, the parts sampler on, `floor(...)` around the list)
+    variants = {
+        "plain": ("", True, False),
+        "floor": ("", True, True),
+        "stamps": ("%%traceml --no-live --lines off\n", False, False),
+        "sampled": ("%%traceml --no-live --lines off\n", True, False),
+        "lines": ("%%traceml --no-live\n", True, False),
+    }
+    times: dict[str, list[list[tuple[float, float]]]] = {v: [] for v in variants}
+    try:
+        for r in range(repeats + 1):  # the first round warms up
+            for name, (head, parts, wrapped) in variants.items():
+                step_parts.StepParts.begin = real_begin if parts else (lambda self: None)  # type: ignore[method-assign]
+                runs = []
+                for n in ("short", "long"):
+                    gc.collect()
+                    report[0] = 0.0
+                    body = f"for x, y in {'floor(' if wrapped else ''}items_{n}{')' if wrapped else ''}:\n    pass\n"
+                    _, cpu, _ = run_cell(head + body)
+                    runs.append((cpu - report[0], report[0]))
+                if r:
+                    times[name].append(runs)
+    finally:
+        step_parts.StepParts.begin, traced_cell._finish = real_begin, real_finish  # type: ignore[method-assign]
+
+    def slope(name: str, i: int) -> float:
+        runs = times[name]
+        return (min(x[1][i] for x in runs) - min(x[0][i] for x in runs)) / (long - short) * 1e6
+
+    plain = slope("plain", 0)
+    loop = {name: slope(name, 0) - plain for name in variants}
+    return {
+        "floor": loop["floor"],
+        "stamps": loop["stamps"] - loop["floor"],
+        "sampled": loop["sampled"] - loop["stamps"],
+        "lines": loop["lines"] - loop["sampled"],
+        "report": slope("lines", 1),
+        "total": loop["lines"] + slope("lines", 1),
+    }
+
+
+PARTS = [
+    ("floor", "two clock reads and a generator hop (the floor, timed here)"),
+    (
+        "stamps",
+        "the rest of the located loop's hook: two appends to the stamps and a countdown an "
+        "iteration; the step model replaying the stamps in bulk (numpy) at the ticks and every "
+        "few hundred steps; the run's ticks",
+    ),
+    (
+        "sampled",
+        "the sampled steps (forward / backward / optimizer): one step in about 256 at this step "
+        "length, reported to the step model when it happens, with the sampler's own work",
+    ),
+    (
+        "lines",
+        "the per-line costs: the body's `if __traceml_lines__.on` every step, one timed step in "
+        "16 (a clock read per statement), the flag set at the start and end of each timed step",
+    ),
+    ("report", "the report at the end: its summary, columns and checklist read every step once"),
+]
+
+
+def live_ratio() -> float | None:
+    """CPU time live / `--no-live` of live_view_cost.py (10^5 steps of 30 µs, 4 alternating
+    runs each), this checkout; None when it gave no ratio."""
+    from bench_live_view import RATIO, SCRIPT
+
+    cmd = [sys.executable, SCRIPT, "--steps", "100000", "--step-us", "30", "--repeats", "4"]
+    found = RATIO.search(subprocess.run(cmd, capture_output=True, text=True, timeout=900).stdout)
+    return float(found.group(1)) if found else None
+
+
 def tables(repeats: int = 5) -> list[Table]:
-    now_label, before_label = "step model (now)", f"before ({BEFORE})"
+    now_label, start_label, before_label = "now", f"start of the turn ({START})", f"before the step model ({BEFORE})"
     with tempfile.TemporaryDirectory() as tmp:
-        before = old_tree(Path(tmp))
-        results: dict[str, list[dict[str, Any]]] = {now_label: [], before_label: []}
-        for _ in range(2):  # alternate the two versions
-            results[now_label].append(run_worker(ROOT, repeats))
-            results[before_label].append(run_worker(before, repeats))
+        trees = {now_label: ROOT}
+        for label, commit in ((start_label, START), (before_label, BEFORE)):
+            path = Path(tmp) / commit
+            path.mkdir()
+            trees[label] = old_tree(path, commit)
+        results: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
+        for _ in range(2):  # alternate the versions
+            for label, tree in trees.items():
+                results[label].append(run_worker(tree, repeats))
+    versions = [before_label, start_label, now_label]
     table = Table(
-        "Per-step cost of the step model, next to the capture before it",
-        ["loop", "variant", "before (µs/step)", "now (µs/step)", "now / before", "± noise (µs/step)",
-         f"target ≤ {TARGET_US:g} µs"],
+        "Per-step cost of `%%traceml`, next to the floor and to the captures before",
+        ["loop", "variant", "floor (µs/step)", f"{BEFORE} (µs/step)", f"{START} (µs/step)", "now (µs/step)",
+         f"now / {START}", "now − floor", "± noise (µs/step)", "target"],
         notes=[
             f"Process CPU time, slope between a short and a long run, fastest of {2 * repeats} "
             "runs per version (the variants interleaved within each repeat); each version in a "
-            "worker process of its own, alternating.",
-            "Before: the located loop's iterator hook only (no DataLoader, backward or optimizer "
-            "hooks). Now: the same loop, plus every DataLoader fetch, backward() and optimizer "
-            "step going to the step model.",
-            "± noise: half the spread of the plain loop's per-repeat slopes (the larger of the two "
+            "worker process of its own, alternating. The floor is timed in each worker (the "
+            "same cell, the list wrapped in a generator that reads the clock twice an item); the "
+            "column gives the fastest of the three.",
+            f"{BEFORE}: the located loop's iterator hook only (no DataLoader, backward or "
+            f"optimizer hooks). {START}: the step model with every hook reporting each event to "
+            "it when it happens. Now: the hooks stamp (two clock reads and two appends an "
+            "iteration of the located loop) and the step model replays the stamps in bulk "
+            "(capture/stamps.py). The slope includes the report at the end (it reads every step).",
+            "Live chart: the real bqplot chart (TRACEML_LIVE=widget, as this shell has no "
+            "front-end), every update serialised as a kernel would (live_view_cost.py).",
+            "± noise: half the spread of the plain loop's per-repeat slopes (the largest of the "
             "versions' runs); a figure below twice it is not resolved (the real training step "
             "costs hundreds of µs on this machine and varies by more than the hooks add).",
             "Our work in a training step: the capture's hooks driven directly (the loop's fetch "
@@ -212,29 +366,86 @@ def tables(repeats: int = 5) -> list[Table]:
             "add to a real training step, resolved.",
         ],
     )
-    for label, (_, _, short, long) in LOOPS.items():
+    hook_now: dict[str, float] = {}  # the hook-only loop's cost now, by variant
+    for label, (_, short, long) in LOOPS.items():
         noise = max(
             noise_us([r for res in results[v] for r in res["cells"][label]["plain"]], short, long) for v in results
         )
-        for variant in list(VARIANTS)[1:]:
+        floor = min(
+            slope_us([r for res in results[v] for r in res["cells"][label][FLOOR]], short, long)
+            - slope_us([r for res in results[v] for r in res["cells"][label]["plain"]], short, long)
+            for v in results
+        )
+        for variant in list(VARIANTS)[2:]:
             cost = {}
-            for version in results:
+            for version in versions:
                 plain = [r for res in results[version] for r in res["cells"][label]["plain"]]
                 runs = [r for res in results[version] for r in res["cells"][label][variant]]
                 cost[version] = slope_us(runs, short, long) - slope_us(plain, short, long)
-            now, old = cost[now_label], cost[before_label]
-            resolved = min(now, old) > 2 * noise
+            now, start = cost[now_label], cost[start_label]
+            if label == HOOK:
+                hook_now[variant] = now
+            resolved = min(now, start) > 2 * noise
+            goal = TARGET_LIVE_US if variant == LIVE else TARGET_US
+            if label == HOOK and variant != "%%traceml --no-live --lines off":
+                verdict = target(now <= goal, f"≤ {goal:g} µs: {now:.2f}")
+            else:
+                verdict = "—"
             table.rows.append(
-                [label, f"`{variant}`", num(old, 2), num(now, 2), num(now / old, 2) if resolved else "not resolved",
-                 num(noise, 2), target(now <= TARGET_US, f"{now:.2f} µs") if label.startswith("hook") else "—"]
+                [label, f"`{variant}`", num(floor, 2), num(cost[before_label], 2), num(start, 2), num(now, 2),
+                 num(now / start, 2) if resolved else "not resolved", num(now - floor, 2), num(noise, 2), verdict]
             )
-    alone = [res["hooks_alone"] for res in results[now_label] if "hooks_alone" in res]
-    if alone:
+    alone = {v: [res["hooks_alone"] for res in results[v] if "hooks_alone" in res] for v in versions}
+    if alone[now_label] and alone[start_label]:
+        now, start = min(alone[now_label]), min(alone[start_label])
         table.rows.append(
-            ["our work in a training step (hooks driven directly)", "the capture's hooks", "—",
-             num(min(alone), 2), "—", "—", "—"]
+            ["our work in a training step (hooks driven directly)", "the capture's hooks", "—", "—",
+             num(start, 2), num(now, 2), num(now / start, 2), "—", "—", "—"]
         )
-    return [table]
+    no_live, live = hook_now[NO_LIVE], hook_now[LIVE]
+    ratio = live_ratio()
+    goals = Table(
+        "Per-step targets (hook-only loop, now)",
+        ["target", "measured", "result"],
+        [
+            [f"`{NO_LIVE}` ≤ {TARGET_US:g} µs a step", f"{no_live:.2f} µs", target(no_live <= TARGET_US, f"≤ {TARGET_US:g}")],
+            [f"`{LIVE}` ≤ {TARGET_LIVE_US:g} µs a step", f"{live:.2f} µs",
+             target(live <= TARGET_LIVE_US, f"≤ {TARGET_LIVE_US:g}")],
+            ["live chart / `--no-live`, per-step cost (this table's loop)", f"{live / no_live:.2f}", "—"],
+            [f"CPU time live / `--no-live` ≤ {TARGET_CPU_RATIO:g} (10⁵ steps of 30 µs, live_view_cost.py)",
+             "—" if ratio is None else f"{ratio:.4f}",
+             target(None if ratio is None else ratio <= TARGET_CPU_RATIO, f"≤ {TARGET_CPU_RATIO:g}")],
+        ],
+        [
+            "The per-step figures are the first table's (`now` column). The CPU-time ratio is the "
+            "live view's own target, measured as bench_live_view.py measures it (fastest of 4 "
+            "alternating runs each): the refreshes' cost over a run whose steps do some work, "
+            "where the per-step ratio above is over an empty body.",
+        ],
+    )
+    tables_out = [table, goals]
+    parts = [res["parts"] for res in results[now_label] if "parts" in res]
+    if parts:
+        best = {key: min(p[key] for p in parts) for key in parts[0]}
+        rows = [[what, num(best[key], 2)] for key, what in PARTS]
+        rows.append(["total (the sum of the parts' fastest runs)", num(sum(best[key] for key, _ in PARTS), 2)])
+        tables_out.append(
+            Table(
+                "What remains on the per-step path (`%%traceml --no-live`, hook-only loop, now)",
+                ["part", "µs/step"],
+                rows,
+                [
+                    "Each part is the slope difference of two variants run in one process, "
+                    "alternating (fastest of the repeats in each of the two workers): the floor "
+                    "generator against the plain loop; the capture with the parts sampler and the "
+                    "per-line costs off against the floor; the sampler on; the per-line costs on; "
+                    "the report's own time (CPU time in it) per step.",
+                    "The first 64 steps of a run are all sampled and all their lines timed: that "
+                    "is a fixed cost of the cell (about 1 ms), not in the slope.",
+                ],
+            )
+        )
+    return tables_out
 
 
 def main() -> int:

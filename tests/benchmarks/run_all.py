@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_table()
     parts: list[tuple[str, list[Table]]] = [
         ("Overhead per step and per cell (CPU)", section("overhead", lambda: bench_overhead.measure(args.repeats, "cpu", peer, install))),
-        ("The step model against the capture before it", section("step model", lambda: bench_step_model.tables(max(args.repeats, 5)))),
+        ("The per-step cost: the floor, the captures before, what remains", section("step model", lambda: bench_step_model.tables(max(args.repeats, 5)))),
         ("The parts of the step (forward, backward, optimizer, the rest)", section("step parts", lambda: bench_step_parts.tables(max(args.repeats, 5)))),
         ("Accuracy (CPU)", section("accuracy", lambda: bench_accuracy.measure("cpu", peer, install))),
         ("Memory and scale", section("memory", bench_memory.measure)),

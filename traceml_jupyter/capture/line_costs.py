@@ -136,13 +136,38 @@ class LineClock:
         n = len(statements)
         self.statements = statements
         self.full, self.every = full, every
-        self.sample = schedule(full, every).__next__  # what the rewritten loop calls
+        self.position = 0  # steps of the loop the schedule has answered for
         self.ns = [0] * n
         self.runs = [0] * n
         self.timed = 0  # timed steps so far
         self._prev = 0
         self._snapshot_until = samples_before(warmup_until, full, every)
         self.snapshots: list[tuple[list[int], list[int]]] = []  # sums before timed step k
+
+    def sample(self) -> bool:
+        """Whether the next step of the loop is timed (`schedule`, one step at a time)."""
+        return self.take(1)[0]
+
+    def take(self, limit: int) -> tuple[bool, int]:
+        """The next steps that share one answer: (timed or not, how many: 1 to `limit`). The
+        capture sets the flag once for all of them."""
+        i, full, every = self.position, self.full, self.every
+        if i < full:
+            on, n = True, (limit if every == 1 else full + 1 - i)
+        else:
+            r = (i - full) % every
+            if r:
+                on, n = False, every - r
+            else:
+                on, n = True, (limit if every == 1 else 1)
+        if n > limit:
+            n = limit
+        self.position = i + n
+        return on, n
+
+    def untake(self, n: int) -> None:
+        """The last `n` steps taken did not run (the capture looked again before them)."""
+        self.position -= n
 
     def start(self) -> None:
         if self.timed <= self._snapshot_until:

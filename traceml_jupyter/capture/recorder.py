@@ -55,6 +55,22 @@ class Recorder:
         if len(self._t0) >= CHUNK:
             self.fold()
 
+    def add_many(self, t0: np.ndarray, t1: np.ndarray, t2: np.ndarray) -> None:
+        """Several steps at once (int64 arrays, as `add` takes them one by one): the chunk is
+        folded where `add` would have folded it."""
+        done, n = 0, len(t0)
+        while done < n:
+            take = min(n - done, CHUNK - len(self._t0))
+            for col, values in ((self._t0, t0), (self._t1, t1), (self._t2, t2)):
+                col.frombytes(values[done : done + take].astype(np.int64, copy=False).tobytes())
+            if self.has_gpu:
+                nans = array("d", [NAN]) * take
+                self._gpu_wait.extend(nans)
+                self._gpu_compute.extend(nans)
+            done += take
+            if len(self._t0) >= CHUNK:
+                self.fold()
+
     def enable_gpu(self) -> None:
         """From now on steps can have GPU timings (add_gpu); earlier ones have none."""
         if not self.has_gpu:
@@ -152,6 +168,21 @@ class Recorder:
             np.concatenate([k_t, t[:, sel]], axis=1),
             np.concatenate([k_gpu, gpu[:, sel]], axis=1),
         )
+
+    def means_from(self, first: int) -> tuple[float | None, float | None]:
+        """Mean step_ms and data_wait_ms of the kept steps from index `first` on, as `columns()`
+        gives them, without building every column (None: no such step)."""
+        k_steps, k_t, _ = self._kept()
+        t, _ = self._chunk_raw()
+        sel = slice((-self._base) % self._stride, None, self._stride)
+        steps = np.concatenate([k_steps, np.arange(self._base, self.n_steps, dtype=np.int64)[sel]])
+        raw = np.concatenate([k_t, t[:, sel]], axis=1)
+        analysed = steps >= first
+        if not analysed.any():
+            return None, None
+        step = ((raw[2] - raw[0]) / 1e6)[analysed]
+        wait = ((raw[1] - raw[0]) / 1e6)[analysed]
+        return float(np.mean(step)), float(np.mean(wait))
 
     def tail(self, n: int) -> dict[str, np.ndarray]:
         """The last `n` steps, exact within the chunk (for the live view)."""

@@ -35,7 +35,17 @@ from .dataloaders import note_site
 from .patches import patched
 from .probes import batch_size_of, type_name
 from .resources import resources_watched
-from .step_model import BACKWARD, FETCH, OPTIMIZER, Pass, Source, Span, StepModel
+from .stamps import (
+    BACKWARD_DONE,
+    CALL_END,
+    CALL_START,
+    FETCH_END,
+    FETCH_START,
+    FIRST_STEP,
+    OTHER_STEP,
+    Stamps,
+)
+from .step_model import BACKWARD, FETCH, NEVER, OPTIMIZER, Pass, Source, Span, StepModel
 from .step_parts import StepParts
 from .thread_time import thread_schedstat
 
@@ -44,6 +54,8 @@ if TYPE_CHECKING:
 
 DECIDE_STEPS = 3  # the loop's device is decided from the allocations of its first steps
 MAX_PASS_STARTS = 1 << 16
+MAX_PENDING = 4096  # step ends (and other hooks' stamps) held before a replay: bounded memory
+MIN_BUDGET = 2  # fewer step ends before a sampled step: report each event at once
 _CAPTURES = cuda_graphs._STATE  # CUDA graph captures under way (read on the training-event path)
 _tokens = iter(range(1, 1 << 62))
 
@@ -93,6 +105,26 @@ class Capture:
         self.work = gpu_activity.WorkSeen(lambda ds: busy_devices(ds), lambda: current_device(), self.thread)
         self._bytes_before: dict[int, tuple[int, int]] = {}
         self._own_ns = 0  # our GPU bookkeeping's host time in the open step (the GPU watch sums it)
+        # The per-step path (stamps.py): while `deferred`, the hooks stamp instead of reporting;
+        # `room` is how many step ends their stamps may still hold (each hook takes what it can
+        # end) and `_loop_room` the located loop's iterations not yet granted to it, so that a
+        # sampled step is never missed; `due` is the run's next tick.
+        self.stamps = Stamps()
+        self.deferred = False
+        self.room = 0
+        self.due = 0
+        self._loop_room = 0
+        self._live_loops = 0  # passes of located loops under way (stamped only when one)
+        self._events_seen = False  # hooks other than the loop's stamped since the loop last looked
+        # What a stamped event can end, from the model as it was when the hooks began stamping
+        # (`_defer`): its level (steps only get stronger), whether the first event of that level
+        # in an iteration's body ends no step (`_ends_no_step`), and where the last one was.
+        self._level = 0
+        self._level_free = False
+        self._level_pos = -1
+        self._call_sources: dict[int, Source] = {}
+        self._optimizer_calls: list[tuple[Any, Any]] = []  # optimizer steps under way: (optimizer, frame)
+        self._broken = False  # the replay failed once: every event is reported at once
 
     # -- the located loop -------------------------------------------------------------------
     def loop(self, iterable: Iterable[Any]) -> Iterator[Any]:
@@ -106,50 +138,139 @@ class Capture:
     def _loop(self, iterable: Iterable[Any], pass_: Pass, source: Source) -> Iterator[Any]:
         __tracebackhide__ = True  # noqa: F841  (IPython hides this frame in tracebacks)
         model, clock = self.model, perf_counter_ns
-        stack = model._stack
-        fetch_end, iteration_end = model.fetch_end, model.iteration_end
-        flag, timed = hooks.lines, (self.lines.sample if self.lines is not None else None)
+        push = self.stamps.loop.append
         it: Iterator[Any] | None = None
         first = source.batch_kind is None  # the source's first batch is read once
+        fetched = False  # a batch of this pass is in use: its iteration ends at the next fetch
+        k = 0  # fetches still to stamp before the capture looks again (0: report each one now)
+        due = 0  # when the capture looks again anyway (the run's next tick)
+        self._live_loops += 1
         try:
             while True:
-                # The fetch. On the CPU the model's own calls, no wrapper: this is the per-step
-                # path. On a GPU its events first: a full launch queue blocking the record is
-                # not data wait.
-                if self.cuda is None:
-                    stack.append(0)
-                    done = fetch_end
+                if k:
+                    # The per-step path: two clock reads, two appends (stamps.py). The fetch's
+                    # start is also where the iteration before it ended.
+                    t = clock()
+                    push(t)
+                    try:
+                        item = next(it)  # type: ignore[arg-type]
+                    except StopIteration:
+                        self._loop_fetch_failed(t, clock(), pass_)
+                        return
+                    except BaseException:
+                        self._loop_fetch_failed(t, clock(), pass_)
+                        raise
+                    t = clock()
+                    push(t)
+                    k -= 1
+                    if t >= due or not k:
+                        k, due = self._settle_loop(t, k, pass_)
                 else:
+                    # Reported now, one call each (the GPU path, sampled steps, the first steps).
+                    self.flush()
+                    if fetched and self.active:
+                        model.iteration_end(clock())
+                    # On a GPU its events first: a full launch queue blocking the record is not
+                    # data wait.
                     self._fetch_begin()
-                    done = self._fetch_end
-                t0 = clock()
-                try:
-                    if it is None:  # the first fetch includes iter(): a loader's worker start-up
-                        it = iter(iterable)
-                    item = next(it)
-                except StopIteration:
-                    done(t0, clock(), None, pass_, False)
-                    return
-                except BaseException:
-                    done(t0, clock(), None, pass_, False)
-                    raise
-                done(t0, clock(), None, pass_, True)
-                if first:
-                    first = False
-                    self._first_batch(source, item)
-                    self.run.note_loop_iterable(iterable)
-                # The body: the step's lines timed or not, then the iteration's end.
-                model.in_iteration = True
-                if timed is not None:
-                    flag.on = timed()
+                    t0 = clock()
+                    try:
+                        if it is None:  # the first fetch includes iter(): a loader's worker start-up
+                            it = iter(iterable)
+                        item = next(it)
+                    except StopIteration:
+                        self._fetch_end(t0, clock(), None, pass_, False)
+                        return
+                    except BaseException:
+                        self._fetch_end(t0, clock(), None, pass_, False)
+                        raise
+                    t = clock()
+                    self._fetch_end(t0, t, None, pass_, True)
+                    if first:
+                        first = False
+                        self._first_batch(source, item)
+                        self.run.note_loop_iterable(iterable)
+                    model.in_iteration = True
+                    fetched = True
+                    k, due = self._settle_loop(t, 0, pass_)
+                # The body: its lines timed or not (the flag `_settle_loop` set), then the
+                # iteration ends at the next fetch, or here when the loop is left.
                 try:
                     yield item
-                finally:
+                except BaseException:
                     if self.active:
-                        iteration_end(clock())
+                        self._loop_left(clock())
+                    raise
         finally:
+            self._live_loops -= 1
             if self.active:
+                self.flush()
                 model.pass_ended(pass_)
+            if self.stamps.writer is pass_:
+                self.stamps.writer = None
+
+    def _loop_fetch_failed(self, t0: int, t1: int, pass_: Pass) -> None:
+        """A stamped fetch of the located loop raised (StopIteration at the end of a pass)."""
+        if not self.active:
+            return
+        self.flush()  # its start: the end of the iteration before it
+        self.stamps.loop_fetch_failed()
+        self.model.fetch_end(t0, t1, None, pass_, False)
+
+    def _loop_left(self, t: int) -> None:
+        """The located loop's body was left (break, return, an exception): its iteration ends."""
+        self.flush()
+        self.model.iteration_end(t)
+
+    def _settle_loop(self, t: int, left: int, pass_: Pass) -> tuple[int, int]:
+        """After a fetch of the located loop gave its batch (at t): set the line flag for the
+        iterations to come, and say how many of the next fetches may be stamped before the
+        capture looks again (0: report each one now) and until when. `left`: fetches granted
+        that did not run (a tick is due before them)."""
+        stamps = self.stamps
+        if not left and t < self.due and self.deferred and self.room >= 0 and stamps.writer is pass_:
+            loop_room = self._loop_room
+            if loop_room > 0:  # the line flag's next run only: the per-step path's one call
+                lines = self.lines
+                if lines is None:
+                    self._loop_room = 0
+                    return loop_room, self.due
+                on, n = lines.take(loop_room)
+                hooks.lines.on = on
+                self._loop_room = loop_room - n
+                return n, self.due
+        return self._look_again(t, left, pass_)
+
+    def _look_again(self, t: int, left: int, pass_: Pass) -> tuple[int, int]:
+        """`_settle_loop` when the stamps are due: replay them, tick if due, grant again."""
+        lines, stamps = self.lines, self.stamps
+        if left and lines is not None:
+            lines.untake(left)
+        began, kept_out = perf_counter_ns(), self.model.kept_out_ns
+        worked = stamps.pending()
+        self.flush()
+        if self._tick_due(t):
+            self._tick(t)
+            worked = True
+        budget = self._budget()
+        k = 0
+        if budget >= MIN_BUDGET:
+            room = budget // 4 if self._events_seen else 0
+            k = budget - room
+            self._defer(room, loop=True)
+            stamps.writer = pass_
+        else:
+            self._report_now()
+        self._events_seen = False
+        if lines is not None:
+            on, n = lines.take(k or 1)
+            hooks.lines.on = on
+            k, self._loop_room = (n, k - n) if k else (0, 0)
+        else:
+            self._loop_room = 0
+        if worked:
+            self._own_time(began, kept_out)
+        return k, self.due
 
     def aloop(self, iterable: AsyncIterable[Any]) -> AsyncIterator[Any]:
         """`async for x in aloop(it)`: the same, for an asynchronous iterator."""
@@ -187,13 +308,15 @@ class Capture:
                     yield item
                 finally:
                     if self.active:
-                        model.iteration_end(clock())
+                        self._loop_left(clock())
         finally:
             if self.active:
+                self.flush()
                 model.pass_ended(pass_)
 
     # -- fetches ------------------------------------------------------------------------------
     def _fetch_begin(self) -> None:
+        self.flush()
         model = self.model
         if self.cuda is not None and not model._stack and not cuda_graphs.capturing():
             t_in = perf_counter_ns()
@@ -205,6 +328,7 @@ class Capture:
         model.fetch_begin()
 
     def _fetch_end(self, t0: int, t1: int, source: Source | None, pass_: Pass | None, batch: bool) -> None:
+        self.flush()
         model = self.model
         model.fetch_end(t0, t1, source, pass_, batch)
         if self.cuda is not None and not model._stack and not cuda_graphs.capturing():
@@ -218,8 +342,29 @@ class Capture:
     def fetch(self, site: int, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """A fetch call in the loop body (`next(it)`, `get_batch()`): its time is data wait."""
         __tracebackhide__ = True  # noqa: F841
-        source = self.model.source(("call", site), "call", self.call_labels.get(site, "a fetch call"))
+        source = self._call_sources.get(site)
+        if source is None:
+            source = self._call_sources[site] = self.model.source(
+                ("call", site), "call", self.call_labels.get(site, "a fetch call")
+            )
         clock = perf_counter_ns
+        if self.deferred and source.batch_kind is not None:  # stamped (stamps.py)
+            stamps = self.stamps
+            events, refs = stamps.events, stamps.refs
+            t0 = clock()
+            events += (len(stamps.loop) << 3 | CALL_START, t0)
+            refs.append(source)
+            try:
+                item = func(*args, **kwargs)
+            except BaseException:
+                self._stamped_fetch_failed(t0, clock(), source, None)
+                raise
+            t1 = clock()
+            events += (len(stamps.loop) << 3 | CALL_END, t1)
+            refs.append(source)
+            if t1 >= self.due:
+                self._settle(t1)
+            return item
         self._fetch_begin()
         t0 = clock()
         try:
@@ -232,9 +377,18 @@ class Capture:
             self._first_batch(source, item)
         return item
 
+    def _stamped_fetch_failed(self, t0: int, t1: int, source: Source | None, pass_: Pass | None) -> None:
+        """A stamped fetch raised: what is pending is replayed (its start too), its end now."""
+        if not self.active:
+            return
+        self.flush()
+        self.stamps.fetch_failed()
+        self._fetch_end(t0, t1, source, pass_, False)
+
     def dataloader_iter(self, loader: Any, original: Callable[[Any], Any]) -> Any:
         """`iter(loader)`: starts a pass; its time (worker start-up) is the pass's first wait."""
         __tracebackhide__ = True  # noqa: F841
+        self.flush()
         model = self.model
         source = model.sources.get(id(loader))
         if source is None:
@@ -266,8 +420,32 @@ class Capture:
 
     def dataloader_next(self, it: Any, original: Callable[[Any], Any]) -> Any:
         __tracebackhide__ = True  # noqa: F841
-        model = self.model
         pass_ = self._iter_passes.get(id(it))
+        if pass_ is not None and self.deferred and pass_.source.batch_kind is not None:  # stamped
+            clock = perf_counter_ns
+            stamps = self.stamps
+            events, refs = stamps.events, stamps.refs
+            t0 = clock()
+            events += (len(stamps.loop) << 3 | FETCH_START, t0)
+            refs.append(pass_)
+            try:
+                item = original(it)
+            except BaseException as exc:
+                self._stamped_fetch_failed(t0, clock(), None, pass_)
+                if isinstance(exc, StopIteration) and self.active:
+                    self.model.pass_ended(pass_)
+                    self._iter_passes.pop(id(it), None)
+                raise
+            t1 = clock()
+            events += (len(stamps.loop) << 3 | FETCH_END, t1)
+            refs.append(pass_)
+            if self._level <= FETCH:
+                self.room -= 1  # its start ends a step (steps are DataLoader fetches)
+            if self.room < 0 or t1 >= self.due:
+                self._settle(t1)
+            return item
+        self.flush()
+        model = self.model
         if pass_ is None:  # an iterator made before the capture started
             pass_ = self._iter_passes[id(it)] = Pass(self._iterator_source(it), grad_disabled=not _grad_enabled())
             if self.on_workers is not None:
@@ -316,12 +494,35 @@ class Capture:
     # -- training events --------------------------------------------------------------------------
     def training_event(self, level: int, optimizer: Any = None) -> None:
         t = perf_counter_ns()
+        if self.deferred and not _CAPTURES.active:  # stamped (stamps.py)
+            stamps = self.stamps
+            pos = len(stamps.loop)
+            if level == BACKWARD:
+                self.backward_seen = True
+                kind = BACKWARD_DONE
+            else:
+                if self.optimizer_name is None:
+                    self.optimizer_name = type_name(optimizer)
+                # which optimizer is the first is known now (the first one alive now)
+                kind = FIRST_STEP if self.model._is_first_optimizer(optimizer) else OTHER_STEP
+            stamps.events += (pos << 3 | kind, t)
+            stamps.refs.append(None)
+            if kind != OTHER_STEP and level >= self._level:  # it may end steps (another optimizer never)
+                if level > self._level:
+                    self._level_free = False
+                    self.room -= 2  # a stronger kind of step: merges, then ends two at most
+                elif not self._ends_no_step(pos):
+                    self.room -= 2  # a step ends here, two when it is the iteration's second
+            if self.room < 0 or t >= self.due:
+                self._settle(t)
+            return
         if level == OPTIMIZER and self.optimizer_name is None:
             self.optimizer_name = type_name(optimizer)
         elif level == BACKWARD:
             self.backward_seen = True
         if _CAPTURES.active and self.graphs.held(level, optimizer):
             return  # recorded into a CUDA graph, not run: it ends no step (its replays do)
+        self.flush()
         if self._deciding:
             self.work.look("work queued when a training event ended")
         self.model.training_event(level, t, optimizer)
@@ -334,29 +535,147 @@ class Capture:
         if level is not None and self.active:
             self.training_event(level, optimizer)
 
-    # -- steps ------------------------------------------------------------------------------------
+    # -- stamps and steps ----------------------------------------------------------------------
+    def flush(self) -> None:
+        """Report what the hooks stamped to the step model (stamps.py): before anything reports
+        an event now, before anyone reads the model, at the ticks and at the end."""
+        stamps = self.stamps
+        if not (stamps.loop or stamps.events):
+            return
+        if not self.active:  # stamped after the run ended (code that outlived its cell)
+            stamps.discard()
+            return
+        if stamps.events:
+            self._events_seen = True
+        try:
+            stamps.replay(self.model)
+            # pos restarts at 0: an event of the steps' kind already held in this iteration?
+            self._level_pos = 0 if self.model.deferred is not None else -1
+        except Exception as exc:  # ours: never raised into the user's loop
+            stamps.discard()
+            self.run.notes.append(f"traceml failed replaying the steps' stamps: {type(exc).__name__}: {exc}")
+            self._broken = True
+            self._report_now()
+
+    def _budget(self) -> int:
+        """How many step ends the stamps may hold before the capture must look again: 0 when
+        each event must be reported when it happens (the GPU path, the device not yet known,
+        a sampled step under way or next, several located loops under way)."""
+        if not self.active or self.cuda is not None or self._deciding or self.parts.on or self._broken:
+            return 0
+        if self._live_loops > 1:
+            return 0
+        # The step end that arms the sampler may be stamped only as the last one before a look.
+        budget = self.model.sample_in - (1 if self._events_seen else 0)
+        return min(budget, MAX_PENDING)
+
+    def _defer(self, room: int, loop: bool) -> None:
+        """From now on the hooks stamp, until they have stamped `room` step ends (`loop`: in
+        the located loop's iterations, which the loop counts itself)."""
+        model = self.model
+        self.deferred = True
+        self.room = room
+        self._level = model.level
+        self._level_free = loop and model.iterations_are_steps and model.level >= BACKWARD
+        self._level_pos = 0 if model.deferred is not None else -1
+        model.notify_every_step = False  # the ticks are the stamps' (no step end is heard)
+        model.notify_from = NEVER
+
+    def _ends_no_step(self, pos: int) -> bool:
+        """A training event of the steps' own kind at `pos` among the loop's stamps: True when
+        it only marks its iteration's step, which the iteration's end ends (it is the first
+        such event in the body of an iteration of the located loop, and steps are iterations)."""
+        if not self._level_free or (pos + (self.stamps._open is not None)) & 1 or pos == self._level_pos:
+            self._level_free = False
+            return False
+        self._level_pos = pos
+        return True
+
+    def _report_now(self) -> None:
+        """From now on each event is reported when it happens, and each step end is heard."""
+        self.deferred = False
+        self.room = 0
+        self.stamps.writer = None
+        self.model.notify_every_step = True
+
+    def _grant(self) -> None:
+        """The hooks alone (no located loop stamping): stamp while the budget allows."""
+        if self.stamps.writer is not None:
+            self._report_now_hooks()
+            return
+        budget = self._budget()
+        if budget >= MIN_BUDGET:
+            self._defer(budget, loop=False)
+        else:
+            self._report_now()
+
+    def _report_now_hooks(self) -> None:
+        """The hooks report at once; the located loop's stamps go on until it looks again."""
+        self.deferred = False
+        self.room = 0
+
+    def _settle(self, t: int) -> None:
+        """A hook's stamps are due (its room is used up, or a tick is): replay, tick, grant.
+        Inside another fetch (a DataLoader's inside the loop's `next()`) our time is that
+        fetch's wait: no tick there, and nothing kept out of the step."""
+        began, kept_out = perf_counter_ns(), self.model.kept_out_ns
+        self.flush()
+        outside = not self.model._stack
+        if outside and self._tick_due(t):
+            self._tick(t)
+        self._grant()
+        if outside:
+            self._own_time(began, kept_out)
+
+    def _own_time(self, began: int, kept_out: int) -> None:
+        """Our own time since `began` (the replay, the views) is no step's: kept out of the open
+        step, less what was kept out meanwhile (a sampled step's bookkeeping keeps out its own)."""
+        model = self.model
+        ns = perf_counter_ns() - began - (model.kept_out_ns - kept_out)
+        if ns > 0:
+            model.exclude_time(ns)
+
+    def _tick_due(self, t: int) -> bool:
+        """The run's views are due and no step end tells them (the model is silent while the
+        hooks stamp: its steps close in a replay). They start with a step."""
+        model = self.model
+        return t >= self.run._next_tick and not model.notify_every_step and model.recorder.n_steps > 0
+
+    def _tick(self, t: int) -> None:
+        run = self.run
+        run._tick(t)
+        self.due = run._next_tick
+
+    def current_step(self) -> int | None:
+        """Index of the open step (what is stamped replayed first)."""
+        self.flush()
+        return self.model.current_step
+
     def _step_closed(self, t: int, next_serial: int) -> None:
-        """A step closed (the model calls this only when it matters: on the GPU path, or when
-        the run's views are due)."""
+        """A step reported when it ended closed (every one while events are reported at once;
+        none while they are stamped)."""
         if self.cuda is not None or self._deciding:
             self._gpu_step_closed(self.run.recorder.n_steps - 1, t, next_serial)
         run = self.run
         if t >= run._next_tick:
-            run._tick(t)
-            self.model.exclude_time(perf_counter_ns() - t)  # the view's own time is nobody's step
+            self._tick(t)
+            # The view's own time is nobody's step (what the sampler kept out of it is its own).
+            ns = perf_counter_ns() - t - self.model.excluded
+            if ns > 0:
+                self.model.exclude_time(ns)
             if self.cuda is not None and not cuda_graphs.capturing():
                 try:
                     self.cuda.open(run.recorder.n_steps)
                 except Exception as exc:
                     self._gpu_failed(exc)
-        self.listen()
+        if self.stamps.writer is None and not self.deferred:
+            self._grant()
 
     def listen(self) -> None:
-        """Tell the model when a closed step needs this capture: every step on the GPU path,
-        else only once the run's views are due."""
-        model = self.model
-        model.notify_every_step = self.cuda is not None or self._deciding
-        model.notify_from = self.run._next_tick
+        """The run's next tick changed (an observer came): the hooks and the model look at it."""
+        self.due = self.run._next_tick
+        if not self.deferred:
+            self.model.notify_every_step = True
 
     def _gpu_step_closed(self, index: int, t: int, next_serial: int) -> None:
         t_in = perf_counter_ns()
@@ -516,7 +835,9 @@ class Capture:
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Read the pending GPU timings (one wait for the GPU) and classify what is still open."""
+        self.flush()
         self.active = False
+        self._report_now()
         self.work.stop_probing()
         self.model.close()
         if self.cuda is not None and cuda_graphs.capturing():
@@ -533,6 +854,30 @@ class Capture:
         if self.parts.note:
             self.run.notes.append(self.parts.note)
         self._iter_passes.clear()
+        self._optimizer_calls.clear()
+
+    def _inner_step(self, optimizer: Any, frame: Any) -> bool:
+        """An optimizer's step ended (its post hooks run from torch's wrapper, `frame`): True
+        when it ran inside another step of the same optimizer, still under way. A subclass whose
+        `step` calls `super().step()` has torch's wrapper on both methods once the base class
+        was instantiated anywhere: the hooks run twice for one step, and only the outer one is
+        the step. Calls whose post hooks never ran (their step raised) are dropped here."""
+        calls = self._optimizer_calls
+        for i in range(len(calls) - 1, -1, -1):
+            if calls[i][1] is frame:
+                del calls[i:]
+                break
+        else:
+            return False  # its start was not seen (the hooks came mid-step)
+        if not calls:
+            return False
+        outer: set[int] = set()
+        f = frame.f_back
+        while f is not None and len(outer) < 256:
+            outer.add(id(f))
+            f = f.f_back
+        calls[:] = [c for c in calls if id(c[1]) in outer]
+        return any(c[0] is optimizer for c in calls)
 
 
 def _graphs_read(run: Run, capture: Capture) -> None:
@@ -624,13 +969,26 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
     except Exception:  # torch < 2.0
         register = None
     if register is not None:
+        calls = capture._optimizer_calls
+
+        def stepping(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if hooks.active is capture and get_ident() == thread:
+                calls.append((optimizer, sys._getframe(1)))  # torch's wrapper, as in `stepped`
 
         def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
             if hooks.active is capture and get_ident() == thread:
+                if calls and capture._inner_step(optimizer, sys._getframe(1)):
+                    return  # `super().step()` inside the step: the outer call is the step
                 if parts.on:  # a sampled step: the optimizer's time, before the step may end
                     parts.optimizer_stepped(optimizer)
                 capture.training_event(OPTIMIZER, optimizer)
 
+        try:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+        except Exception:
+            pass
+        else:
+            stack.callback(register_optimizer_step_pre_hook(stepping).remove)
         handle = register(stepped)
         stack.callback(handle.remove)
 

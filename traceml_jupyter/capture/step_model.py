@@ -22,6 +22,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .recorder import Recorder
 
 NONE, FETCH, ITERATION, BACKWARD, OPTIMIZER = range(5)
@@ -115,6 +117,7 @@ class StepModel:
     sources: dict[Hashable, Source] = field(default_factory=dict)
     open_passes: list[Pass] = field(default_factory=list)  # unclassified passes with a fetch
     spans: list[Span] = field(default_factory=list)  # phases kept out of the open step
+    kept_out_ns: int = 0  # all the time `exclude_time` kept out (so that no time is kept out twice)
     # Listeners (the capture): a step closed (its end, the serial number of the first fetch that
     # is not its own; its index is the recorder's last); the last n closed steps were merged into
     # the open one; a phase was kept out of the open step.
@@ -280,7 +283,13 @@ class StepModel:
     def training_event(self, level: int, t: int, optimizer: Any = None) -> bool:
         """`backward()` (BACKWARD) or an optimizer's step (OPTIMIZER) ended at t. True when it
         closed a step."""
-        if level == OPTIMIZER and not self._is_first_optimizer(optimizer):
+        return self.trained(level, t, level != OPTIMIZER or self._is_first_optimizer(optimizer))
+
+    def trained(self, level: int, t: int, first: bool = True) -> bool:
+        """`training_event` once the optimizer is known to be the first one seen stepping or
+        not (`first`; the capture asks `_is_first_optimizer` when the step happens and may
+        report it later)."""
+        if not first:
             self._classify_at_event()  # a second optimizer (GANs) feeds the same step
             return False
         if level > self.level:
@@ -293,8 +302,8 @@ class StepModel:
                 self.deferred = Deferred(t, self.wait, self.excluded, self.fetch_serial)
                 return False
             self.iterations_are_steps = False  # two steps in one iteration: each ends here
-            first, self.deferred = self.deferred, None
-            self._close(first.t, first.wait, first.excluded, first.fetch_serial)
+            held, self.deferred = self.deferred, None
+            self._close(held.t, held.wait, held.excluded, held.fetch_serial)
         return self.boundary(t)
 
     def _is_first_optimizer(self, optimizer: Any) -> bool:
@@ -338,6 +347,64 @@ class StepModel:
             self._upgrade(ITERATION)
             return self.boundary(t)
         return False
+
+    def iterations(self, starts: np.ndarray, ends: np.ndarray, pass_: Pass) -> bool:
+        """Several iterations of the located loop reported at once, in bulk: iteration i ended
+        at starts[i] (where its successor's fetch began) and that fetch, of `pass_`, gave a batch
+        at ends[i]; the last one is open. The same as `iteration_end(starts[i])`, then the fetch
+        `(starts[i], ends[i])`, for each i, when the model is steady (iterations are the steps,
+        nothing to classify, no listener due); False (nothing done) otherwise."""
+        m = len(starts)
+        start = self.start
+        if (
+            not m
+            or start is None
+            or not self.steady(pass_)
+            or self.sample_in <= m
+            or (self.on_step is not None and (self.notify_every_step or int(starts[-1]) >= self.notify_from))
+        ):
+            return False
+        t0 = np.empty(m, dtype=np.int64)
+        t1 = np.empty(m, dtype=np.int64)
+        t0[0], t1[0] = start, start + self.wait
+        t0[1:], t1[1:] = starts[:-1], ends[:-1]
+        t2 = starts.copy()
+        t2[0] -= self.excluded
+        self.recorder.add_many(t0, t1, t2)
+        waits = ends - starts
+        total = int(waits.sum())
+        last = int(waits[-1])
+        src = pass_.source
+        src.wait_ns += total
+        src.batches += m
+        self.wait_total += total
+        self.fetch_serial += m
+        self.start = int(starts[-1])
+        self.wait, self.excluded = last, 0
+        self.step_wait_base = self.wait_total - last
+        self.sample_in -= m
+        self.in_iteration = True
+        if self.spans:
+            self.spans.clear()
+        return True
+
+    def steady(self, pass_: Pass) -> bool:
+        """Iterations of the located loop over `pass_` can go in bulk (`iterations`): they are
+        the steps, and nothing waits to be classified."""
+        return self.level == ITERATION and self.deferred is None and self.settled(pass_)
+
+    def settled(self, pass_: Pass) -> bool:
+        """Steps end at iterations of the located loop over `pass_` or at the training events
+        of the steps' kind held by them, and nothing waits to be classified (stamps.py replays
+        such iterations in bulk)."""
+        return (
+            self.level >= ITERATION
+            and self.iterations_are_steps
+            and pass_.trained
+            and not self.open_passes
+            and not self._stack
+            and not self._outer_passes
+        )
 
     def fetch_started(self, source: Source, t0: int) -> bool:
         """A DataLoader fetch outside any other fetch begins: at the fetch level (no loop and no
@@ -416,6 +483,7 @@ class StepModel:
     def exclude_time(self, ns: int) -> None:
         """Time in the open step that is nobody's (the live view's own refresh)."""
         self.excluded += ns
+        self.kept_out_ns += ns
 
     # -- the end ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -426,6 +494,13 @@ class StepModel:
             self.open_passes.remove(p)
             self._train(p)
         self.deferred = None
+        primary = self.primary
+        if self.level == FETCH and primary is not None and not (primary.batches or primary.phase_batches):
+            # Steps between fetches of a DataLoader that never gave a batch (an empty one, a
+            # first fetch that raised) are no steps: what `iter()` took is all they held.
+            closed = self.recorder.n_steps - self.steps_at_start
+            if 0 < closed <= MERGE_MAX and self.recorder.pop_tail(closed) is not None:
+                self.level, self.primary, self.start = NONE, None, None
 
     @property
     def current_step(self) -> int | None:

@@ -19,7 +19,13 @@ def dist_rank() -> tuple[int | None, int | None]:
             return int(dist.get_rank()), int(dist.get_world_size())
     except Exception:
         pass
-    return plain_count(os.environ.get("RANK")), plain_count(os.environ.get("WORLD_SIZE"))
+    return env_count("RANK"), env_count("WORLD_SIZE")
+
+
+def env_count(name: str) -> int | None:
+    """A count from the environment (torchrun sets RANK, WORLD_SIZE as decimal strings)."""
+    text = os.environ.get(name, "").strip()
+    return plain_count(int(text)) if text.isdecimal() else None
 
 
 def distributed_env() -> bool:
