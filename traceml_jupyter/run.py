@@ -222,7 +222,7 @@ class Run:
         self._summary: dict[str, Any] | None = None
         self._columns: dict[str, np.ndarray] | None = None  # once finished (each read is O(steps))
         self._verdict: Verdict | None = None
-        # Optional watches (sync_stalls.GpuWatch, line_costs): per-step columns they measure,
+        # Optional watches (gpu_watch.GpuWatch, line_costs): per-step columns they measure,
         # aligned to the recorder's steps on demand, and the few facts the verdict quotes.
         self.extra_columns: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
         self.watch_summary: dict[str, Any] = {}

@@ -301,7 +301,7 @@ def recording(cell: TracedCell) -> Iterator[None]:
     views: list[Any] = []
     try:
         with ExitStack() as stack:
-            from .capture.sync_stalls import gpu_watched
+            from .capture.gpu_watch import gpu_watched
 
             stack.enter_context(gpu_watched(run))
             stack.enter_context(children.followed(run, loop=children.script_loop(cell.opts.loop)))  # its processes

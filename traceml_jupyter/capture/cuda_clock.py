@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cuda_state import cuda_initialized as cuda_initialized  # the capture's seam (tests)
+from .cuda_state import cuda_initialized
 from .recorder import Recorder
 
 

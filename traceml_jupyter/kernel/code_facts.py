@@ -349,7 +349,7 @@ def script_site(run: Run, shell: Any) -> CodeSite | None:
 
 def _site_text(run: Run, filename: str, line: int) -> str:
     """The call on a line of the traced cell (`x.to("cuda")`), else the line's text."""
-    from ..capture.sync_stalls import call_text
+    from ..capture.syncs import call_text
 
     text = call_text(run.cell_source, line) if filename == run.cell_filename else None
     return text or linecache.getline(filename, line).strip() or f"line {line}"
@@ -380,7 +380,7 @@ def copies_seen(run: Run, shell: Any = None) -> tuple[CopySeen, ...] | None:
 
 def busiest_line(run: Run) -> LineSeen | None:
     """The loop body's statement with the most host time per step (run.line_costs)."""
-    from ..capture.sync_stalls import costliest_host_line
+    from ..capture.gpu_watch import costliest_host_line
 
     top = costliest_host_line(getattr(run, "line_costs", None))
     if top is None:

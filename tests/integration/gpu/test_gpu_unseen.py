@@ -18,7 +18,7 @@ from helpers import traced as traced_with
 from stand_in_cells import machine
 
 from traceml_jupyter.capture import hidden_waits
-from traceml_jupyter.capture.sync_stalls import SYNC_MESSAGE
+from traceml_jupyter.capture.syncs import SYNC_MESSAGE
 
 # -- the stand-in, closer to CUDA ------------------------------------------------------------
 
