@@ -121,7 +121,7 @@ class Context:
     def __init__(self, shell: Any) -> None:
         import torch
 
-        from traceml_jupyter.capture.sync_stalls import SYNC_METHODS
+        from traceml_jupyter.capture.syncs import SYNC_METHODS
 
         self.shell = shell
         self.torch = torch
@@ -170,7 +170,7 @@ class Context:
 
     def hygiene(self) -> list[str]:
         """The process as before the cell (review, section 3)."""
-        from traceml_jupyter.capture.sync_stalls import SYNC_MESSAGE
+        from traceml_jupyter.capture.syncs import SYNC_MESSAGE
 
         torch, problems = self.torch, []
         if torch.cuda.get_sync_debug_mode() != 0:

@@ -52,7 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from traceml_jupyter.capture.sync_stalls import SYNC_MESSAGE, CudaApi, cuda_api
+from traceml_jupyter.capture.gpu_watch import CudaApi, cuda_api
+from traceml_jupyter.capture.syncs import SYNC_MESSAGE
 
 # What torch appends to a warning raised in C++ (the watches must match on the start only).
 TRIGGERED = " (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:158.)"
@@ -782,7 +783,7 @@ def install_fake_cuda(monkeypatch: Any, gpu: FakeGpu) -> None:
     The watches get `gpu.module` through the same `cuda_api` as torch's; the capture core's
     own CUDA decisions are replaced where it has them (old core: run.cuda_in_use, ...)."""
     from traceml_jupyter import run as run_module
-    from traceml_jupyter.capture import cuda_clock, sync_stalls
+    from traceml_jupyter.capture import cuda_clock, gpu_watch
 
     FakeTensor.gpu = gpu
     gpu.initialized = True
@@ -790,8 +791,8 @@ def install_fake_cuda(monkeypatch: Any, gpu: FakeGpu) -> None:
     def fake_api(device: int | None = None) -> CudaApi | None:
         return cuda_api(gpu.module, FakeTensor, device)
 
-    monkeypatch.setattr(sync_stalls, "torch_cuda_api", fake_api)
-    monkeypatch.setattr(sync_stalls, "cuda_module", lambda: gpu.module)
+    monkeypatch.setattr(gpu_watch, "torch_cuda_api", fake_api)
+    monkeypatch.setattr(gpu_watch, "cuda_module", lambda: gpu.module)
     # The capture core's seams (whichever of them this core has): CUDA initialised, the
     # allocations each device saw (how the loop's device is decided), events on a device.
     try:

@@ -22,10 +22,8 @@ __all__ = [
     "tune",
 ]
 
-# tune.py is light (torch loads when it runs). Importing it here, not lazily, keeps
-# `traceml_jupyter.tune` the function: importing the submodule later would otherwise rebind
-# the package's `tune` attribute to the module.
-from .tune import tune
+# `%traceml tune` as a function; tuning/ is light (torch loads when it runs).
+from .tuning import tune
 
 if TYPE_CHECKING:
     from .run import Run

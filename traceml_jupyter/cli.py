@@ -105,7 +105,7 @@ def run_command(
     run = Run(name or command_line(command), warmup)
     channel = children.Channel(loop=children.script_loop(loop))
     collector = children.ChildCollector(run, channel)
-    run.rank_feed = collector
+    run.rank_collector = collector
     returncode = 127
     error: BaseException | None = None
     try:
@@ -135,9 +135,9 @@ def run_command(
 
 
 def _drain_s() -> float:
-    from .ranks import DRAIN_S
+    from .ranks import collector
 
-    return DRAIN_S
+    return collector.DRAIN_S
 
 
 def report(run: Run, command: Sequence[str]) -> None:

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from .analysis.verdict import VerdictLabel
 from .capture.host import usable_cpus
 
 SCENARIOS = ("fast", "slow", "fixed", "collate", "spiky", "h2d")
@@ -50,11 +51,11 @@ EPOCHS = {"fast": 2, "slow": 2, "fixed": 2, "collate": 2, "spiky": 4, "h2d": 2}
 
 # The verdict each scenario is built to get (fixed is judged by its speed-up over slow).
 INTENDED_VERDICT = {
-    "fast": "COMPUTE-BOUND",
-    "slow": "INPUT-BOUND",
-    "collate": "INPUT-BOUND",
-    "spiky": "INPUT STRAGGLER",
-    "h2d": "H2D-BOUND",
+    "fast": VerdictLabel.COMPUTE_BOUND,
+    "slow": VerdictLabel.INPUT_BOUND,
+    "collate": VerdictLabel.INPUT_BOUND,
+    "spiky": VerdictLabel.INPUT_STRAGGLER,
+    "h2d": VerdictLabel.H2D_BOUND,
 }
 
 # What each scenario stands for, in one line (the demo runner prints it above the box).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from typing import Any
 
@@ -251,8 +252,7 @@ class TraceMLMagics(Magics):
     def _tune(self, line: str, budget: float | None, workers: str | None) -> Any:
         """`%traceml tune [LOADER] [--budget SECONDS] [--workers 0,1,2,4]`: LOADER is an
         expression in the notebook's namespace (default: the last run's training loader)."""
-        from .analysis.tune_plan import loader_expression, parse_workers
-        from .tune import DEFAULT_BUDGET_S, TuneError, tune
+        from .tuning import DEFAULT_BUDGET_S, TuneError, tune
 
         expression = loader_expression(line)
         loader = None
@@ -273,3 +273,25 @@ class TraceMLMagics(Magics):
             )
         except (TuneError, ValueError) as exc:
             raise UsageError(f"%traceml tune: {exc}") from None
+
+
+def parse_workers(text: str) -> list[int]:
+    """`--workers 0,1,2,4` as sorted, distinct counts; ValueError with the reason otherwise."""
+    counts = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        if not part.isdigit():
+            raise ValueError(f"--workers takes counts like 0,1,2,4; got {text!r}")
+        counts.add(int(part))
+    if not counts:
+        raise ValueError("--workers needs at least one count, like 0,1,2,4")
+    return sorted(counts)
+
+
+def loader_expression(line: str) -> str:
+    """LOADER of `%traceml tune LOADER --budget 10` as typed (quotes kept: `loaders["train"]`):
+    the line without the word `tune` and the options."""
+    text = re.sub(r"(?<!\S)--(?:budget|workers)(?:=|\s+)\S+", " ", line)
+    text = re.sub(r"^\s*tune(?:\s|$)", "", text)
+    return text.strip()

@@ -17,8 +17,8 @@ from .analysis.phases import phase_sentence, phase_verdict, step_definition
 from .analysis.resources import finding_lines
 from .analysis.step_parts import also_lines, epoch_startup, parts_sentence, parts_summary, trend
 from .analysis.summary import summarize, with_batch_size
-from .analysis.textbox import rank_table, report_text, verdict_box
 from .analysis.verdict import Verdict, diagnose
+from .analysis.verdict_box import rank_table, report_text, verdict_box
 from .capture.host import usable_cpus
 from .capture.machine import describe_machine
 from .capture.probes import safe_len
@@ -26,6 +26,8 @@ from .capture.recorder import Recorder
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from .ranks import Collector, LocalRank
 
 SCHEMA_VERSION = 2  # 2 added, all nullable: the cell, the machine, resources, parts, GPU graphs
 REFRESH_NS = 250_000_000  # observers (the live view) run at most 4 times a second
@@ -104,7 +106,7 @@ def resolve_run(which: Run | str) -> Run:
     return found
 
 
-# The last `%traceml tune` (tune.py) and the loader it measured: the checklist quotes it.
+# The last `%traceml tune` (tuning/) and the loader it measured: the checklist quotes it.
 _LAST_TUNE: dict[str, Any] = {}
 
 
@@ -220,7 +222,7 @@ class Run:
         self._summary: dict[str, Any] | None = None
         self._columns: dict[str, np.ndarray] | None = None  # once finished (each read is O(steps))
         self._verdict: Verdict | None = None
-        # Optional watches (sync_stalls.GpuWatch, line_costs): per-step columns they measure,
+        # Optional watches (gpu_watch.GpuWatch, line_costs): per-step columns they measure,
         # aligned to the recorder's steps on demand, and the few facts the verdict quotes.
         self.extra_columns: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
         self.watch_summary: dict[str, Any] = {}
@@ -254,7 +256,9 @@ class Run:
         # the loop's cell, lines to change), kept with the checklist so a saved run reads the same.
         self.quoted_cells: dict[str, str] | None = None
         self._machine: dict[str, Any] | None = None
-        self.rank_feed: Any = None
+        # Several processes: the collector of the forked ranks' steps (ranks.Collector), or this
+        # torchrun rank's own backward() per step (ranks.LocalRank); None for one process.
+        self.rank_collector: Collector | LocalRank | None = None
         # Processes the cell started (children.py): each one's pid, command, steps, status; and,
         # when the run shows a child's steps, where its loader and its dataset's __getitem__ are.
         self.processes: list[dict[str, Any]] | None = None

@@ -301,7 +301,7 @@ def recording(cell: TracedCell) -> Iterator[None]:
     views: list[Any] = []
     try:
         with ExitStack() as stack:
-            from .capture.sync_stalls import gpu_watched
+            from .capture.gpu_watch import gpu_watched
 
             stack.enter_context(gpu_watched(run))
             stack.enter_context(children.followed(run, loop=children.script_loop(cell.opts.loop)))  # its processes
@@ -420,7 +420,7 @@ def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any,
 def _likely_cause(run: Run) -> str:
     """A checklist fix that explains an error before the first step (workers that cannot
     import a Dataset defined in a notebook cell), as the end of the one-line note."""
-    from .views.code_facts import keep_checklist
+    from .kernel.code_facts import keep_checklist
 
     for item in keep_checklist(run) or []:
         if item.key == "start_method" and item.status == "fix":

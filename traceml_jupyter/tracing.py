@@ -8,9 +8,9 @@ from contextlib import contextmanager
 
 from . import ranks
 from .history import record
+from .kernel.code_facts import keep_checklist
 from .ranks import gather, shows_report
 from .run import Run
-from .views.code_facts import keep_checklist
 from .views.display import show_report
 
 

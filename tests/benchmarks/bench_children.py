@@ -67,7 +67,7 @@ def one(n: int, variant: str) -> tuple[float, Any]:
     run = Run("bench child")
     channel = children.Channel()
     collector = children.ChildCollector(run, channel)
-    run.rank_feed = collector
+    run.rank_collector = collector
     collector.start()
     try:
         out = subprocess.run(command, env={**env, **channel.env(env)}, capture_output=True, text=True, check=True)

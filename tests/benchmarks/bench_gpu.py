@@ -54,7 +54,7 @@ def hook_costs(device: str = "cpu") -> Table:
     import torch
 
     from traceml_jupyter.capture.h2d import CopyWatch, EventPool, copies_timed
-    from traceml_jupyter.capture.sync_stalls import SyncWatch, syncs_timed
+    from traceml_jupyter.capture.syncs import SyncWatch, syncs_timed
 
     on_gpu = device == "cuda"
     steps = [0]

@@ -8,21 +8,19 @@ from __future__ import annotations
 import html
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .comparable import caveats as unlike
 from .comparable import samples_per_step
-from .figures import ms as _ms
-from .figures import pct as _pct
-from .noise import LEVEL, ColumnChange, Judgement, analysed_samples, judge
+from .noise import LEVEL, Change, ColumnChange, Judgement, analysed_samples, judge
+from .number_text import ms as _ms
+from .number_text import pct as _pct
 from .resources import mib
-
-if TYPE_CHECKING:
-    pass
+from .verdict import VerdictLabel
 
 # Within 5 % of each other, two runs are "about as fast": step times jitter by that much.
 SAME_SPEED = 1.05
-NO_VERDICT = ("NO DATA", "WARMUP", "TOO SHORT")
+NO_VERDICT = (VerdictLabel.NO_DATA, VerdictLabel.WARMUP, VerdictLabel.TOO_SHORT)
 
 
 @dataclass(frozen=True)
@@ -161,13 +159,13 @@ def still_because(
     label: str, summary_b: Mapping[str, Any], workers_b: int | None, cpus: int | None
 ) -> str:
     """Why a verdict that did not change still holds, in a few words (empty when nothing to add)."""
-    if label == "INPUT-BOUND":
+    if label == VerdictLabel.INPUT_BOUND:
         if summary_b.get("cpu_saturated") or (workers_b and cpus and workers_b >= cpus):
             return "the CPU is now the ceiling"
         return f"data wait is still {_pct(summary_b.get('data_wait_share'))} of the step"
-    if label == "INPUT STRAGGLER":
+    if label == VerdictLabel.INPUT_STRAGGLER:
         return f"stalls still cost {_pct(summary_b.get('straggler_share'))} of the time"
-    if label == "COMPUTE-BOUND":
+    if label == VerdictLabel.COMPUTE_BOUND:
         return "the step itself is the ceiling"
     return ""
 
@@ -211,6 +209,71 @@ def resource_rows(summary_a: Mapping[str, Any], summary_b: Mapping[str, Any]) ->
     return rows
 
 
+def summary_rows(
+    a: tuple[Mapping[str, Any], str, float | None],
+    b: tuple[Mapping[str, Any], str, float | None],
+    unit: str,
+    speedup: float | None,
+    compute_name: str,
+) -> list[tuple[str, str, str, str]]:
+    """The comparison's table from the two summaries: (what, A, B, change) per row. `a`, `b`:
+    each run's summary, verdict label and throughput in `unit`."""
+    (summary_a, label_a, rate_a), (summary_b, label_b, rate_b) = a, b
+    mean_a = summary_a.get("stats", {}).get("step_ms", {}).get("mean")
+    mean_b = summary_b.get("stats", {}).get("step_ms", {}).get("mean")
+    share_a, share_b = summary_a.get("data_wait_share"), summary_b.get("data_wait_share")
+    share_change = (
+        f"{100 * (share_b - share_a):+.1f} points"
+        if share_a is not None and share_b is not None
+        else ""
+    )
+
+    def medians(what: str, key: str) -> tuple[str, str, str, str]:
+        return (what, _ms(summary_a.get(key)), _ms(summary_b.get(key)), _delta_ms(summary_a.get(key), summary_b.get(key)))
+
+    return [
+        ("Verdict", label_a, label_b, "same" if label_a == label_b else "changed"),
+        (
+            f"Throughput ({unit})",
+            f"{rate_a:.1f}" if rate_a else "n/a",
+            f"{rate_b:.1f}" if rate_b else "n/a",
+            speed_words(speedup) if speedup else "",
+        ),
+        medians("Step time (median)", "step_ms"),
+        ("Step time (mean)", _ms(mean_a), _ms(mean_b), _delta_ms(mean_a, mean_b)),
+        medians("Data wait (median)", "data_wait_ms"),
+        medians(f"{compute_name} (median)", "compute_ms"),
+        ("Data wait share", _pct(share_a), _pct(share_b), share_change),
+        (
+            "Analysed steps",
+            str(summary_a.get("n_analysed", "n/a")),
+            str(summary_b.get("n_analysed", "n/a")),
+            "",
+        ),
+        *resource_rows(summary_a, summary_b),
+    ]
+
+
+def _conclusion(
+    label_a: str,
+    label_b: str,
+    summary_b: Mapping[str, Any],
+    speedup: float,
+    judgement: Judgement | None,
+    workers_b: int | None,
+    cpus: int | None,
+) -> str:
+    """The speed-up (judged against the noise when it could be) and the verdicts' change."""
+    if label_a != label_b:
+        verdicts = f"{label_a} -> {label_b}"
+    else:
+        reason = still_because(label_b, summary_b, workers_b, cpus)
+        verdicts = f"still {label_b}" + (f": {reason}" if reason else "")
+    if judgement is None:
+        return f"{speed_words(speedup)}{':' if label_a != label_b else ';'} {verdicts}"
+    return judged_words(judgement, verdicts)
+
+
 def compare_summaries(
     name_a: str,
     summary_a: Mapping[str, Any],
@@ -242,59 +305,16 @@ def compare_summaries(
         unit_a, rate_a = "steps/s", summary_a.get("steps_per_s")
         unit_b, rate_b = "steps/s", summary_b.get("steps_per_s")
     speedup = rate_b / rate_a if rate_a and rate_b else None
-
     compute_a = "GPU compute" if summary_a.get("clock") == "gpu" else "CPU compute"
     compute_b = "GPU compute" if summary_b.get("clock") == "gpu" else "CPU compute"
     compute_name = compute_a if compute_a == compute_b else "Compute"
-    mean_a = summary_a.get("stats", {}).get("step_ms", {}).get("mean")
-    mean_b = summary_b.get("stats", {}).get("step_ms", {}).get("mean")
-    share_a, share_b = summary_a.get("data_wait_share"), summary_b.get("data_wait_share")
-    share_change = (
-        f"{100 * (share_b - share_a):+.1f} points"
-        if share_a is not None and share_b is not None
-        else ""
+    rows = summary_rows(
+        (summary_a, label_a, rate_a), (summary_b, label_b, rate_b), unit_a, speedup, compute_name
     )
-    rows = [
-        ("Verdict", label_a, label_b, "same" if label_a == label_b else "changed"),
-        (
-            f"Throughput ({unit_a})",
-            f"{rate_a:.1f}" if rate_a else "n/a",
-            f"{rate_b:.1f}" if rate_b else "n/a",
-            speed_words(speedup) if speedup else "",
-        ),
-        (
-            "Step time (median)",
-            _ms(summary_a.get("step_ms")),
-            _ms(summary_b.get("step_ms")),
-            _delta_ms(summary_a.get("step_ms"), summary_b.get("step_ms")),
-        ),
-        ("Step time (mean)", _ms(mean_a), _ms(mean_b), _delta_ms(mean_a, mean_b)),
-        (
-            "Data wait (median)",
-            _ms(summary_a.get("data_wait_ms")),
-            _ms(summary_b.get("data_wait_ms")),
-            _delta_ms(summary_a.get("data_wait_ms"), summary_b.get("data_wait_ms")),
-        ),
-        (
-            f"{compute_name} (median)",
-            _ms(summary_a.get("compute_ms")),
-            _ms(summary_b.get("compute_ms")),
-            _delta_ms(summary_a.get("compute_ms"), summary_b.get("compute_ms")),
-        ),
-        ("Data wait share", _pct(share_a), _pct(share_b), share_change),
-        (
-            "Analysed steps",
-            str(summary_a.get("n_analysed", "n/a")),
-            str(summary_b.get("n_analysed", "n/a")),
-            "",
-        ),
-        *resource_rows(summary_a, summary_b),
-    ]
     sampled = steps_a is not None and steps_b is not None
     said_first = unlike(name_a, summary_a, machine_a, name_b, summary_b, machine_b, sampled)
     judgement = None
-    if label_a not in NO_VERDICT and label_b not in NO_VERDICT and sampled:
-        assert steps_a is not None and steps_b is not None
+    if label_a not in NO_VERDICT and label_b not in NO_VERDICT and steps_a is not None and steps_b is not None:
         per_a, per_b = samples_per_step(summary_a), samples_per_step(summary_b)
         per_sample = per_a is not None and per_b is not None and per_a != per_b
         judgement = judge(
@@ -303,25 +323,16 @@ def compare_summaries(
             "sample" if per_sample else "step",
             compute_name,
         )
-
     if label_a in NO_VERDICT or label_b in NO_VERDICT or speedup is None:
         empty = name_a if label_a in NO_VERDICT or not rate_a else name_b
         conclusion = f"No comparison: {empty} has too few analysed steps."
     else:
-        if label_a != label_b:
-            verdicts = f"{label_a} -> {label_b}"
-        else:
-            reason = still_because(label_b, summary_b, workers_b, cpus)
-            verdicts = f"still {label_b}" + (f": {reason}" if reason else "")
-        if judgement is None:
-            conclusion = f"{speed_words(speedup)}{':' if label_a != label_b else ';'} {verdicts}"
-        else:
-            conclusion = judged_words(judgement, verdicts)
+        conclusion = _conclusion(label_a, label_b, summary_b, speedup, judgement, workers_b, cpus)
     if judgement is None:
         return Comparison(
             name_a, name_b, label_a, label_b, speedup, conclusion, rows, [], caveats=said_first
         )
-    if judgement.change.value == "NO CHANGE" and speedup:
+    if judgement.change == Change.NO_CHANGE and speedup:
         # the throughput row says what the conclusion says: no "1.1x faster" within the noise
         what, a, b, _ = rows[1]
         rows[1] = (what, a, b, f"{speedup:.2f}x: within noise")
@@ -351,9 +362,9 @@ def judged_words(j: Judgement, verdicts: str) -> str:
     interval, what got slower when the step got faster, then the verdicts."""
     low, high = j.speedup_low, j.speedup_high
     per = " per sample" if j.per == "sample" else ""
-    if j.change.value in ("IMPROVEMENT", "MIXED"):
+    if j.change in (Change.IMPROVEMENT, Change.MIXED):
         words = f"{_times(j.speedup)} faster{per} ({PERCENT} interval {_times(low)} to {_times(high)})"
-    elif j.change.value == "REGRESSION":
+    elif j.change == Change.REGRESSION:
         words = (
             f"{_times(1 / j.speedup)} slower{per} ({PERCENT} interval {_times(1 / high)} to "
             f"{_times(1 / low)})"
@@ -362,25 +373,25 @@ def judged_words(j: Judgement, verdicts: str) -> str:
         words = (
             f"{_times(j.speedup)}{per}, {PERCENT} interval {_times(low)} to {_times(high)}"
         )
-    if j.change.value == "MIXED":
+    if j.change == Change.MIXED:
         slower = ", ".join(
             f"{c.name} ({c.diff:+.1f} ms a step"
             + (f", {100 * (c.ratio - 1):+.0f} %)" if c.ratio is not None else ")")
             for c in j.slower_parts
         )
         words += f", but slower: {slower}"
-    label = "NO CHANGE (within noise)" if j.change.value == "NO CHANGE" else j.change.value
+    label = "NO CHANGE (within noise)" if j.change == Change.NO_CHANGE else j.change.value
     return f"{label}: {words}; {verdicts}"
 
 
 # -- the HTML view ------------------------------------------------------------------------------
 
 _COLOURS = {"faster": "#1a7f37", "slower": "#b42318", "same": "#57606a", "mixed": "#a35200"}
-_TONE_OF_CHANGE = {
-    "IMPROVEMENT": "faster",
-    "REGRESSION": "slower",
-    "NO CHANGE": "same",
-    "MIXED": "mixed",
+_TONE_OF_CHANGE: dict[str, str] = {
+    Change.IMPROVEMENT: "faster",
+    Change.REGRESSION: "slower",
+    Change.NO_CHANGE: "same",
+    Change.MIXED: "mixed",
 }
 
 

@@ -20,6 +20,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .cell_code import loop_at, parse_cell
+
 GRAPH, DATA, CLEAN, OTHER = "graph", "data", "clean", "other"
 # Methods whose result has no autograd history.
 CLEAN_METHODS = frozenset(
@@ -68,25 +70,6 @@ class KeptGraph:
             "fix": self.fix(),
             "sentence": self.sentence(),
         }
-
-
-def parse_numbered(source: str) -> ast.Module | None:
-    """A cell's tree with the user's line numbers (a first `%%` line blanked, so the `%%traceml`
-    line stays line 1); None when it does not parse."""
-    lines = source.splitlines()
-    if lines and lines[0].lstrip().startswith("%%"):
-        lines[0] = ""
-    try:
-        return ast.parse("\n".join(lines))
-    except (SyntaxError, ValueError):
-        return None
-
-
-def _loop_at(tree: ast.AST, line: int) -> ast.For | ast.AsyncFor | None:
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.For, ast.AsyncFor)) and node.lineno == line:
-            return node
-    return None
 
 
 def _names(target: ast.AST) -> list[str]:
@@ -233,8 +216,8 @@ def kept_graphs(
     the caller knows are bound to torch modules (the model, the criterion)."""
     if not source or loop_line is None:
         return []
-    tree = parse_numbered(source)
-    loop = _loop_at(tree, loop_line) if tree is not None else None
+    tree = parse_cell(source)
+    loop = loop_at(tree, loop_line) if tree is not None else None
     if loop is None:
         return []
     body = _Body(_names(loop.target), frozenset(modules))

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .data_sources import phase_remedy
-from .figures import pct
+from .number_text import pct
 
 
 def step_definition(

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from .figures import ms as _ms
-from .figures import pct as _pct
-from .verdict import MIN_ANALYSED, WARN_SHARE, Verdict, diagnose, severity_for
+from .number_text import ms as _ms
+from .number_text import pct as _pct
+from .verdict import MIN_ANALYSED, WARN_SHARE, Verdict, VerdictLabel, diagnose, severity_for
 
 CAUSE_SHARE = 0.5  # a phase is the cause when its excess explains at least half of the gap
 # The headline numbers of a balanced run: the median over the ranks of each rank's median.
@@ -234,7 +234,7 @@ def straggler_verdict(found: Mapping[str, Any], ranks: Sequence[Mapping[str, Any
         ("Wait of the others (median per step)", _ms(found["gap_ms"])),
         ("Share of the step", _pct(score)),
     ]
-    return Verdict("RANK STRAGGLER", severity_for(score, n), why, NEXT[found["cause"]].format(r=r), evidence)
+    return Verdict(VerdictLabel.RANK_STRAGGLER, severity_for(score, n), why, NEXT[found["cause"]].format(r=r), evidence)
 
 
 def rank_line(r: Mapping[str, Any]) -> str:
@@ -336,12 +336,12 @@ def with_ranks(summary: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]]) -
     return combined, diagnose(combined)
 
 
-CHECKLIST_VERDICTS = {"input": "INPUT-BOUND", "h2d": "H2D-BOUND", "compute": "COMPUTE-BOUND"}
+CHECKLIST_VERDICTS = {"input": VerdictLabel.INPUT_BOUND, "h2d": VerdictLabel.H2D_BOUND, "compute": VerdictLabel.COMPUTE_BOUND}
 
 
 def checklist_verdict(label: str, straggler: Mapping[str, Any] | None) -> str:
     """The verdict the checklist reads: for a RANK STRAGGLER, its cause on that rank (its loader
     is the one the run holds), so input items bear on a rank that waits for data."""
-    if label == "RANK STRAGGLER" and straggler:
+    if label == VerdictLabel.RANK_STRAGGLER and straggler:
         return CHECKLIST_VERDICTS.get(str(straggler.get("cause")), label)
     return label

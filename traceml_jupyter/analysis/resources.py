@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .figures import pct
+from .number_text import pct
 
 PRESSURE_WARN = 0.92
 PRESSURE_CRITICAL = 0.97

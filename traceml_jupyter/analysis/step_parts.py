@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .figures import ms as _ms
-from .figures import pct as _pct
+from .number_text import ms as _ms
+from .number_text import pct as _pct
 from .verdict import WARN_SHARE, severity_for
 
 PARTS = ("forward", "backward", "optimizer", "rest")

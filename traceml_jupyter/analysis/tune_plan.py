@@ -1,15 +1,15 @@
 """The arithmetic of `%traceml tune`, pure: which loader settings to measure, which measured one
 keeps the model fed, the predicted step and speed-up, the line to write, and where a batch's time
-goes. No torch, no timing, no display: tune.py measures, this decides."""
+goes. No torch, no timing, no display: tuning/ measures, this decides."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .figures import ms as _ms
+from .number_text import ms as _ms
+from .number_text import ms_fine
 
 # With workers, loading overlaps compute: the loader keeps the model fed when it makes batches
 # at least this many times faster than the model takes them (room for jitter and for the
@@ -207,20 +207,6 @@ def worker_counts(cpus: int, waiting: bool) -> list[int]:
         beyond = [n for n in WORKER_LADDER if n > cpus]
         counts.append(beyond[0] if beyond else cpus + 1)
     return counts
-
-
-def parse_workers(text: str) -> list[int]:
-    """`--workers 0,1,2,4` as sorted, distinct counts; ValueError with the reason otherwise."""
-    counts = set()
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        if not part.isdigit():
-            raise ValueError(f"--workers takes counts like 0,1,2,4; got {text!r}")
-        counts.add(int(part))
-    if not counts:
-        raise ValueError("--workers needs at least one count, like 0,1,2,4")
-    return sorted(counts)
 
 
 def required_rate(num_workers: int, model_batches_per_s: float) -> float:
@@ -478,31 +464,22 @@ def split_sentence(split: Split) -> str:
     if per_sample is not None and split.getitem_ms is not None:
         samples = split.samples_per_batch or 0
         parts.append(
-            f"{split.source} {_ms_fine(per_sample)} a sample x {samples:.0f}"
+            f"{split.source} {ms_fine(per_sample)} a sample x {samples:.0f}"
             + _share(split.getitem_ms, split.batch_ms)
         )
     elif split.getitem_ms is not None:
         parts.append(
-            f"{split.source} {_ms_fine(split.getitem_ms)}"
+            f"{split.source} {ms_fine(split.getitem_ms)}"
             + _share(split.getitem_ms, split.batch_ms)
         )
     if split.collate_ms is not None:
         parts.append(
-            f"collate_fn {_ms_fine(split.collate_ms)}" + _share(split.collate_ms, split.batch_ms)
+            f"collate_fn {ms_fine(split.collate_ms)}" + _share(split.collate_ms, split.batch_ms)
         )
     if split.pin_ms is not None:
-        parts.append(f"pinning {_ms_fine(split.pin_ms)}" + _share(split.pin_ms, split.batch_ms))
-    parts.append(f"the rest {_ms_fine(split.other_ms)}" + _share(split.other_ms, split.batch_ms))
-    return f"At num_workers=0 a batch takes {_ms_fine(split.batch_ms)}: " + ", ".join(parts) + "."
-
-
-def _ms_fine(value: float) -> str:
-    """Milliseconds with digits enough for a per-sample cost: "0.042 ms", "2.05 ms", "16.4 ms"."""
-    if value >= 10:
-        return _ms(value)
-    if value >= 0.1:
-        return f"{value:.2f} ms"
-    return f"{value:.3f} ms"
+        parts.append(f"pinning {ms_fine(split.pin_ms)}" + _share(split.pin_ms, split.batch_ms))
+    parts.append(f"the rest {ms_fine(split.other_ms)}" + _share(split.other_ms, split.batch_ms))
+    return f"At num_workers=0 a batch takes {ms_fine(split.batch_ms)}: " + ", ".join(parts) + "."
 
 
 def costliest(split: Split) -> str:
@@ -586,8 +563,8 @@ def conclude(
         advice.append(
             f"No setting keeps the model fed: the best, {name}, makes "
             f"{rate_text(best.batches_per_s)} batches/s (a batch every "
-            f"{_ms_fine(1000.0 / (best.batches_per_s or 1.0))}) and the model takes "
-            f"{rate_text(model_rate)} (one every {_ms_fine(1000.0 / (model_rate or 1.0))})."
+            f"{ms_fine(1000.0 / (best.batches_per_s or 1.0))}) and the model takes "
+            f"{rate_text(model_rate)} (one every {ms_fine(1000.0 / (model_rate or 1.0))})."
         )
         if step is not None:
             text = f"With it, predicted step {_ms(step)}{step_parts(best, model, step)}"
@@ -611,11 +588,3 @@ def conclude(
             "cheaper, cache decoded samples, or move the work to the GPU."
         )
     return Conclusion(best, changes, fed, step, speedup, advice, notes)
-
-
-def loader_expression(line: str) -> str:
-    """LOADER of `%traceml tune LOADER --budget 10` as typed (quotes kept: `loaders["train"]`):
-    the line without the word `tune` and the options."""
-    text = re.sub(r"(?<!\S)--(?:budget|workers)(?:=|\s+)\S+", " ", line)
-    text = re.sub(r"^\s*tune(?:\s|$)", "", text)
-    return text.strip()

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from .data_sources import input_next, straggler_next
-from .figures import ms as _ms
-from .figures import pct as _pct
+from .number_text import ms as _ms
+from .number_text import pct as _pct
 
 WARN_SHARE = 0.10
 CRITICAL_SHARE = 0.20
@@ -40,9 +41,25 @@ HOST_ISSUE_SHARE = 0.50
 GPU_BUSY_PCT = 90.0
 
 
+class VerdictLabel(StrEnum):
+    """A verdict's label, as the text box, the report and the JSON write it (a str: it compares
+    equal to the label read back from a saved run)."""
+
+    NO_DATA = "NO DATA"  # the loop ran no step
+    WARMUP = "WARMUP"  # too few steps after the warm-up for a verdict
+    TOO_SHORT = "TOO SHORT"  # steps too short to time honestly
+    INPUT_BOUND = "INPUT-BOUND"
+    INPUT_STRAGGLER = "INPUT STRAGGLER"
+    H2D_BOUND = "H2D-BOUND"
+    HOST_BOUND = "HOST-BOUND"
+    COMPUTE_BOUND = "COMPUTE-BOUND"
+    MIXED = "MIXED"
+    RANK_STRAGGLER = "RANK STRAGGLER"  # several ranks: one holds the others back
+
+
 @dataclass(frozen=True)
 class Verdict:
-    label: str
+    label: str  # a VerdictLabel (a saved run read back keeps the label its file holds)
     severity: str  # "info", "warn" or "critical"
     why: str
     next: str
@@ -50,7 +67,7 @@ class Verdict:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "label": self.label,
+            "label": str(self.label),
             "severity": self.severity,
             "why": self.why,
             "next": self.next,
@@ -192,7 +209,7 @@ def _h2d_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tuple
     after = share * ((pinned or 0.0) + (1.0 - (pinned or 0.0)) / 2.0)
     remains = f" (about {_pct(after)} of the step would remain)" if (pinned or 0.0) < 0.999 else ""
     return Verdict(
-        "H2D-BOUND",
+        VerdictLabel.H2D_BOUND,
         severity,
         why,
         "Copy less and faster: pin the batches (DataLoader(pin_memory=True)) and copy them with "
@@ -245,7 +262,7 @@ def _host_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tupl
     calls = summary.get("sync_calls")
     graphs = "" if summary.get("cuda_graphs_used") else "CUDA graphs, "
     return Verdict(
-        "HOST-BOUND",
+        VerdictLabel.HOST_BOUND,
         severity,
         why,
         "Give the GPU more work per launch: a larger batch, mixed precision (torch.autocast), "
@@ -285,26 +302,44 @@ def larger_batch(summary: Mapping[str, Any]) -> str:
 
 
 def diagnose(summary: Mapping[str, Any]) -> Verdict:
-    """The first rule that holds, in order: no data, warm-up, input, straggler, host-to-device
-    copies, host, compute."""
-    n_steps = int(summary["n_steps"])
-    n = int(summary["n_analysed"])
-    clock = summary["clock"]
-    compute_name = "GPU compute" if clock == "gpu" else "CPU compute"
-    wait, compute, step = summary["data_wait_ms"], summary["compute_ms"], summary["step_ms"]
-    wait_share, compute_share = summary["data_wait_share"], summary["compute_share"]
-    evidence = [
-        ("Data wait (median)", _ms(wait)),
-        (f"{compute_name} (median)", _ms(compute)),
-        ("Step time (median)", _ms(step)),
-        ("Data wait share", _pct(wait_share)),
-        ("Analysed steps", f"{n} (after {summary['warmup_steps']} warm-up)"),
-        ("Clock", clock.upper()),
+    """The first rule that holds, in order: no data, warm-up, too short, input, straggler,
+    host-to-device copies, host, compute (or mixed)."""
+    evidence = _evidence(summary)
+    found = _no_verdict(summary, evidence) or _input_verdict(summary, evidence)
+    if found is not None:
+        return found
+    severity = h2d_bound(summary)
+    if severity is not None:
+        return _h2d_verdict(summary, severity, evidence)
+    severity = host_bound(summary)
+    if severity is not None:
+        return _host_verdict(summary, severity, evidence)
+    return _compute_verdict(summary, evidence)
+
+
+def _compute_name(summary: Mapping[str, Any]) -> str:
+    return "GPU compute" if summary["clock"] == "gpu" else "CPU compute"
+
+
+def _evidence(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The numbers every verdict shows: the medians, the wait's share, the steps, the clock."""
+    return [
+        ("Data wait (median)", _ms(summary["data_wait_ms"])),
+        (f"{_compute_name(summary)} (median)", _ms(summary["compute_ms"])),
+        ("Step time (median)", _ms(summary["step_ms"])),
+        ("Data wait share", _pct(summary["data_wait_share"])),
+        ("Analysed steps", f"{int(summary['n_analysed'])} (after {summary['warmup_steps']} warm-up)"),
+        ("Clock", summary["clock"].upper()),
     ]
 
-    if n_steps == 0:
+
+def _no_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> Verdict | None:
+    """No step, too few after the warm-up, or steps too short to time: no verdict on the pace."""
+    n = int(summary["n_analysed"])
+    step = summary["step_ms"]
+    if int(summary["n_steps"]) == 0:
         return Verdict(
-            "NO DATA",
+            VerdictLabel.NO_DATA,
             "info",
             "The loop ran no step: its iterator yielded no batch.",
             "Check that the DataLoader and its dataset are not empty (len(loader) > 0).",
@@ -312,7 +347,7 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
         )
     if n < MIN_ANALYSED:
         return Verdict(
-            "WARMUP",
+            VerdictLabel.WARMUP,
             "info",
             f"Only {n} step(s) after {summary['warmup_steps']} warm-up step(s); a verdict needs "
             f"{MIN_ANALYSED}.",
@@ -321,27 +356,36 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
         )
     if step is not None and step < MIN_STEP_MS:
         return Verdict(
-            "TOO SHORT",
+            VerdictLabel.TOO_SHORT,
             "info",
             f"A step takes {step * 1000:.2g} µs (median): too short to time honestly, since the "
             "timing itself costs about a microsecond a step, a visible share of that.",
             "Trace a loop whose steps do real work (a batch through a model).",
             evidence,
         )
+    return None
+
+
+def _input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> Verdict | None:
+    """The loop waits for data in a typical step (INPUT-BOUND), or a few fetches stall long
+    enough to cost a share of the time (INPUT STRAGGLER)."""
+    n = int(summary["n_analysed"])
+    wait, compute, step = summary["data_wait_ms"], summary["compute_ms"], summary["step_ms"]
+    wait_share = summary["data_wait_share"]
     if wait_share is not None and wait_share >= WARN_SHARE:
         return Verdict(
-            "INPUT-BOUND",
+            VerdictLabel.INPUT_BOUND,
             severity_for(wait_share, n),
             f"The loop spends {_pct(wait_share)} of a typical step waiting for data (median "
-            f"wait {_ms(wait)}, median step {_ms(step)}, {compute_name.lower()} {_ms(compute)}), "
-            f"over {n} steps.",
+            f"wait {_ms(wait)}, median step {_ms(step)}, {_compute_name(summary).lower()} "
+            f"{_ms(compute)}), over {n} steps.",
             input_next(summary),
             evidence,
         )
     lost = summary.get("straggler_share") or 0.0
     if lost >= WARN_SHARE:
         return Verdict(
-            "INPUT STRAGGLER",
+            VerdictLabel.INPUT_STRAGGLER,
             severity_for(lost, n),
             f"{summary['straggler_steps']} of {n} fetches stall (p99 wait "
             f"{_ms(summary['stats']['data_wait_ms']['p99'])}, median {_ms(wait)}) and cost "
@@ -349,18 +393,22 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
             straggler_next(summary),
             evidence + [("Time lost to stalls", _pct(lost))],
         )
-    severity = h2d_bound(summary)
-    if severity is not None:
-        return _h2d_verdict(summary, severity, evidence)
-    severity = host_bound(summary)
-    if severity is not None:
-        return _host_verdict(summary, severity, evidence)
+    return None
+
+
+def _compute_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> Verdict:
+    """Compute is most of the step (COMPUTE-BOUND; on a GPU, only with evidence the GPU worked
+    during it), else no phase stands out (MIXED)."""
+    clock = summary["clock"]
+    compute_name = _compute_name(summary)
+    wait_share, compute_share = summary["data_wait_share"], summary["compute_share"]
+    compute, step = summary["compute_ms"], summary["step_ms"]
     busy_evidence = gpu_busy_evidence(summary) if clock == "gpu" else None
     if compute_share is not None and compute_share >= COMPUTE_SHARE and clock == "gpu" and not busy_evidence:
         # The GPU-timeline span of the body is most of the step, but nothing shows the GPU
         # worked during it (it may have idled while the host issued work or waited untimed).
         return Verdict(
-            "MIXED",
+            VerdictLabel.MIXED,
             "info",
             f"GPU compute (the GPU-timeline span of the step body, busy or idle) is "
             f"{_pct(compute_share)} of the median step ({_ms(compute)} of {_ms(step)}) and data "
@@ -377,7 +425,7 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
             f" (the GPU-timeline span of the step body; {busy_evidence})" if busy_evidence else ""
         )
         return Verdict(
-            "COMPUTE-BOUND",
+            VerdictLabel.COMPUTE_BOUND,
             "info",
             f"{compute_name} is {_pct(compute_share)} of the median step ({_ms(compute)} of "
             f"{_ms(step)}){span}; data wait is {_pct(wait_share)}.",
@@ -387,7 +435,7 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
             evidence,
         )
     return Verdict(
-        "MIXED",
+        VerdictLabel.MIXED,
         "info",
         f"No phase stands out: data wait {_pct(wait_share)}, {compute_name.lower()} "
         f"{_pct(compute_share)} of the median step.",

@@ -14,18 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cuda_state import cuda_initialized
 from .recorder import Recorder
-
-
-def cuda_initialized() -> bool:
-    """torch is imported and CUDA was initialised by someone (no side effect: never initialises)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    try:
-        return bool(torch.cuda.is_initialized())
-    except Exception:
-        return False
 
 
 def allocation_counts() -> dict[int, int]:

@@ -29,6 +29,7 @@ from itertools import islice
 from time import perf_counter_ns
 from typing import Any
 
+from .cuda_state import cuda_initialized, torch_cuda
 from .step_tally import StepTally
 
 MIB = 2**20
@@ -45,18 +46,8 @@ SCAN_MAX_ITEMS = 10_000  # elements of one list, tuple, set or dict looked at
 TOP_HOLDERS = 5
 
 
-def cuda_module() -> Any:
-    """torch.cuda when torch is imported (never imports it), else None."""
-    torch = sys.modules.get("torch")
-    return getattr(torch, "cuda", None) if torch is not None else None
-
-
-def cuda_initialised(cuda: Any = None) -> bool:
-    cuda = cuda if cuda is not None else cuda_module()
-    try:
-        return cuda is not None and bool(cuda.is_initialized())
-    except Exception:
-        return False
+# The CUDA module the memory watch reads (a seam: tests put a fake GPU here).
+cuda_module = torch_cuda
 
 
 def reads_peak(*sources: str | None) -> bool:
@@ -109,7 +100,7 @@ class GpuMemory:
             return
         try:
             cuda = self._cuda_of() if self._cuda_of is not None else cuda_module()
-            if not cuda_initialised(cuda):
+            if not cuda_initialized(cuda):
                 self.off = "GPU memory was not read: CUDA is not initialised."
                 return
             self.device = int(device)
@@ -360,7 +351,7 @@ def held_before(
     """When a traced cell starts with CUDA initialised: what each device already has allocated
     and the biggest holders by name; None when CUDA is not initialised or nothing is allocated."""
     cuda = cuda if cuda is not None else cuda_module()
-    if not cuda_initialised(cuda):
+    if not cuda_initialized(cuda):
         return None
     kinds = kinds or torch_kinds()
     out: dict[str, Any] = {"devices": []}
@@ -408,7 +399,7 @@ def is_cuda_oom(error: BaseException | None) -> bool:
     kind = getattr(cuda, "OutOfMemoryError", None) if cuda is not None else None
     try:
         if isinstance(kind, type) and isinstance(error, kind):
-            return "CUDA" in str(error) or cuda_initialised(cuda)
+            return "CUDA" in str(error) or cuda_initialized(cuda)
     except Exception:
         pass
     return type(error).__name__ == "OutOfMemoryError" and "CUDA out of memory" in str(error)
@@ -438,7 +429,7 @@ def oom_facts(error: BaseException, device: int | None, cuda: Any = None) -> dic
         "peak_mib": None,
     }
     cuda = cuda if cuda is not None else cuda_module()
-    if device is not None and cuda_initialised(cuda):
+    if device is not None and cuda_initialized(cuda):
         try:
             s = cuda.memory_stats_as_nested_dict(device)
             facts["allocated_mib"] = _stat(s, "allocated_bytes", "current")

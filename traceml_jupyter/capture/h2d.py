@@ -20,7 +20,17 @@ from time import perf_counter_ns
 from types import FrameType
 from typing import Any
 
-from .cell_functions import is_cell_file
+from .copy_calls import (
+    CURRENT,
+    NOT_A_DEVICE,
+    cell_line,
+    cuda_index,
+    device_arg,
+    is_pinned,
+    nbytes_of,
+    non_blocking_of,
+    target_is_cpu,
+)
 from .cuda_graphs import capturing
 from .patches import patched
 from .step_tally import StepTally
@@ -29,109 +39,7 @@ from .step_tally import StepTally
 # copied asynchronously, i.e. non_blocking=True *and* from pinned memory (from pageable memory
 # CUDA makes the host wait, whatever non_blocking says).
 COPY_COLUMNS = ("h2d_ms", "h2d_bytes", "h2d_pinned_bytes", "h2d_async_bytes")
-FRAME_DEPTH = 16  # how far up the stack a copy or a sync is looked for in a notebook cell
-CURRENT = -1  # "the current CUDA device" (`.to("cuda")`, `.cuda()`)
 
-
-def cell_line(frame: FrameType | None, cell_filename: str | None) -> tuple[str, int]:
-    """Where in the notebook a call came from: the nearest frame of the traced cell, else of
-    any notebook cell (a function defined in another cell), else the immediate caller."""
-    first: tuple[str, int] | None = None
-    other_cell: tuple[str, int] | None = None
-    for _ in range(FRAME_DEPTH):
-        if frame is None:
-            break
-        filename = frame.f_code.co_filename
-        if first is None:
-            first = (filename, frame.f_lineno)
-        if filename == cell_filename:
-            return filename, frame.f_lineno
-        if other_cell is None and is_cell_file(filename):
-            other_cell = (filename, frame.f_lineno)
-        frame = frame.f_back
-    return other_cell or first or ("?", 0)
-
-
-def _device_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    device = kwargs.get("device")
-    if device is None and args:
-        device = args[0]
-    return device
-
-
-# Classes whose instances never name a device (dtypes, numbers): `.to(torch.float16)` is told
-# apart in one set lookup, the commonest call in a model (finding 16: the hooks' host cost).
-_NOT_A_DEVICE: set[type] = {bool, float, type(None)}
-
-
-def cuda_index(device: Any) -> int | None:
-    """The CUDA device a `.to(...)`/`.cuda(...)` target names: its index, CURRENT for "the
-    current device", None for the CPU, a dtype or anything else."""
-    kind = type(device)
-    if kind in _NOT_A_DEVICE:
-        return None
-    if kind is str:
-        if not device.startswith("cuda"):
-            return None
-        digits = device[5:]
-        return int(digits) if digits.isdigit() else CURRENT
-    if kind is int:
-        return int(device)  # `x.to(0)`: a CUDA device index
-    device_type = getattr(device, "type", None)
-    if isinstance(device_type, str):  # a torch.device
-        if device_type != "cuda":
-            return None
-        index = getattr(device, "index", None)
-        return CURRENT if index is None else int(index)
-    if getattr(device, "is_cuda", False):  # another tensor that lives on CUDA
-        where = getattr(device, "device", None)
-        found = cuda_index(where) if where is not None and where is not device else None
-        return CURRENT if found is None else found
-    if not any(hasattr(kind, name) for name in ("type", "is_cuda", "device")):
-        _NOT_A_DEVICE.add(kind)
-    return None
-
-
-def target_is_cuda(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether `Tensor.to(*args, **kwargs)` moves to a CUDA device: a device string, a
-    torch.device, a device index, or another tensor that lives on CUDA."""
-    return cuda_index(_device_arg(args, kwargs)) is not None
-
-
-def target_is_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether `Tensor.to(*args, **kwargs)` names the CPU (`.to("cpu")`, `torch.device("cpu")`)."""
-    device = _device_arg(args, kwargs)
-    kind = type(device)
-    if kind in _NOT_A_DEVICE:
-        return False
-    if kind is str:
-        return bool(device == "cpu" or device.startswith("cpu:"))
-    return getattr(device, "type", None) == "cpu"
-
-
-def non_blocking_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """`non_blocking` of a `.to(...)` or `.cuda(...)` call: the keyword, else the first
-    positional bool (`.to(device, dtype, non_blocking, copy)`, `.cuda(device, non_blocking)`)."""
-    if "non_blocking" in kwargs:
-        return bool(kwargs["non_blocking"])
-    for arg in args:
-        if isinstance(arg, bool):
-            return arg
-    return False
-
-
-def nbytes_of(tensor: Any) -> int:
-    try:
-        return int(tensor.nelement()) * int(tensor.element_size())
-    except Exception:
-        return 0
-
-
-def is_pinned(tensor: Any) -> bool:
-    try:
-        return bool(tensor.is_pinned())
-    except Exception:
-        return False
 
 
 class EventPool:
@@ -453,6 +361,61 @@ def copies_timed(
     to, cuda = tensor_type.to, tensor_type.cuda
     busy = inside if inside is not None else [0]
     get_ident = threading.get_ident
+    timed, waited = _copy_hooks(watch, to, busy, synced, clock, own)
+
+    not_a_device = NOT_A_DEVICE
+    torch = sys.modules.get("torch")
+    if torch is not None:  # dtypes and memory formats never name a device
+        not_a_device.update({type(torch.float32), type(torch.contiguous_format)})
+
+    def timed_to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if args and type(args[0]) in not_a_device and not kwargs:  # `.to(dtype)`: the commonest
+            return to(self, *args)
+        if watch.off is not None or get_ident() != watch.thread:
+            return to(self, *args, **kwargs)
+        if self.is_cuda:
+            if synced is None or not target_is_cpu(args, kwargs) or non_blocking_of(args, kwargs):
+                return to(self, *args, **kwargs)
+            step = watch.current_step()
+            if step is None or compiling():
+                return to(self, *args, **kwargs)
+            return waited(self, args, kwargs, step)
+        device = cuda_index(device_arg(args, kwargs))
+        if device is None:
+            return to(self, *args, **kwargs)
+        step = watch.current_step()
+        if step is None or compiling() or capturing(True):  # a copy into a CUDA graph runs at replay
+            return to(self, *args, **kwargs)
+        return timed(to, self, args, kwargs, step, device)
+
+    def timed_cuda(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if watch.off is not None or get_ident() != watch.thread or self.is_cuda:
+            return cuda(self, *args, **kwargs)
+        step = watch.current_step()
+        if step is None or compiling() or capturing(True):
+            return cuda(self, *args, **kwargs)
+        target = device_arg(args, kwargs)
+        device = CURRENT if target is None or isinstance(target, bool) else cuda_index(target)
+        if device is None and isinstance(target, str):  # `.cuda("0")` is not a device
+            return cuda(self, *args, **kwargs)
+        return timed(cuda, self, args, kwargs, step, CURRENT if device is None else device)
+
+    timed_to.__doc__, timed_cuda.__doc__ = to.__doc__, cuda.__doc__
+    waits, events = _stream_wait_hooks(watch, stream_type, event_type)
+    with patched(tensor_type, {"to": timed_to, "cuda": timed_cuda}), patched(stream_type, waits), patched(event_type, events):
+        yield
+
+
+def _copy_hooks(
+    watch: CopyWatch,
+    to: Callable[..., Any],
+    busy: list[int],
+    synced: Synced | None,
+    clock: Callable[[], int],
+    own: Callable[[int, int], None] | None,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """copies_timed's two timings: `timed` (a host-to-device copy, onto the watch) and `waited`
+    (`.to("cpu")` of a CUDA tensor, a sync)."""
 
     def timed(method: Callable[..., Any], self: Any, args: Any, kwargs: Any, step: int, device: int) -> Any:
         t_in = clock()
@@ -495,43 +458,15 @@ def copies_timed(
             busy[0] -= 1
             synced(step, "to(cpu)", ns, sys._getframe(2))
 
-    not_a_device = _NOT_A_DEVICE
-    torch = sys.modules.get("torch")
-    if torch is not None:  # dtypes and memory formats never name a device
-        not_a_device.update({type(torch.float32), type(torch.contiguous_format)})
+    return timed, waited
 
-    def timed_to(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if args and type(args[0]) in not_a_device and not kwargs:  # `.to(dtype)`: the commonest
-            return to(self, *args)
-        if watch.off is not None or get_ident() != watch.thread:
-            return to(self, *args, **kwargs)
-        if self.is_cuda:
-            if synced is None or not target_is_cpu(args, kwargs) or non_blocking_of(args, kwargs):
-                return to(self, *args, **kwargs)
-            step = watch.current_step()
-            if step is None or compiling():
-                return to(self, *args, **kwargs)
-            return waited(self, args, kwargs, step)
-        device = cuda_index(_device_arg(args, kwargs))
-        if device is None:
-            return to(self, *args, **kwargs)
-        step = watch.current_step()
-        if step is None or compiling() or capturing(True):  # a copy into a CUDA graph runs at replay
-            return to(self, *args, **kwargs)
-        return timed(to, self, args, kwargs, step, device)
 
-    def timed_cuda(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if watch.off is not None or get_ident() != watch.thread or self.is_cuda:
-            return cuda(self, *args, **kwargs)
-        step = watch.current_step()
-        if step is None or compiling() or capturing(True):
-            return cuda(self, *args, **kwargs)
-        target = _device_arg(args, kwargs)
-        device = CURRENT if target is None or isinstance(target, bool) else cuda_index(target)
-        if device is None and isinstance(target, str):  # `.cuda("0")` is not a device
-            return cuda(self, *args, **kwargs)
-        return timed(cuda, self, args, kwargs, step, CURRENT if device is None else device)
-
+def _stream_wait_hooks(
+    watch: CopyWatch, stream_type: Any, event_type: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """copies_timed's patches of `stream_type.wait_stream` and of `event_type.record`/`wait`:
+    they tell the watch when the loop's stream waits for a side stream's copies."""
+    get_ident = threading.get_ident
     wait_stream: Any = getattr(stream_type, "wait_stream", None)
     in_wait_stream = [False]  # torch's wait_stream is wait_event(stream.record_event()): seen once
 
@@ -575,11 +510,9 @@ def copies_timed(
                 watch.turn_off(exc)
         return event_wait(self, stream)
 
-    timed_to.__doc__, timed_cuda.__doc__ = to.__doc__, cuda.__doc__
     watched_wait_stream.__doc__ = getattr(wait_stream, "__doc__", None)
     watched_record.__doc__ = getattr(record, "__doc__", None)
     watched_wait.__doc__ = getattr(event_wait, "__doc__", None)
     waits = {"wait_stream": watched_wait_stream} if callable(wait_stream) else {}
     events = {"record": watched_record, "wait": watched_wait} if callable(record) and callable(event_wait) else {}
-    with patched(tensor_type, {"to": timed_to, "cuda": timed_cuda}), patched(stream_type, waits), patched(event_type, events):
-        yield
+    return waits, events

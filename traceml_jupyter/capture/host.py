@@ -175,6 +175,19 @@ class Worker:
 USS_KEPT = 64  # private-memory reads kept per worker (first and last always)
 
 
+def _keep_reading(worker: Worker, cpu: float, rss: float, run_s: float) -> None:
+    """A worker's running totals after one reading: CPU seconds since the last, when first and
+    last seen, its RSS now, first and at peak."""
+    if worker.cpu_last is not None:
+        worker.cpu_s += max(0.0, cpu - worker.cpu_last)
+    worker.cpu_last = cpu
+    worker.first_s = worker.first_s if worker.first_s is not None else run_s
+    worker.last_s = run_s
+    worker.rss_mib = [rss, rss, rss] if not worker.rss_mib else [
+        worker.rss_mib[0], rss, max(worker.rss_mib[2], rss)
+    ]
+
+
 def _keep_uss(reads: list[tuple[float, float]], new: tuple[float, float]) -> None:
     reads.append(new)
     if len(reads) > USS_KEPT:
@@ -308,7 +321,6 @@ class HostSampler:
     def sample_once(self, uss: bool = True, spaced: bool = True) -> None:
         """One sample of the process and its live workers; `uss`: read the workers' private
         memory when due (`spaced`: by the budget; else any not read in USS_MIN_PERIOD_S)."""
-        psutil = self._psutil
         now = self.clock()
         wall = time.time()
         run_s = (now - self.origin_ns) / 1e9
@@ -328,36 +340,15 @@ class HostSampler:
         for worker in self.workers.values():
             if worker.exited or worker.proc is None:
                 continue
-            try:
-                with worker.proc.oneshot():
-                    t = worker.proc.cpu_times()
-                    w_rss = worker.proc.memory_info().rss / MIB
-                    runnable = worker.proc.status() == psutil.STATUS_RUNNING
-                cpu = t.user + t.system
-                recent = bool(worker.uss) and run_s - worker.uss[-1][0] < USS_MIN_PERIOD_S
-                if (due and not (not spaced and recent)) or not worker.uss:
-                    began = time.perf_counter()
-                    value = worker.proc.memory_full_info().uss / MIB
-                    uss_cost += time.perf_counter() - began
-                    _keep_uss(worker.uss, (run_s, value))
-            except (psutil.NoSuchProcess, psutil.ZombieProcess):
-                self._gone(worker)  # its CPU moves to the reaped children's once joined
+            read = self._read_worker(worker, run_s, due, spaced)
+            if read is None:
                 continue
-            except psutil.AccessDenied:
-                self._gone(worker)
-                self._denied(worker.pid)
-                continue
+            cpu, w_rss, runnable, cost = read
+            uss_cost += cost
             live += 1
             running += runnable
             others += cpu
-            if worker.cpu_last is not None:
-                worker.cpu_s += max(0.0, cpu - worker.cpu_last)
-            worker.cpu_last = cpu
-            worker.first_s = worker.first_s if worker.first_s is not None else run_s
-            worker.last_s = run_s
-            worker.rss_mib = [w_rss, w_rss, w_rss] if not worker.rss_mib else [
-                worker.rss_mib[0], w_rss, max(worker.rss_mib[2], w_rss)
-            ]
+            _keep_reading(worker, cpu, w_rss, run_s)
             workers_rss += w_rss
             if worker.uss:
                 workers_uss += worker.uss[-1][1]
@@ -394,6 +385,33 @@ class HostSampler:
                 float(running),
             )
         )
+
+    def _read_worker(
+        self, worker: Worker, run_s: float, due: bool, spaced: bool
+    ) -> tuple[float, float, bool, float] | None:
+        """One live worker's CPU seconds, RSS (MiB), whether it runs, and the seconds its USS
+        read took (read when due, or never read yet); None when it is gone or unreadable."""
+        psutil = self._psutil
+        cost = 0.0
+        try:
+            with worker.proc.oneshot():
+                t = worker.proc.cpu_times()
+                w_rss = worker.proc.memory_info().rss / MIB
+                runnable = worker.proc.status() == psutil.STATUS_RUNNING
+            recent = bool(worker.uss) and run_s - worker.uss[-1][0] < USS_MIN_PERIOD_S
+            if (due and not (not spaced and recent)) or not worker.uss:
+                began = time.perf_counter()
+                value = worker.proc.memory_full_info().uss / MIB
+                cost = time.perf_counter() - began
+                _keep_uss(worker.uss, (run_s, value))
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            self._gone(worker)  # its CPU moves to the reaped children's once joined
+            return None
+        except psutil.AccessDenied:
+            self._gone(worker)
+            self._denied(worker.pid)
+            return None
+        return t.user + t.system, w_rss, bool(runnable), cost
 
     def _machine_busy(self) -> float | None:
         """CPU seconds every process has spent on our CPUs so far (None: not known)."""

@@ -407,7 +407,7 @@ def new_clock(statements: list[Statement], run: Any, warmup: int | None) -> Line
     """The wall clock, with CUDA events on sampled steps once the loop runs on a CUDA device
     (`run.cuda_device`, decided by the capture). Nothing of CUDA is touched before: a CPU loop
     never initialises it."""
-    from . import sync_stalls
+    from . import gpu_watch
 
     until = max(WARMUP_SNAPSHOTS, warmup or 0)
 
@@ -415,7 +415,7 @@ def new_clock(statements: list[Statement], run: Any, warmup: int | None) -> Line
         return getattr(run, "cuda_device", None) is not None
 
     def api() -> Any:
-        return sync_stalls.torch_cuda_api(getattr(run, "cuda_device", None))
+        return gpu_watch.torch_cuda_api(getattr(run, "cuda_device", None))
 
     def own(ns: int) -> None:
         watch = getattr(run, "gpu_watch", None)

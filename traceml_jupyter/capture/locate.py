@@ -85,19 +85,25 @@ def _steps_an_optimizer(loop: ForLoop) -> bool:
     return False
 
 
+def range_call(node: ast.expr) -> ast.Call | None:
+    """The `range(...)` or `trange(...)` call a loop iterates, also through tqdm() or
+    enumerate() (two wrappers at most); None when it iterates something else."""
+    for _ in range(3):
+        if not isinstance(node, ast.Call):
+            return None
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+        if name in ("range", "trange"):
+            return node
+        if name not in ("tqdm", "enumerate") or not node.args:
+            return None
+        node = node.args[0]
+    return None
+
+
 def is_range(loop: ForLoop) -> bool:
     """The loop counts steps: `range(...)`, `trange(...)`, or tqdm/enumerate of one."""
-    it: ast.expr = loop.iter
-    for _ in range(3):
-        if not isinstance(it, ast.Call):
-            return False
-        name = it.func.id if isinstance(it.func, ast.Name) else getattr(it.func, "attr", None)
-        if name in ("range", "trange"):
-            return True
-        if name not in ("tqdm", "enumerate") or not it.args:
-            return False
-        it = it.args[0]
-    return False
+    return range_call(loop.iter) is not None
 
 
 def _has_nested_for(loop: ForLoop) -> bool:
@@ -198,13 +204,3 @@ def called_names(tree: ast.AST) -> list[tuple[str, ...]]:
     return out
 
 
-def dataloader_lines(tree: ast.AST) -> list[int]:
-    """Lines that construct a DataLoader (`DataLoader(...)`, `data.DataLoader(...)`)."""
-    lines = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            if name == "DataLoader":
-                lines.append(node.lineno)
-    return sorted(set(lines))

@@ -7,7 +7,7 @@ import platform
 import sys
 from typing import Any
 
-from .cuda_clock import cuda_initialized
+from .cuda_state import cuda_initialized
 
 
 def cpu_model() -> str | None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .cuda_state import cuda_initialized, torch_cuda
 from .samples import SampleBuffer
 
 SAMPLE_PERIOD_S = 0.2  # at most 5 samples a second
@@ -48,20 +49,6 @@ def pci_bus_id(props: Any) -> str | None:
         return None
 
 
-def _torch_cuda() -> Any:
-    torch = sys.modules.get("torch")
-    return getattr(torch, "cuda", None) if torch is not None else None
-
-
-def cuda_initialised() -> bool:
-    """torch is imported and CUDA is initialised (no side effect, unlike is_available())."""
-    cuda = _torch_cuda()
-    try:
-        return cuda is not None and bool(cuda.is_initialized())
-    except Exception:
-        return False
-
-
 def cuda_available() -> bool:
     """torch is imported and built with CUDA (asks the build, never the driver: no CUDA init)."""
     torch = sys.modules.get("torch")
@@ -75,9 +62,9 @@ def cuda_device_of_loop(device: int | None = None) -> tuple[str, str | int, str 
     """How NVML finds the loop's GPU: ("pci", bus id, uuid), else ("index", NVML index honouring
     CUDA_VISIBLE_DEVICES, uuid), else None. `device`: the loop's CUDA device (None: torch's
     current device). None while CUDA is not initialised."""
-    if not cuda_initialised():
+    if not cuda_initialized():
         return None
-    cuda = _torch_cuda()
+    cuda = torch_cuda()
     try:
         index = int(cuda.current_device()) if device is None else int(device)
         props = cuda.get_device_properties(index)

@@ -27,10 +27,10 @@ from .cuda_clock import (
     allocation_counts,
     busiest_device,
     busy_devices,
-    cuda_initialized,
     current_device,
     torch_marks,
 )
+from .cuda_state import cuda_initialized
 from .dataloaders import note_site
 from .patches import patched
 from .probes import batch_size_of, type_name
@@ -743,7 +743,8 @@ class Capture:
 
     def _probe_waits(self) -> None:
         """While the loop's device is decided, its waits for the GPU look for queued work."""
-        from .sync_stalls import SYNC_METHODS, torch_cuda_api
+        from .gpu_watch import torch_cuda_api
+        from .syncs import SYNC_METHODS
 
         try:
             api = torch_cuda_api(None)

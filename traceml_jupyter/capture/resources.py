@@ -15,7 +15,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .gpu_memory import GpuMemory, cuda_initialised, held_before, is_cuda_oom, oom_facts, reads_peak
+from . import gpu_memory
+from .cuda_state import cuda_initialized
+from .gpu_memory import GpuMemory, held_before, is_cuda_oom, oom_facts, reads_peak
 from .host import HostSampler
 from .nvml import GpuSampler
 from .probes import user_namespace
@@ -40,7 +42,7 @@ class ResourceWatch:
         """On the cell's thread, before its code runs: what earlier cells hold (CUDA
         initialised only), the host sampler's thread, and the capture's hooks to the watches."""
         run, capture = self.run, self.capture
-        if cuda_initialised():
+        if cuda_initialized(gpu_memory.cuda_module()):
             try:
                 self.held = held_before(user_namespace())
             except Exception as exc:

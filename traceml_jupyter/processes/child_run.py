@@ -55,7 +55,7 @@ class ChildSender(ranks.Sender):
         super().__call__(run)
 
     def _put_steps(self, who: dict[str, Any], rows: Any) -> None:
-        feed = self.run.rank_feed
+        feed = self.run.rank_collector
         if rows is not None and isinstance(feed, ranks.LocalRank):  # for the gather of a job over nodes
             feed.add(rows)
         super()._put_steps(who, rows)
@@ -152,7 +152,7 @@ def record(tripwires: Tripwires, sock: Any) -> Recording:
     run._observers[:] = [sender]  # the live chart is the kernel's
     run._next_tick = 0
     capture.listen()
-    ranks._in_rank = True  # forks from here start no rank channel: one that trains connects itself
+    ranks.start_no_rank_channel()
     original_exit = sys.exit
 
     def exit(status: Any = None) -> Any:  # how the process says it ends
@@ -188,7 +188,7 @@ def gather_before_the_group_goes(run: Run) -> None:
     original = getattr(dist, "destroy_process_group", None)
     if original is None:
         return
-    run.rank_feed = ranks.LocalRank()
+    run.rank_collector = ranks.LocalRank()
     done: list[bool] = []
 
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:

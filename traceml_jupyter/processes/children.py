@@ -468,16 +468,16 @@ def followed(run: Run, tcp: bool = False, loop: str | None = None) -> Iterator[C
     collector: ChildCollector | None = None
     try:
         collector = ChildCollector(run, channel)
-        run.rank_feed = collector
-        ranks._collectors.append(collector)
+        run.rank_collector = collector
+        ranks.running.append(collector)
         collector.start()
         with child_environment(channel):
             yield collector
     finally:
         if collector is not None:
             collector.stop(0.0)  # adopted already (ranks.capture_ended); else nothing to wait for
-            if collector in ranks._collectors:
-                ranks._collectors.remove(collector)
+            if collector in ranks.running:
+                ranks.running.remove(collector)
         channel.close()
 
 

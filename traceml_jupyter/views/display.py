@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ..kernel.shell import ipython_shell
 from . import report_file  # noqa: F401  (Run.save writes .html through it)
-from .environment import ipython_shell
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -29,7 +29,7 @@ class ReportDisplay:
 def show_report(run: Run, view: Any = None) -> None:
     """Stop the live view (its chart stays, with the final data), evaluate the checklist once
     (it stays on the run: `run.checklist`) and show the report below the chart."""
-    from .code_facts import keep_checklist
+    from ..kernel.code_facts import keep_checklist
 
     if view is not None:
         try:

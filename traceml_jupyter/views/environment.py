@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Any, Literal
 
+from ..kernel.shell import ipython_shell
+
 LiveMode = Literal["widget", "html", "none"]
 LIVE_MODES: tuple[LiveMode, ...] = ("widget", "html", "none")
 
@@ -14,15 +16,6 @@ LIVE_MODES: tuple[LiveMode, ...] = ("widget", "html", "none")
 LIVE_ENV = "TRACEML_LIVE"
 
 _colab_widgets_enabled = False
-
-
-def ipython_shell() -> Any:
-    """The running IPython shell, or None (plain Python)."""
-    if "IPython" not in sys.modules:
-        return None
-    from IPython import get_ipython
-
-    return get_ipython()
 
 
 def in_colab() -> bool:

@@ -13,8 +13,9 @@ import numpy as np
 
 from ..analysis.checklist import Item
 from ..run import FILE_WRITERS
-from .live import LEGEND_HTML, Overview, svg_chart
-from .report import BORDER, FG, MUTED, SANS, SUBTLE, render_html
+from .live_svg import LEGEND_HTML, Overview, svg_chart
+from .report import render_html
+from .report_style import BORDER, FG, MUTED, SANS, SUBTLE
 
 if TYPE_CHECKING:
     from ..run import Run

@@ -79,7 +79,7 @@ def untouched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
     assert environ() == env, "os.environ changed"
     assert hook_dirs() == dirs, "a hook directory was left behind"
     assert sockets() <= socks, f"sockets left open: {sockets() - socks}"
-    assert not ranks._collectors, "a collector is still listening"
+    assert not ranks.running, "a collector is still listening"
     assert not [t for t in threading.enumerate() if t.name.startswith("traceml")]
     left = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes left running: {left}"
@@ -371,7 +371,7 @@ def test_the_stop_button_ends_the_child_as_without_the_magic(ip: Any, untouched:
     def press_stop() -> None:
         def stepped() -> bool:
             run = traceml_jupyter.last()
-            feed = getattr(run, "rank_feed", None)
+            feed = getattr(run, "rank_collector", None)
             return run is not before and feed is not None and any(s.recorder.n_steps for s in feed.streams)
 
         until(stepped, 60)
@@ -392,13 +392,13 @@ def test_the_stop_button_ends_the_child_as_without_the_magic(ip: Any, untouched:
 def test_a_child_that_outlives_its_cell_stops_reporting_cleanly(
     ip: Any, untouched: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ranks, "DRAIN_S", 0.3)
+    monkeypatch.setattr(ranks.collector, "DRAIN_S", 0.3)
     done = tmp_path / "done"
     source = (
         "%%traceml --no-live\n"
         "import subprocess, sys, time, traceml_jupyter\n"
         f"child = subprocess.Popen([sys.executable, {str(TRAIN)!r}, '--steps', '40', '--sleep-ms', '1', '--linger', '1', '--done', {str(done)!r}], stderr=subprocess.PIPE)\n"
-        "while not any(s.recorder.n_steps for s in traceml_jupyter.last().rank_feed.streams):\n"
+        "while not any(s.recorder.n_steps for s in traceml_jupyter.last().rank_collector.streams):\n"
         "    time.sleep(0.02)\n"
     )
     result, run, out = cell(ip, source)

@@ -1,7 +1,7 @@
-"""The findings of the GPU review (../shared/reviews/gpu-review.md), each shown on the stand-in
-GPU (tests/fake_gpu.py) where it can show without hardware: several devices and streams, event
-device affinity, elapsed_time on incomplete events, sticky CUDA errors, launch latency and a
-bounded launch queue, float32 event times, NVML's averaging window, MIG and shared GPUs.
+"""The GPU watches where CUDA is hard to get right, on the stand-in GPU (tests/fake_gpu.py):
+several devices and streams, event device affinity, elapsed_time on incomplete events, sticky
+CUDA errors, launch latency and a bounded launch queue, float32 event times, NVML's averaging
+window, MIG and shared GPUs (the cases of ../shared/reviews/gpu-review.md).
 
 The watch runs as the capture runs it: `loop_started(device)` once on the loop's thread, the
 step index from `run.current_step()`, `step_ended(t)` after each step. The step's own GPU
@@ -22,9 +22,9 @@ from fake_gpu import CudaError, FakeEvent, FakeGpu, FakeNvml, FakeTensor, HostCl
 from traceml_jupyter.analysis.summary import summarize
 from traceml_jupyter.analysis.verdict import diagnose
 from traceml_jupyter.capture import nvml as nvml_module
+from traceml_jupyter.capture.gpu_watch import GpuWatch, costliest_host_line
 from traceml_jupyter.capture.line_costs import CudaLineClock, Statement
 from traceml_jupyter.capture.nvml import GpuSampler, at_steps
-from traceml_jupyter.capture.sync_stalls import GpuWatch, costliest_host_line
 from traceml_jupyter.run import Run
 
 
@@ -102,10 +102,10 @@ def machine(clock: HostClock, **kw: Any) -> FakeGpu:
     return gpu
 
 
-# -- 2. events per device and per thread -------------------------------------------------------
+# -- events per device and per thread -------------------------------------------------------
 
 
-def test_2_a_dataparallel_replica_thread_copying_to_its_device_passes_through(fake_clock: HostClock) -> None:
+def test_a_dataparallel_replica_thread_copying_to_its_device_passes_through(fake_clock: HostClock) -> None:
     """A replica's forward runs in its own thread under `device(1)` and `stream(s1)` and moves a
     CPU tensor to its device (`torch.arange(T).to(x.device)`): never timed, never raises."""
     gpu = machine(fake_clock, devices=2)
@@ -127,7 +127,7 @@ def test_2_a_dataparallel_replica_thread_copying_to_its_device_passes_through(fa
     assert run.sync_stalls is not None and run.sync_stalls["calls"] == 0  # not the replicas' .item()
 
 
-def test_2_set_device_in_the_loop_times_each_copy_on_its_own_device(fake_clock: HostClock) -> None:
+def test_set_device_in_the_loop_times_each_copy_on_its_own_device(fake_clock: HostClock) -> None:
     """Model parallel: copies to cuda:0 then cuda:1 in the same steps. Pooled events are kept
     per device: no "Event device 0 does not match recording stream's device 1"."""
     gpu = machine(fake_clock, devices=2)
@@ -146,7 +146,7 @@ def test_2_set_device_in_the_loop_times_each_copy_on_its_own_device(fake_clock: 
     assert not any("not timed" in n for n in run.notes)
 
 
-def test_2_an_error_of_ours_turns_the_copy_watch_off_and_the_users_copy_still_runs(fake_clock: HostClock) -> None:
+def test_an_error_of_ours_turns_the_copy_watch_off_and_the_users_copy_still_runs(fake_clock: HostClock) -> None:
     gpu = machine(fake_clock)
     bench = Bench(gpu, "y = x.to('cuda')\nout.append(y.device)", names={"x": FakeTensor(1000), "out": []})
     bench.start().steps(2)
@@ -165,14 +165,14 @@ def test_2_an_error_of_ours_turns_the_copy_watch_off_and_the_users_copy_still_ru
     assert any("Copies to the GPU were not timed after an error: RuntimeError: CUDA driver hiccup" in n for n in run.notes)
 
 
-# -- 3. elapsed_time only on completed events; no error of ours replaces the user's -----------
+# -- elapsed_time only on completed events; no error of ours replaces the user's -----------
 
 
 def statements(n: int) -> list[Statement]:
     return [Statement(i, 10 + i, 10 + i, f"s{i}") for i in range(n)]
 
 
-def test_3_the_line_clock_reads_a_step_only_when_every_mark_is_done(fake_clock: HostClock) -> None:
+def test_the_line_clock_reads_a_step_only_when_every_mark_is_done(fake_clock: HostClock) -> None:
     """The body switches streams between statements (`set_stream`): the step's last mark is
     done long before its first ones; reading on the last alone would raise."""
     gpu = machine(fake_clock)
@@ -193,7 +193,7 @@ def test_3_the_line_clock_reads_a_step_only_when_every_mark_is_done(fake_clock: 
     assert gpu_ms is not None and gpu_ms[0][0] == pytest.approx(2 * 5.0)
 
 
-def test_3_a_sticky_cuda_error_in_the_body_leaves_the_users_own_error(fake_clock: HostClock) -> None:
+def test_a_sticky_cuda_error_in_the_body_leaves_the_users_own_error(fake_clock: HostClock) -> None:
     """After an illegal address in statement 0, the lap in its `finally` must not raise (it
     would replace the user's error in the traceback); the per-line GPU times turn off."""
     gpu = machine(fake_clock)
@@ -212,7 +212,7 @@ def test_3_a_sticky_cuda_error_in_the_body_leaves_the_users_own_error(fake_clock
     assert clock.gpu_ms() is None
 
 
-def test_3_a_sticky_error_mid_loop_never_raises_from_the_watch(fake_clock: HostClock) -> None:
+def test_a_sticky_error_mid_loop_never_raises_from_the_watch(fake_clock: HostClock) -> None:
     gpu = machine(fake_clock)
     bench = Bench(gpu, "y = x.to('cuda', non_blocking=True).work(1.0)", names={"x": FakeTensor(1000, pinned=True)})
     bench.start().steps(4)
@@ -230,10 +230,10 @@ def test_3_a_sticky_error_mid_loop_never_raises_from_the_watch(fake_clock: HostC
     assert FakeTensor.__dict__.get("to") is FakeTensor.__dict__["to"]
 
 
-# -- 4. the loop's device ---------------------------------------------------------------------
+# -- the loop's device ---------------------------------------------------------------------
 
 
-def test_4_a_loop_on_cuda_1_is_measured_on_cuda_1(fake_clock: HostClock) -> None:
+def test_a_loop_on_cuda_1_is_measured_on_cuda_1(fake_clock: HostClock) -> None:
     """Training on cuda:1 without set_device, while device 0 is idle (or busy with others)."""
     gpu = machine(fake_clock, devices=2)
     body = """
@@ -249,7 +249,7 @@ def test_4_a_loop_on_cuda_1_is_measured_on_cuda_1(fake_clock: HostClock) -> None
     assert run.verdict == "COMPUTE-BOUND"
 
 
-# -- 5. HOST-BOUND only with evidence ----------------------------------------------------------
+# -- HOST-BOUND only with evidence ----------------------------------------------------------
 
 
 GPU_BOUND_SYNCS = {
@@ -261,7 +261,7 @@ GPU_BOUND_SYNCS = {
 
 
 @pytest.mark.parametrize("sync", list(GPU_BOUND_SYNCS))
-def test_5_a_gpu_bound_loop_that_waits_in_a_sync_is_not_host_bound(fake_clock: HostClock, sync: str) -> None:
+def test_a_gpu_bound_loop_that_waits_in_a_sync_is_not_host_bound(fake_clock: HostClock, sync: str) -> None:
     """10 ms of GPU work and 0.3 ms of Python a step, then a wait for the GPU that sync debug
     mode does not always report. No NVML. The wait is timed: not HOST-BOUND."""
     gpu = machine(fake_clock)
@@ -278,7 +278,7 @@ def test_5_a_gpu_bound_loop_that_waits_in_a_sync_is_not_host_bound(fake_clock: H
     assert top["line"] == 4 and top["every_step"] and top["wait_ms_per_step"] > 9
 
 
-def test_5_an_untimed_sync_makes_the_host_time_unknown_not_host_bound(fake_clock: HostClock) -> None:
+def test_an_untimed_sync_makes_the_host_time_unknown_not_host_bound(fake_clock: HostClock) -> None:
     """`torch.nonzero` every step: only sync debug mode's warning shows it, without a time."""
     gpu = machine(fake_clock)
     body = """
@@ -292,7 +292,7 @@ def test_5_an_untimed_sync_makes_the_host_time_unknown_not_host_bound(fake_clock
     assert run.verdict == "MIXED" and "GPU busy is unknown" in run.verdict_detail.why
 
 
-def test_5_a_gpu_bound_loop_throttled_by_the_launch_queue_is_not_host_bound(fake_clock: HostClock) -> None:
+def test_a_gpu_bound_loop_throttled_by_the_launch_queue_is_not_host_bound(fake_clock: HostClock) -> None:
     """5 000 kernels of 20 µs a step (100 ms of GPU work); the launch queue holds 256 commands,
     so the host is blocked in launches and the backlog at step end is ~5 ms: 5 % of the step,
     under the 10 % gate, but a GPU waiting on the host has microseconds."""
@@ -309,7 +309,7 @@ def test_5_a_gpu_bound_loop_throttled_by_the_launch_queue_is_not_host_bound(fake
     assert run.verdict == "COMPUTE-BOUND"
 
 
-# -- 9. NVML ------------------------------------------------------------------------------------
+# -- NVML ------------------------------------------------------------------------------------
 
 
 def sampler_on(gpu: FakeGpu, nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch, device: int = 0) -> GpuSampler:
@@ -319,7 +319,7 @@ def sampler_on(gpu: FakeGpu, nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch, de
     return sampler
 
 
-def test_9_utilisation_is_averaged_over_a_window_and_stamped_at_its_middle(
+def test_utilisation_is_averaged_over_a_window_and_stamped_at_its_middle(
     fake_clock: HostClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gpu = machine(fake_clock)
@@ -336,7 +336,7 @@ def test_9_utilisation_is_averaged_over_a_window_and_stamped_at_its_middle(
     sampler.close()
 
 
-def test_9_steps_are_matched_with_samples_on_the_gpus_timeline(fake_clock: HostClock, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_steps_are_matched_with_samples_on_the_gpus_timeline(fake_clock: HostClock, monkeypatch: pytest.MonkeyPatch) -> None:
     """The host issues 100 steps of 8 ms in 20 ms; the GPU drains them for 800 ms at 100 %.
     On host time every step falls before the first busy sample; shifted by the backlog, each
     step meets the samples of its GPU time."""
@@ -353,11 +353,11 @@ def test_9_steps_are_matched_with_samples_on_the_gpus_timeline(fake_clock: HostC
     cols = run.columns()
     placed = at_steps(sampler.samples.columns(), cols["time_s"], cols["gpu_backlog_ms"])
     assert np.nanmedian(placed["gpu_util_pct"]) == 100.0
-    on_host = at_steps(sampler.samples.columns(), cols["time_s"])  # the old placement
+    on_host = at_steps(sampler.samples.columns(), cols["time_s"])  # placed on the host's timeline
     assert np.isnan(on_host["gpu_util_pct"]).all()  # too few samples inside the host span
 
 
-def test_9_too_few_samples_inside_the_loop_are_not_used(fake_clock: HostClock) -> None:
+def test_too_few_samples_inside_the_loop_are_not_used(fake_clock: HostClock) -> None:
     samples = {"time_s": np.array([0.0, 0.5, 1.0]), "gpu_util_pct": np.array([10.0, 20.0, 30.0]), "gpu_mem_used_mib": np.array([1.0, 1.0, 1.0])}
     inside = at_steps(samples, np.linspace(0.0, 1.0, 11))
     assert np.isfinite(inside["gpu_util_pct"]).all()
@@ -365,7 +365,7 @@ def test_9_too_few_samples_inside_the_loop_are_not_used(fake_clock: HostClock) -
     assert np.isnan(short["gpu_util_pct"]).all() and np.isfinite(short["gpu_mem_used_mib"]).all()
 
 
-def test_9_a_mig_slice_has_no_utilisation_and_its_own_memory(fake_clock: HostClock, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_mig_slice_has_no_utilisation_and_its_own_memory(fake_clock: HostClock, monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = machine(fake_clock)
     nvml = FakeNvml(gpu, mig=True)
     sampler = sampler_on(gpu, nvml, monkeypatch)
@@ -377,17 +377,17 @@ def test_9_a_mig_slice_has_no_utilisation_and_its_own_memory(fake_clock: HostClo
     sampler.close()
 
 
-def test_9_other_processes_on_the_gpu_are_noted(fake_clock: HostClock, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_other_processes_on_the_gpu_are_noted(fake_clock: HostClock, monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = machine(fake_clock)
     assert sampler_on(gpu, FakeNvml(gpu), monkeypatch).shared_note is None
     note = sampler_on(gpu, FakeNvml(gpu, others=2), monkeypatch).shared_note
     assert note is not None and "2 other process(es)" in note
 
 
-# -- 10. the loop's stream, not "the default stream" ------------------------------------------
+# -- the loop's stream, not "the default stream" ------------------------------------------
 
 
-def test_10_a_loop_on_a_non_default_stream_counts_its_copies_and_its_backlog(fake_clock: HostClock) -> None:
+def test_a_loop_on_a_non_default_stream_counts_its_copies_and_its_backlog(fake_clock: HostClock) -> None:
     """`with torch.cuda.stream(s):` around the whole loop: the copies run serially with the
     compute on s (step time: H2D-BOUND can fire) and the probes see s's queue."""
     gpu = machine(fake_clock)
@@ -426,7 +426,7 @@ def prefetched(clock: HostClock, batch_bytes: int, work_ms: float, steps: int) -
     return Bench(gpu, body, names=names).start().steps(steps).close()
 
 
-def test_10_a_prefetch_on_a_side_stream_is_not_step_time(fake_clock: HostClock) -> None:
+def test_a_prefetch_on_a_side_stream_is_not_step_time(fake_clock: HostClock) -> None:
     """1 ms copies behind 5 ms steps: the loop's stream finds each copy done when it waits."""
     run = prefetched(fake_clock, 10_000_000, 5.0, 20)
     site = run.h2d["sites"][0]
@@ -435,14 +435,14 @@ def test_10_a_prefetch_on_a_side_stream_is_not_step_time(fake_clock: HostClock) 
     assert run.summary["h2d_ms"] == 0.0 and run.verdict != "H2D-BOUND"
 
 
-def test_10_a_prefetch_longer_than_the_step_counts_what_it_does_not_hide(fake_clock: HostClock) -> None:
+def test_a_prefetch_longer_than_the_step_counts_what_it_does_not_hide(fake_clock: HostClock) -> None:
     """3 ms copies behind 1 ms steps: each step waits 2 ms for its batch."""
     run = prefetched(fake_clock, 30_000_000, 1.0, 30)
     assert run.summary["h2d_ms"] == pytest.approx(2.0, abs=0.01)
     assert run.verdict == "H2D-BOUND"
 
 
-def test_10b_a_side_stream_copy_waited_for_at_once_is_step_time(fake_clock: HostClock) -> None:
+def test_a_side_stream_copy_waited_for_at_once_is_step_time(fake_clock: HostClock) -> None:
     """A copy on a side stream followed at once by wait_stream (a naive "overlap"), in a loop
     whose host waits for each step (loss.item()): nothing runs beside the copy, which takes
     its whole time out of the step as a copy on the loop's stream would."""
@@ -465,7 +465,7 @@ def test_10b_a_side_stream_copy_waited_for_at_once_is_step_time(fake_clock: Host
     assert "on line 3 runs on a side stream, but the loop's stream waits for it" in v.why
 
 
-def test_10b_the_wait_for_a_side_stream_is_harmless_after_the_cell(fake_clock: HostClock) -> None:
+def test_the_wait_for_a_side_stream_is_harmless_after_the_cell(fake_clock: HostClock) -> None:
     gpu = machine(fake_clock)
     side = gpu.new_stream(0)
     stream_type = gpu.module.Stream
@@ -477,10 +477,10 @@ def test_10b_the_wait_for_a_side_stream_is_harmless_after_the_cell(fake_clock: H
     gpu.current_stream(0).wait_stream(side)  # still works
 
 
-# -- 11. pageable non_blocking copies make the host wait ----------------------------------------
+# -- pageable non_blocking copies make the host wait ----------------------------------------
 
 
-def test_11_pageable_non_blocking_is_a_timed_wait_not_an_async_copy(fake_clock: HostClock) -> None:
+def test_pageable_non_blocking_is_a_timed_wait_not_an_async_copy(fake_clock: HostClock) -> None:
     gpu = machine(fake_clock)
     body = """
     y = big.work(6.0)
@@ -498,10 +498,10 @@ def test_11_pageable_non_blocking_is_a_timed_wait_not_an_async_copy(fake_clock: 
     assert v.label == "H2D-BOUND" and "non_blocking=True without pinned memory is synchronous on line 3" in v.why
 
 
-# -- 12. syncs: one when the loop starts on the GPU, none per step, one at the end -------------
+# -- syncs: one when the loop starts on the GPU, none per step, one at the end -------------
 
 
-def test_12_no_synchronize_on_the_per_step_path(fake_clock: HostClock, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_synchronize_on_the_per_step_path(fake_clock: HostClock, monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = machine(fake_clock)
     calls: list[str] = []
     original = gpu.synchronize
@@ -521,10 +521,10 @@ def test_12_no_synchronize_on_the_per_step_path(fake_clock: HostClock, monkeypat
     assert calls == ["synchronize", "synchronize"]
 
 
-# -- 14. copies on two streams are all read at the end ----------------------------------------
+# -- copies on two streams are all read at the end ----------------------------------------
 
 
-def test_14_a_slow_side_stream_copy_at_the_head_does_not_hide_the_others(fake_clock: HostClock) -> None:
+def test_a_slow_side_stream_copy_at_the_head_does_not_hide_the_others(fake_clock: HostClock) -> None:
     gpu = machine(fake_clock)
     side = gpu.new_stream(0)
     body = """
@@ -542,10 +542,10 @@ def test_14_a_slow_side_stream_copy_at_the_head_does_not_hide_the_others(fake_cl
         assert site["timed"] == site["copies"], site
 
 
-# -- 15. backlog precision in long runs ------------------------------------------------------
+# -- backlog precision in long runs ------------------------------------------------------
 
 
-def test_15_the_backlog_stays_precise_after_hours_of_float32_event_times(fake_clock: HostClock) -> None:
+def test_the_backlog_stays_precise_after_hours_of_float32_event_times(fake_clock: HostClock) -> None:
     """Steps of 20 s for 3 hours on a GPU that keeps up (true backlog ~0). One float32
     elapsed_time from the loop's start has a resolution of ~1 ms by then; chained probes keep
     the backlog within a few µs."""
@@ -553,15 +553,15 @@ def test_15_the_backlog_stays_precise_after_hours_of_float32_event_times(fake_cl
     run = Bench(gpu, "y = gpu.launch(1.0)\ngpu.clock.sleep(20e9)").start().steps(540).close()
     backlog = run.steps["gpu_backlog_ms"]
     assert np.nanmax(backlog) < 0.01
-    # The old reading (one float32 span from the anchor) could not tell 1 ms apart by then.
+    # One float32 span from the anchor could not tell 1 ms apart by then.
     assert np.spacing(np.float32(540 * 20_000.0)) >= 1.0
 
 
-# -- 17. no CUDA event outlives the cell -------------------------------------------------------
+# -- no CUDA event outlives the cell -------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_17_no_event_is_kept_after_the_cell(fake_clock: HostClock) -> None:
+def test_no_event_is_kept_after_the_cell(fake_clock: HostClock) -> None:
     gpu = machine(fake_clock)
     body = "y = x.to('cuda', non_blocking=True).work(1.0)\nv = y.item()"
     run = Bench(gpu, body, names={"x": FakeTensor(1000, pinned=True)}).start().steps(50).close()
@@ -572,10 +572,10 @@ def test_17_no_event_is_kept_after_the_cell(fake_clock: HostClock) -> None:
     assert run.steps["gpu_backlog_ms"] is not None  # the columns stay readable
 
 
-# -- 6 / 8 / 20: what the verdict says -----------------------------------------------------------
+# -- what the verdict says -----------------------------------------------------------
 
 
-def test_6_host_bound_names_the_costliest_host_line() -> None:
+def test_host_bound_names_the_costliest_host_line() -> None:
     from test_host_bound import gpu_columns
 
     costs = {"statements": [{"line": 3, "text": "xb, yb = get_batch('train')", "ms_per_step": 7.0, "share": 0.7}, {"line": 4, "text": "loss = model(xb)", "ms_per_step": 1.0, "share": 0.1}]}
@@ -587,7 +587,7 @@ def test_6_host_bound_names_the_costliest_host_line() -> None:
     assert "starved by input" in v.why
 
 
-def test_20_h2d_advice_says_what_pinning_leaves_and_how_to_overlap() -> None:
+def test_h2d_advice_says_what_pinning_leaves_and_how_to_overlap() -> None:
     from test_host_bound import gpu_columns
 
     s = summarize(gpu_columns(30, h2d_ms=4.0, h2d_bytes=20e6, h2d_pinned_bytes=0.0, h2d_async_bytes=0.0, gpu_backlog_ms=5.0), 30, 0, True)
@@ -630,16 +630,9 @@ def test_the_stand_in_models_launch_latency_and_a_bounded_queue(fake_clock: Host
     assert fake_clock() - before > 0 and gpu.host_blocked_ns > 0
 
 
-def test_11_the_checklist_says_non_blocking_from_pageable_memory_is_synchronous() -> None:
-    from traceml_jupyter.analysis.checklist import (
-        FIX,
-        OK,
-        CodeSite,
-        CopySeen,
-        Facts,
-        Transfer,
-        non_blocking_item,
-    )
+def test_the_checklist_says_non_blocking_from_pageable_memory_is_synchronous() -> None:
+    from traceml_jupyter.analysis.cell_code import CodeSite, Transfer
+    from traceml_jupyter.analysis.checklist import FIX, OK, CopySeen, Facts, non_blocking_item
 
     site = CodeSite(3)
     transfers = (Transfer(site, 'x.to("cuda", non_blocking=True)', True),)
@@ -654,10 +647,10 @@ def test_11_the_checklist_says_non_blocking_from_pageable_memory_is_synchronous(
     assert pinned.status == OK
 
 
-# -- 13. copies and syncs stay on their own step ------------------------------------------------
+# -- copies and syncs stay on their own step ------------------------------------------------
 
 
-def test_13_merged_micro_steps_carry_their_copies_into_the_one_step(fake_clock: HostClock) -> None:
+def test_merged_micro_steps_carry_their_copies_into_the_one_step(fake_clock: HostClock) -> None:
     """Gradient accumulation: the capture first closes a step per iteration, then, at the first
     optimizer step, merges them into one step. The watch's sums follow."""
     gpu = machine(fake_clock)

@@ -1,7 +1,7 @@
-"""What the GPU path could not see before the double review (../shared/reviews/gpu-double-review.md,
-ways 2, 4 and 5), on the stand-in GPU: a GPU loop the allocator's counts do not show, waits
-nobody reports, a `wait_event` prefetcher, and traceml's own host time. First the stand-in's
-new behaviours, each against the rule it models (tests/fake_gpu.py cites the documentation)."""
+"""What the GPU path sees that is easy to miss, on the stand-in GPU: a GPU loop the allocator's
+counts do not show, waits nobody reports, a `wait_event` prefetcher, and traceml's own host time
+(cases 2, 4 and 5 of ../shared/reviews/gpu-double-review.md). First the stand-in's behaviours
+that these need, each against the rule it models (tests/fake_gpu.py cites the documentation)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from helpers import traced as traced_with
 from stand_in_cells import machine
 
 from traceml_jupyter.capture import hidden_waits
-from traceml_jupyter.capture.sync_stalls import SYNC_MESSAGE
+from traceml_jupyter.capture.syncs import SYNC_MESSAGE
 
 # -- the stand-in, closer to CUDA ------------------------------------------------------------
 
@@ -189,7 +189,7 @@ def test_cuda_launch_blocking_withholds_all_syncs_seen_and_host_bound(ip: Any, g
     run = traced(ip, GPU_BOUND)
     s = run.summary
     assert run.clock == "gpu" and s["gpu_backlog_ms"] == pytest.approx(0.0, abs=0.3)
-    assert s["host_issue_ms"] > 0.5 * s["step_ms"]  # what made the old rule say HOST-BOUND
+    assert s["host_issue_ms"] > 0.5 * s["step_ms"]  # host time alone would say HOST-BOUND
     assert not s["syncs_all_seen"] and "CUDA_LAUNCH_BLOCKING=1" in s["syncs_hidden"][0]
     assert run.verdict != "HOST-BOUND"
     assert "CUDA_LAUNCH_BLOCKING=1" in run.verdict_detail.why

@@ -129,7 +129,7 @@ def left_open(before: dict[str, str]) -> dict[str, str]:
 def no_leaks() -> Iterator[None]:
     before = open_fds()
     yield
-    assert not ranks._collectors, "a collector is still running"
+    assert not ranks.running, "a collector is still running"
     assert not [t for t in threading.enumerate() if t.name.startswith("traceml")]
     assert not mp.active_children()
     sockets = {fd: what for fd, what in left_open(before).items() if what.startswith("socket:")}
@@ -164,7 +164,7 @@ def test_ranks_with_different_step_counts_are_said(no_leaks: None) -> None:
 def test_a_rank_still_running_when_the_cell_ends_is_a_note(
     no_leaks: None, monkeypatch: pytest.MonkeyPatch, interrupted: bool
 ) -> None:
-    monkeypatch.setattr(ranks, "DRAIN_S", 0.5)
+    monkeypatch.setattr(ranks.collector, "DRAIN_S", 0.5)
     run = Run("lingering")
     ctx = mp.get_context("fork")
     # 40 steps of 20 ms: some go at the rank's ticks; then it lingers for 30 s
@@ -175,7 +175,7 @@ def test_a_rank_still_running_when_the_cell_ends_is_a_note(
                 proc.start()
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline:  # the rank has sent steps (at its ticks)
-                    feed = run.rank_feed
+                    feed = run.rank_collector
                     if feed is not None and any(s.recorder.n_steps for s in feed.streams):
                         break
                     time.sleep(0.05)
@@ -203,7 +203,7 @@ def test_dataloader_workers_are_not_ranks(no_leaks: None) -> None:
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
     run.finish()
-    assert run.rank_feed is None and run.ranks is None
+    assert run.rank_collector is None and run.ranks is None
     assert run.n_steps == 4
 
 
@@ -231,7 +231,7 @@ def test_accelerate_notebook_launcher_forks_ranks_too() -> None:
         accelerate.notebook_launcher(accelerate_training, num_processes=2, use_port=str(free_port()))
     run.finish()
     assert [(r["rank"], r["n_steps"], r["status"]) for r in run.ranks or []] == [(0, 5, "finished"), (1, 5, "finished")]
-    assert not ranks._collectors and not mp.active_children()
+    assert not ranks.running and not mp.active_children()
 
 
 @pytest.mark.slow
@@ -280,7 +280,7 @@ print(json.dumps({
              for r in traceml_jupyter.runs()},
     "threads": [t.name for t in threading.enumerate() if t.name.startswith("traceml")],
     "children": [p.pid for p in mp.active_children()],
-    "collectors": len(traceml_jupyter.ranks._collectors),
+    "collectors": len(traceml_jupyter.ranks.running),
 }))"""
 
 

@@ -358,12 +358,12 @@ def test_one_usable_cpus_for_every_caller() -> None:
 
     from traceml_jupyter import demo
     from traceml_jupyter.capture import host as host_module
-    from traceml_jupyter.views import code_facts
+    from traceml_jupyter.kernel import code_facts
 
     one = host_module.usable_cpus
-    for name in ("traceml_jupyter.run", "traceml_jupyter.tune"):  # modules (the package's
-        assert sys.modules[name].usable_cpus is one  # `tune` is the function)
-    assert demo.usable_cpus is one and code_facts.cpu_count is one
+    for name in ("traceml_jupyter.run", "traceml_jupyter.tuning.sweep"):
+        assert sys.modules[name].usable_cpus is one
+    assert demo.usable_cpus is one and code_facts.usable_cpus is one
 
 
 def test_a_datasets_python_objects_are_named() -> None:
@@ -390,7 +390,7 @@ def test_the_live_header_reads_what_capture_sampled() -> None:
 
     from traceml_jupyter.capture.resources import ResourceWatch
     from traceml_jupyter.run import _RUNS, Run
-    from traceml_jupyter.views.live import resources_text
+    from traceml_jupyter.views.live_header import resources_text
 
     run = Run("header")
     try:

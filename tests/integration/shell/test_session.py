@@ -14,14 +14,15 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
-from traceml_jupyter.analysis.checklist import (
+from traceml_jupyter.analysis.cell_code import (
     assigned_line,
+    dataloader_lines,
     dataloader_sites,
     parse_cell,
     sample_code_in,
 )
-from traceml_jupyter.capture.locate import dataloader_lines
-from traceml_jupyter.views import code_facts, environment, live
+from traceml_jupyter.kernel import cells
+from traceml_jupyter.views import environment, live
 
 SETUP = """\
 import torch
@@ -49,17 +50,17 @@ WITH_MAGIC = "%time total = sum(range(10))"
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
     """How many times the report parsed each cell's text (nothing read before the test)."""
-    code_facts.forget_cells()
+    cells.forget_cells()
     counts: Counter[str] = Counter()
-    real = code_facts.read_cell
+    real = cells.read_cell
 
     def counting(text: str, transform: Any = None) -> ast.Module | None:
         counts[text] += 1
         return real(text, transform)
 
-    monkeypatch.setattr(code_facts, "read_cell", counting)
+    monkeypatch.setattr(cells, "read_cell", counting)
     yield counts
-    code_facts.forget_cells()
+    cells.forget_cells()
 
 
 def run(ip: Any, cell: str) -> tuple[int, Any, str]:
@@ -97,11 +98,11 @@ def test_a_report_reads_new_cells_for_at_most_its_budget_and_the_next_one_goes_o
     ip: Any, reads: Counter[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     setup, _, _ = run(ip, SETUP)
-    monkeypatch.setattr(code_facts, "SEARCH_BUDGET_S", 0.0)  # no time at all to read new cells
+    monkeypatch.setattr(cells, "SEARCH_BUDGET_S", 0.0)  # no time at all to read new cells
     _, result, html = run(ip, "%%traceml --no-live\n" + TRAIN)
     assert result.error_in_exec is None and "Step Time:" in html  # the report still shows
     assert reads[SETUP] == 0 and "DataLoader in In [" not in html
-    monkeypatch.setattr(code_facts, "SEARCH_BUDGET_S", 0.02)
+    monkeypatch.setattr(cells, "SEARCH_BUDGET_S", 0.02)
     _, _, html = run(ip, "%%traceml --no-live\n" + TRAIN)
     assert reads[SETUP] == 1 and f"DataLoader in In [{setup}]" in html
 
@@ -140,7 +141,7 @@ def train():
 """
     tree = parse_cell(cell)
     assert tree is not None
-    facts = code_facts.cell_facts(tree, "In [7]")
+    facts = cells.cell_facts(tree, "In [7]")
     assert list(facts.loader_sites) == dataloader_sites(tree)
     assert list(facts.loader_lines) == dataloader_lines(tree)
     for name in ("train_loader", "val_loader", "loaders", "n", "size", "data", "missing"):

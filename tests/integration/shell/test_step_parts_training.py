@@ -345,7 +345,7 @@ def start_up_waits(truth: Truth, key: Any) -> list[float]:
 
 
 def test_epochs_whose_workers_restart_report_their_start_up_and_persistent_ones_do_not(shell: Any) -> None:
-    from traceml_jupyter.views.code_facts import checklist_for
+    from traceml_jupyter.kernel.code_facts import checklist_for
 
     run(shell, EPOCHS.format(persistent=False))
     # Timed by hand in the traced run itself (under the capture's own wrappers): each worker

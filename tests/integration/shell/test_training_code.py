@@ -295,7 +295,7 @@ def test_zip_of_a_slow_and_a_fast_loader_reads_the_slow_one(shell: Any) -> None:
     assert got.n_steps == 16
     assert got.loader_name == "slow_loader" and got.loader_info["batch_size"] == 8
     assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
-    from traceml_jupyter.views.code_facts import checklist_for
+    from traceml_jupyter.kernel.code_facts import checklist_for
 
     workers = {item["key"]: item for item in checklist_for(got)}["num_workers"]
     assert workers["status"] == "fix"  # the slow loader needs workers

@@ -11,7 +11,6 @@ needs no pickling. Sleeps cost no CPU, so the numbers hold on a busy 2-core mach
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 import time
@@ -37,10 +36,8 @@ from traceml_jupyter.analysis.tune_plan import (
     choose,
     code_line,
     conclude,
-    loader_expression,
     model_cpu,
     optimistic_note,
-    parse_workers,
     predicted_step_ms,
     required_rate,
     split_sentence,
@@ -48,10 +45,16 @@ from traceml_jupyter.analysis.tune_plan import (
     with_pace_figures,
     worker_counts,
 )
-from traceml_jupyter.tune import batch_length, one_line, paced, steady_rate, workers_cpu_s
-
-# The module (the package's `tune` attribute is the function).
-tune_module = importlib.import_module("traceml_jupyter.tune")
+from traceml_jupyter.magic import loader_expression, parse_workers
+from traceml_jupyter.tuning import progress as tune_progress
+from traceml_jupyter.tuning.measure import (
+    Paced,
+    batch_length,
+    one_line,
+    paced,
+    steady_rate,
+    workers_cpu_s,
+)
 
 SETUP = '''
 import os, time, torch
@@ -398,11 +401,11 @@ def test_what_is_not_a_dataloader_gets_one_clear_line(shell: Any) -> None:
     r = run(shell, "%traceml tune plain")
     assert type(r.error_in_exec).__name__ == "UsageError"
     assert "tune needs a torch DataLoader; plain is a list" in str(r.error_in_exec)
-    with pytest.raises(tune_module.TuneError, match="tune needs a torch DataLoader"):
+    with pytest.raises(traceml_jupyter.tuning.TuneError, match="tune needs a torch DataLoader"):
         traceml_jupyter.tune([1, 2, 3])
     r = run(shell, "%traceml tune no_such_name")
     assert "no_such_name: NameError" in str(r.error_in_exec)
-    with pytest.raises(tune_module.TuneError, match="workers must be counts"):
+    with pytest.raises(traceml_jupyter.tuning.TuneError, match="workers must be counts"):
         traceml_jupyter.tune([1, 2, 3], workers=[-1])
     r = run(shell, "%traceml tune plain --workers two")
     assert "--workers takes counts" in str(r.error_in_exec)
@@ -416,13 +419,13 @@ def test_the_live_view_is_a_bar_chart_with_the_models_rate(
 ) -> None:
     views: list[Any] = []
 
-    class Recorded(tune_module.WidgetView):
+    class Recorded(tune_progress.WidgetView):
         def __init__(self) -> None:
             super().__init__()
             views.append(self)
 
     monkeypatch.setenv("TRACEML_LIVE", "widget")
-    monkeypatch.setattr(tune_module, "WidgetView", Recorded)
+    monkeypatch.setattr(tune_progress, "WidgetView", Recorded)
     run(shell, "charted = DataLoader(Sleepy(100, 2), batch_size=2)")
     r = run(shell, "tuned = traceml_jupyter.tune(charted, budget=2, compute_ms=5, workers=[0, 1])")
     assert r.error_in_exec is None, r.shown
@@ -724,7 +727,7 @@ def test_at_the_models_pace_taking_batches_and_the_slowed_compute_are_timed() ->
     # run's 4 ms, about 1 (more when the cores are crowded).
     burnt = paced(Ready(), 0.004, 0.5, time.perf_counter() + 5, reference_s=0.004, most=30)
     assert burnt.compute_ratio is not None and burnt.compute_ratio >= 0.95
-    assert paced(Ready(), 0.05, 0.0, time.perf_counter() + 0.5) == tune_module.Paced(None, None)
+    assert paced(Ready(), 0.05, 0.0, time.perf_counter() + 0.5) == Paced(None, None)
 
     class Worker:
         pid = os.getpid()

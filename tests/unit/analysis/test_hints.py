@@ -12,7 +12,8 @@ from helpers import run
 from synthetic import step_columns
 
 import traceml_jupyter
-from traceml_jupyter.analysis.checklist import Facts, per_sample_item, sample_code_in
+from traceml_jupyter.analysis.cell_code import sample_code_in
+from traceml_jupyter.analysis.checklist import Facts, per_sample_item
 from traceml_jupyter.analysis.summary import summarize
 from traceml_jupyter.analysis.verdict import diagnose
 

@@ -17,7 +17,7 @@ from traceml_jupyter.analysis.rank_verdict import (
     with_ranks,
 )
 from traceml_jupyter.analysis.summary import summarize
-from traceml_jupyter.analysis.textbox import rank_table
+from traceml_jupyter.analysis.verdict_box import rank_table
 
 
 def rank(r: int, wait: float, compute: float, backward: float | None, step: float | None = None, n: int = 40, **more: Any) -> dict[str, Any]:

@@ -193,7 +193,7 @@ def rank_row(r: int, compute: float, backward: float, forward: float, optimizer:
 
 def test_a_compute_straggler_is_split_into_its_parts_and_the_rank_table_shows_them() -> None:
     from traceml_jupyter.analysis.rank_verdict import compare_ranks, straggler_sentence
-    from traceml_jupyter.analysis.textbox import rank_table
+    from traceml_jupyter.analysis.verdict_box import rank_table
 
     # Rank 1's forward is 10 ms slower: it arrives late at the all-reduce; the others wait there.
     ranks = [rank_row(0, 30.0, 20.0, 6.0, 2.0, 1.5), rank_row(1, 30.0, 9.0, 16.5, 2.2, 1.8)]

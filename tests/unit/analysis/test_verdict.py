@@ -7,8 +7,8 @@ import pytest
 from synthetic import step_columns
 
 from traceml_jupyter.analysis.summary import auto_warmup, straggler_share, summarize
-from traceml_jupyter.analysis.textbox import verdict_box
 from traceml_jupyter.analysis.verdict import diagnose
+from traceml_jupyter.analysis.verdict_box import verdict_box
 
 columns = step_columns
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from traceml_jupyter.analysis.cell_code import dataloader_lines
 from traceml_jupyter.capture.hooks import FETCH
 from traceml_jupyter.capture.locate import (
     called_names,
-    dataloader_lines,
     find_innermost_loop,
     find_training_loop,
     loop_at_line,

@@ -253,7 +253,7 @@ def test_the_store_keeps_a_bounded_uniform_history_of_sampled_steps(monkeypatch:
 
 
 def test_a_forked_ranks_steps_carry_their_parts_to_the_kernel() -> None:
-    """ranks.py's wire format: forward, optimizer and the rest of sampled steps (NaN elsewhere)
+    """ranks/wire.py's format: forward, optimizer and the rest of sampled steps (NaN elsewhere)
     travel with each rank's steps; the kernel keeps their medians per rank and shows them."""
     from traceml_jupyter import ranks
 

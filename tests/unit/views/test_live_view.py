@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from IPython.utils.capture import capture_output
 
-from traceml_jupyter.views import environment, live
+from traceml_jupyter.views import environment, live, live_header, live_svg, loop_passes
 from traceml_jupyter.views.live import WIDGET_VIEW
 
 Message = tuple[str, str, dict[str, Any], list[Any]]
@@ -164,8 +164,8 @@ def test_the_final_refresh_carries_the_last_step(
     main_bars = recording.comm_ids("BarsModel")[0]
     last_window = [m for m in recording.updates("BarsModel") if m[0] == main_bars][-1]
     x, y = array(last_window, "x"), array(last_window, "y")
-    assert x[-1] == n and len(x) == min(n, live.WINDOW)
-    assert y.shape == (len(live.WINDOW_ROWS), len(x))  # data wait, forward, backward, optimizer, the rest
+    assert x[-1] == n and len(x) == min(n, live_svg.WINDOW)
+    assert y.shape == (len(live_svg.WINDOW_ROWS), len(x))  # data wait, forward, backward, optimizer, the rest
     assert np.all(y[1:].sum(axis=0) >= 4.0)  # compute: the 5 ms sleep of each step
     overview = [m for m in recording.updates("BarsModel") if m[0] != main_bars][-1]
     centre = array(overview, "x")
@@ -404,7 +404,7 @@ def test_a_refresh_reads_only_the_window_however_long_the_run(
         view = live.LiveView(run, chart)
         view.refresh(run)  # the first refresh draws the header
         view.refresh(run)  # the second the bars
-        assert chart.windows == [live.WINDOW]
+        assert chart.windows == [live_svg.WINDOW]
         assert "step 200,000" in chart._header
         assert view.overview.count.sum() == 200_000
     finally:
@@ -462,17 +462,17 @@ def test_gpu_figures_sampled_by_the_capture_reach_the_header_and_the_run(monkeyp
 
 def test_passes_are_read_off_the_loops_around_the_step_loop() -> None:
     cell = "%%traceml\nfor epoch in range(1, EPOCHS + 1):\n    for x in loader:\n        pass\n"
-    loops = live.loops_around(cell, 3)
-    assert live.passes_of(loops, {"EPOCHS": 3}) == 3
-    assert live.passes_of(loops, {}) is None
-    assert live.passes_of(live.loops_around(cell, 2), {}) == 1
+    loops = loop_passes.loops_around(cell, 3)
+    assert loop_passes.passes_of(loops, {"EPOCHS": 3}) == 3
+    assert loop_passes.passes_of(loops, {}) is None
+    assert loop_passes.passes_of(loop_passes.loops_around(cell, 2), {}) == 1
     nested = "%%traceml\nfor a in tqdm(range(2)):\n    for b in range(3):\n        for x in dl:\n            pass\n"
-    assert live.passes_of(live.loops_around(nested, 4), {}) == 6
+    assert loop_passes.passes_of(loop_passes.loops_around(nested, 4), {}) == 6
     looped = "%%traceml\nwhile True:\n    for x in loader:\n        break\n    break\n"
-    assert live.loops_around(looped, 3) is None
+    assert loop_passes.loops_around(looped, 3) is None
     in_def = "%%traceml\ndef train():\n    for x in loader:\n        pass\ntrain()\n"
-    assert live.loops_around(in_def, 3) is None
-    assert live.loops_around("%%traceml\n!ls\nfor x in y:\n  pass\n", 3) is None
+    assert loop_passes.loops_around(in_def, 3) is None
+    assert loop_passes.loops_around("%%traceml\n!ls\nfor x in y:\n  pass\n", 3) is None
 
 
 def test_header_wording() -> None:
@@ -486,17 +486,17 @@ def test_header_wording() -> None:
         "eta_s": 0.94,
         "verdict": "INPUT-BOUND",
         "severity": "critical",
-        "share": live.verdict_share("INPUT-BOUND", {"data_wait_share": 0.94}),
+        "share": live_header.verdict_share("INPUT-BOUND", {"data_wait_share": 0.94}),
         "finished": False,
         "elapsed_s": None,
         "error": None,
     }
-    text = live.header_text(numbers, "GPU n/a (no NVML)")
+    text = live_header.header_text(numbers, "GPU n/a (no NVML)")
     assert text == (
         "traceml run 1 | step 1,234 / 2,000 | 812 steps/s | 25,997 samples/s | ETA 0.9 s | "
         "INPUT-BOUND: data wait 94 % of step | GPU n/a (no NVML)"
     )
-    html = live.header_html(numbers, "GPU n/a (no NVML)")
+    html = live_header.header_html(numbers, "GPU n/a (no NVML)")
     assert '<b style="color:#c0392b">INPUT-BOUND</b>' in html
     assert (
         html.index("data wait 94 %")
@@ -504,10 +504,10 @@ def test_header_wording() -> None:
         < html.index("&#9632;</span> data wait")
     )
     numbers.update(total=None, pass_info=None, **{"pass": (234, 1000, 2)})
-    assert "step 1,234 (pass 2: 234 / 1,000)" in live.header_text(numbers, "")
+    assert "step 1,234 (pass 2: 234 / 1,000)" in live_header.header_text(numbers, "")
     numbers.update(finished=True, elapsed_s=75.0)
-    assert "done: 1,234 steps in 1 min 15 s" in live.header_text(numbers, "")
-    assert "ETA" not in live.header_text(numbers, "")
+    assert "done: 1,234 steps in 1 min 15 s" in live_header.header_text(numbers, "")
+    assert "ETA" not in live_header.header_text(numbers, "")
 
 
 @pytest.mark.parametrize(
@@ -522,19 +522,19 @@ def test_header_wording() -> None:
     ],
 )
 def test_durations(seconds: float | None, text: str) -> None:
-    assert live.format_duration(seconds) == text
+    assert live_header.format_duration(seconds) == text
 
 
 def test_verdict_shares() -> None:
     summary = {"data_wait_share": 0.3, "compute_share": 0.7, "straggler_share": 0.15}
-    assert live.verdict_share("COMPUTE-BOUND", summary) == "compute 70 % of step"
-    assert live.verdict_share("MIXED", summary) == "data wait 30 %, compute 70 % of step"
-    assert live.verdict_share("INPUT STRAGGLER", summary) == "stalls cost 15 % of the time"
-    assert live.verdict_share("WARMUP", summary) == "warming up"
+    assert live_header.verdict_share("COMPUTE-BOUND", summary) == "compute 70 % of step"
+    assert live_header.verdict_share("MIXED", summary) == "data wait 30 %, compute 70 % of step"
+    assert live_header.verdict_share("INPUT STRAGGLER", summary) == "stalls cost 15 % of the time"
+    assert live_header.verdict_share("WARMUP", summary) == "warming up"
 
 
 def test_the_overview_bins_the_whole_run() -> None:
-    overview = live.Overview(bins=16)
+    overview = live_svg.Overview(bins=16)
     step = np.arange(1000)
     overview.add(step[:600], np.full(600, 1.0), np.full(600, 3.0))
     overview.add(step[600:], np.full(400, 2.0), np.full(400, 3.0))
@@ -551,13 +551,13 @@ def test_the_gpu_clock_is_used_for_steps_whose_timings_resolved() -> None:
         "step_ms": np.full(4, 2.0),
         "step_gpu_ms": np.array([1.0, 1.0, 1.0, np.nan]),
     }
-    cols, on_gpu = live.clock_columns(tail, gpu_used=True)
+    cols, on_gpu = live_header.clock_columns(tail, gpu_used=True)
     assert on_gpu and cols["step"].tolist() == [0, 1, 2]
-    cols, on_gpu = live.clock_columns(tail, gpu_used=False)
+    cols, on_gpu = live_header.clock_columns(tail, gpu_used=False)
     assert not on_gpu and len(cols["step"]) == 4
 
 
 def test_the_html_fallback_chart_is_a_small_svg() -> None:
-    svg = live.svg_chart(np.array([1.0, 2.0, 0.5]), np.array([3.0, 3.0, 3.0]))
+    svg = live_svg.svg_chart(np.array([1.0, 2.0, 0.5]), np.array([3.0, 3.0, 3.0]))
     assert svg.startswith("<svg") and svg.count("<polygon") == 2 and "nan" not in svg
-    assert live.svg_chart(np.array([1.0]), np.array([1.0])) == ""
+    assert live_svg.svg_chart(np.array([1.0]), np.array([1.0])) == ""

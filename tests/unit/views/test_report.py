@@ -16,9 +16,13 @@ from IPython.utils.capture import capture_output
 
 import traceml_jupyter
 from traceml_jupyter.analysis.checklist import default_start_method, evaluate, suggested_workers
+from traceml_jupyter.analysis.number_text import ms_fine
+from traceml_jupyter.capture.host import usable_cpus
+from traceml_jupyter.kernel.code_facts import checklist_for, facts_for
 from traceml_jupyter.run import Run
-from traceml_jupyter.views.code_facts import checklist_for, cpu_count, facts_for
-from traceml_jupyter.views.report import ROOT_CLASS, fmt_ms, gpu_utilisation, line_bars, render_html
+from traceml_jupyter.views.report import ROOT_CLASS, render_html
+from traceml_jupyter.views.report_code import line_bars
+from traceml_jupyter.views.report_evidence import gpu_utilisation
 
 # pin_memory=True on this CPU-only machine is the point of one test; torch warns about it.
 pytestmark = pytest.mark.filterwarnings("ignore:.*pin_memory.*:UserWarning")
@@ -135,12 +139,12 @@ def test_report_of_a_loader_with_num_workers_0_on_line_3(shell: Any) -> None:
     assert run.verdict_detail.why in banner.text and run.verdict_detail.next in banner.text
     numbers = [e.text for e in page.by_class("tml-number")]
     s = run.summary
-    assert numbers[0].startswith(f"Data wait {fmt_ms(s['data_wait_ms'])}")
-    assert numbers[1].startswith(f"CPU compute {fmt_ms(s['compute_ms'])}")
-    assert numbers[2].startswith(f"Step time {fmt_ms(s['step_ms'])}")
+    assert numbers[0].startswith(f"Data wait {ms_fine(s['data_wait_ms'])}")
+    assert numbers[1].startswith(f"CPU compute {ms_fine(s['compute_ms'])}")
+    assert numbers[2].startswith(f"Step time {ms_fine(s['step_ms'])}")
     evidence = page.one("tml-evidence").text
-    p90 = fmt_ms(s["stats"]["data_wait_ms"]["p90"])
-    assert f"Data wait {fmt_ms(s['data_wait_ms'])} {p90}" in evidence
+    p90 = ms_fine(s["stats"]["data_wait_ms"]["p90"])
+    assert f"Data wait {ms_fine(s['data_wait_ms'])} {p90}" in evidence
 
     assert "tml-dataloader" in page.line(3).classes
     assert "tml-loop" in page.line(4).classes
@@ -151,7 +155,7 @@ def test_report_of_a_loader_with_num_workers_0_on_line_3(shell: Any) -> None:
     item = page.one("tml-item-num_workers")
     assert "tml-fix" in item.classes
     assert "tml-folded" not in item.ancestors
-    assert f"0 → {suggested_workers(cpu_count())}" in item.text
+    assert f"0 → {suggested_workers(usable_cpus())}" in item.text
     assert page.by_class("tml-where")  # the line chips
     assert "line 3" in [e.text for e in page.by_class("tml-where") if e in _inside(page, item)]
 
@@ -337,12 +341,12 @@ def test_gpu_utilisation_from_nvml_samples_or_why_not() -> None:
 def test_a_checklist_that_cannot_be_read_never_costs_the_report(
     shell: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import traceml_jupyter.views.code_facts as code_facts
+    import traceml_jupyter.kernel.cells as cells
 
     def broken(_: Any) -> list[str]:
         raise RuntimeError("history unavailable")
 
-    monkeypatch.setattr(code_facts, "history_cells", broken)
+    monkeypatch.setattr(cells, "history_cells", broken)
     run, page, result = run_cell(shell, SLOW_CELL)
     assert result.error_in_exec is None
     assert "Step Time: INPUT-BOUND" in page.one("tml-verdict").text
@@ -421,7 +425,7 @@ def test_a_cpu_report_shows_ms_per_step_beside_the_body_lines(shell: Any) -> Non
     assert sorted(rows) == [3, 4, 5, 7]
     for line, row in rows.items():
         width, label, host = heat_of(page, line)
-        assert label == fmt_ms(row["ms_per_step"]) and host is None
+        assert label == ms_fine(row["ms_per_step"]) and host is None
         assert page.line(line).text.startswith(f"{line} {label} ")  # number, ms, then the code
     widths = {line: heat_of(page, line)[0] for line in rows}
     assert widths[3] == 100.0 and max(widths, key=lambda line: widths[line] or 0.0) == 3  # the 5 ms sleep
@@ -429,7 +433,7 @@ def test_a_cpu_report_shows_ms_per_step_beside_the_body_lines(shell: Any) -> Non
     # `if i % 2: continue` spans lines 5-6: line 6 carries the same bar, without a label.
     assert heat_of(page, 6) == (widths[5], "", None)
     # The loop line carries its data wait on the same scale; lines outside the loop, nothing.
-    assert heat_of(page, 2)[1] == fmt_ms(costs["fetch_ms_per_step"])
+    assert heat_of(page, 2)[1] == ms_fine(costs["fetch_ms_per_step"])
     assert heat_of(page, 1) == (None, None, None)
     note = page.one("tml-heat-note").text
     assert "(wall clock)" in note and f"over {costs['timed_steps']} timed steps" in note
@@ -510,7 +514,7 @@ for x in pageable:
 
     gpu_ms = {r["line"]: r["gpu_ms_per_step"] for r in run.line_costs["statements"]}
     width, label, host = heat_of(page, 4)
-    assert label == fmt_ms(gpu_ms[4]) and width is not None and host is not None
+    assert label == ms_fine(gpu_ms[4]) and width is not None and host is not None
     assert max(gpu_ms, key=lambda line: gpu_ms[line]) == 4  # the copy is the costliest line
     assert "GPU ms per step" in page.one("tml-code-pane").text
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .number_text import ms
+
 WIDTH = 76
 
 
 def _ms(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f}ms"
+    return ms(value, unit="ms")
 
 
 def _line(text: str) -> str:

@@ -10,24 +10,18 @@ import multiprocessing
 import os
 import re
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..analysis.checklist import (
+from ..analysis.cell_code import (
     CodeSite,
-    CopySeen,
-    Facts,
-    Item,
-    LineSeen,
     SampleCode,
     assigned_line,
     class_def,
     costly_calls,
+    dataloader_lines,
     dataloader_sites,
-    default_start_method,
-    evaluate,
     iter_names,
     loop_at,
     method_def,
@@ -37,54 +31,34 @@ from ..analysis.checklist import (
     sample_code_in,
     transfers_in,
 )
+from ..analysis.checklist import CopySeen, Facts, Item, LineSeen, default_start_method, evaluate
 from ..analysis.data_sources import feeder
 from ..analysis.rank_verdict import checklist_verdict
 from ..analysis.resources import cpu_sentence
 from ..capture.dataloaders import dataset_site, inner_dataset
-from ..capture.host import usable_cpus as cpu_count
-from ..capture.locate import dataloader_lines
+from ..capture.host import usable_cpus
 from ..capture.sources import fed_expression, resolve_name
 from ..run import tuned_for
+from .cells import (
+    CELL_LABEL,
+    MAX_HISTORY,
+    EarlierCells,
+    cell_label,
+    cell_transform,
+    current_cell_index,
+    run_cells,
+)
+from .shell import ipython_shell
 
 if TYPE_CHECKING:
     from ..run import Run
 
-CELL_IN = re.compile(r"\((?:Cell )?In ?\[(\d+)\]\)")
+CELL_IN = re.compile(r"\((?:Cell )?In ?\[(\d+)\]\)")  # "(In [3])", "(Cell In[3])": a cell
 FUNCTION = re.compile(r"^function ([\w.<>]+)")
-MAX_HISTORY = 1000  # earlier cells searched for the DataLoader, newest first
-SEARCH_BUDGET_S = 0.02  # a report parses earlier cells it has not read before for this long
+
 
 
 # -- facts from the run and the kernel (reads only) ------------------------------------------
-
-
-def history_cells(shell: Any) -> list[str]:
-    """The kernel's cells as typed, indexed like `In` (entry 0 is empty)."""
-    if shell is None:
-        return []
-    raw = getattr(getattr(shell, "history_manager", None), "input_hist_raw", None)
-    if not isinstance(raw, list) or not raw:
-        raw = getattr(shell, "user_ns", {}).get("In")
-    return [str(cell) for cell in raw] if isinstance(raw, list) else []
-
-
-CELL_LABEL = re.compile(r"In \[(\d+)\]$")
-
-
-def run_cells(run: Run, shell: Any) -> list[str]:
-    """The cells a run's report reads: the kernel's history; for a run read back from its file,
-    the cells it quoted (`run.quoted_cells`), at their numbers (the others empty)."""
-    if not run.frozen:
-        return history_cells(shell)
-    numbers = {}
-    for label, text in (run.quoted_cells or {}).items():
-        match = CELL_LABEL.match(str(label))
-        if match is not None:
-            numbers[int(match.group(1))] = str(text)
-    cells = [""] * (max(numbers, default=0) + 1)
-    for number, text in numbers.items():
-        cells[number] = text
-    return cells
 
 
 def quoted_cells(ctx: CodeContext, items: Sequence[Item]) -> dict[str, str]:
@@ -99,209 +73,6 @@ def quoted_cells(ctx: CodeContext, items: Sequence[Item]) -> dict[str, str]:
             out[label] = ctx.cells[int(match.group(1))]
     return out
 
-
-def _body(source: str) -> str:
-    return source.partition("\n")[2].rstrip() if source.startswith("%%") else source.rstrip()
-
-
-def current_cell_index(cells: Sequence[str], cell_source: str | None) -> int | None:
-    """Where the traced cell is in the history (the last cell with the same code)."""
-    if not cell_source:
-        return None
-    body = _body(cell_source)
-    for i in range(len(cells) - 1, 0, -1):
-        if cells[i].startswith("%%traceml") and _body(cells[i]) == body:
-            return i
-    return None
-
-
-def _transform(shell: Any) -> Any:
-    return getattr(shell, "transform_cell", None) if shell is not None else None
-
-
-def _earlier(cells: Sequence[str], current: int | None) -> range:
-    """Cell numbers before the traced one, newest first."""
-    end = current if current is not None else len(cells)
-    return range(end - 1, 0, -1)
-
-
-def _cell_label(i: int) -> str:
-    return f"In [{i}]"
-
-
-@dataclass(frozen=True)
-class CellFacts:
-    """What the report looks up in an earlier cell, read off its tree once per kernel (the
-    tree itself is not kept: a 300-line cell's tree weighs about 2 MiB)."""
-
-    loader_sites: tuple[tuple[int, frozenset[str]], ...]  # DataLoader(...) lines, names bound
-    loader_lines: tuple[int, ...]
-    first_assigned: Mapping[str, int]  # name -> first line that assigns it
-    samples: Mapping[str, SampleCode]  # dataset classes defined in the cell, by name
-    loop_functions: frozenset[str]  # functions defined in the cell that hold a `for`
-
-
-def read_cell(text: str, transform: Any = None) -> ast.Module | None:
-    """An earlier cell's tree: plain Python is parsed as typed (most cells, and the line
-    numbers stay the user's); IPython's transform (magics, `!cmd`) only when that fails."""
-    return parse_cell(text) or parse_cell(text, transform)
-
-
-def _is_dataloader(call: ast.Call) -> bool:
-    """`DataLoader(...)` or `data.DataLoader(...)`."""
-    func = call.func
-    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-    return name == "DataLoader"
-
-
-def _within(inner: ast.expr, outer: ast.stmt | ast.expr) -> bool:
-    """`inner` is part of `outer` (nodes' source spans nest as the nodes do)."""
-    start = (outer.lineno, outer.col_offset)
-    end = (outer.end_lineno or outer.lineno, outer.end_col_offset or 0)
-    return start <= (inner.lineno, inner.col_offset) and (
-        inner.end_lineno or inner.lineno,
-        inner.end_col_offset or 0,
-    ) <= end
-
-
-def cell_facts(tree: ast.AST, label: str) -> CellFacts:
-    """The facts of one cell's tree (`label`: "In [3]") in one walk over it: the DataLoader
-    lines and sites as `dataloader_lines` and `dataloader_sites` read them, each name's first
-    assignment as `assigned_line` reads it, the dataset classes as `sample_code_in` does."""
-    nodes = list(ast.walk(tree))
-    calls = [node for node in nodes if isinstance(node, ast.Call) and _is_dataloader(node)]
-    sites: dict[int, set[str]] = {call.lineno: set() for call in calls}
-    first: dict[str, int] = {}
-    samples: dict[str, SampleCode] = {}
-    loops: set[str] = set()
-    for node in nodes:
-        if isinstance(node, ast.ClassDef) and node.name not in samples:
-            found = sample_code_in(node, node.name, label)
-            if found is not None:
-                samples[node.name] = found
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in loops:
-            if any(isinstance(inner, (ast.For, ast.AsyncFor)) for inner in ast.walk(node)):
-                loops.add(node.name)
-        if isinstance(node, ast.Assign):
-            targets = list(node.targets)
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
-            targets = [node.target]
-        else:
-            continue
-        names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-        if not isinstance(node, ast.AugAssign):  # `x += 1` does not bring x in
-            line = targets[0].lineno
-            for name in names:
-                first[name] = min(first.get(name, line), line)
-        for call in calls:
-            if _within(call, node):
-                sites[call.lineno] |= names
-    return CellFacts(
-        tuple((line, frozenset(names)) for line, names in sorted(sites.items())),
-        tuple(sorted(sites)),
-        first,
-        samples,
-        frozenset(loops),
-    )
-
-
-# Read once per kernel: each earlier cell's facts, by number and text (the text too: numbers
-# start again after a history reset); and, for the few functions whose loop a run used, that
-# loop and its function (the report shows the loop's line and reads its transfers).
-LoopInFunction = tuple[ast.For | ast.AsyncFor, ast.AST]
-_CELL_FACTS: dict[tuple[int, str], CellFacts | None] = {}
-_MENTIONS: dict[tuple[int, str, str], bool] = {}  # (number, text, word): the word is in it
-_FUNCTION_LOOPS: dict[tuple[int, str, str, int], LoopInFunction | None] = {}
-FUNCTION_LOOPS_KEPT = 16
-
-
-class EarlierCells:
-    """The cells before the traced one, newest first, as one report reads them.
-
-    A cell is parsed only when its text can hold what is looked for (a cheap substring test),
-    at most once per kernel (the facts are cached), and a report spends at most `budget_s`
-    parsing cells not read before: the report's cost does not grow with the session. Cells
-    left unread are read by a later report.
-    """
-
-    def __init__(
-        self,
-        shell: Any,
-        cells: Sequence[str],
-        current: int | None,
-        budget_s: float | None = None,
-    ) -> None:
-        self.cells = cells
-        self.numbers = _earlier(cells, current)
-        self.transform = _transform(shell)
-        self.budget_s = SEARCH_BUDGET_S if budget_s is None else budget_s
-        self.spent_s = 0.0
-
-    def mentions(self, i: int, word: str) -> bool:
-        """Whether cell i's text holds `word` (cached: a session's cells are scanned once)."""
-        key = (i, self.cells[i], word)
-        found = _MENTIONS.get(key)
-        if found is None:
-            found = _MENTIONS[key] = word in key[1]
-        return found
-
-    def facts(self, i: int, *needles: str) -> CellFacts | None:
-        """Cell i's facts; None when its text holds none of `needles`, it is not Python, or
-        reading it would pass the report's budget."""
-        if needles and not any(self.mentions(i, needle) for needle in needles):
-            return None
-        text = self.cells[i]
-        key = (i, text)
-        if key in _CELL_FACTS:
-            return _CELL_FACTS[key]
-        if self.spent_s >= self.budget_s:
-            return None
-        began = time.perf_counter()
-        tree = read_cell(text, self.transform)
-        _CELL_FACTS[key] = cell_facts(tree, _cell_label(i)) if tree is not None else None
-        self.spent_s += time.perf_counter() - began
-        return _CELL_FACTS[key]
-
-    def function_loop(
-        self, i: int, name: str, line: int, named: bool = False
-    ) -> LoopInFunction | None:
-        """The `for` on `line` of function `name` in cell i, and that function; cached. The
-        cell the run names (`named`) is read whatever the budget: the report shows that loop."""
-        text = self.cells[i]
-        key = (i, text, name, line)
-        if key in _FUNCTION_LOOPS:
-            return _FUNCTION_LOOPS[key]
-        known = _CELL_FACTS.get((i, text))
-        if not self.mentions(i, f"def {name}") or (
-            known is not None and name not in known.loop_functions
-        ):
-            return None
-        if not named and self.spent_s >= self.budget_s:
-            return None
-        began = time.perf_counter()
-        tree = read_cell(text, self.transform)
-        found = None
-        if tree is not None:
-            if (i, text) not in _CELL_FACTS:
-                _CELL_FACTS[(i, text)] = cell_facts(tree, _cell_label(i))
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-                    loop = loop_at(node, line)
-                    if loop is not None:
-                        found = loop, node
-                        break
-        self.spent_s += time.perf_counter() - began
-        while len(_FUNCTION_LOOPS) >= FUNCTION_LOOPS_KEPT:
-            _FUNCTION_LOOPS.pop(next(iter(_FUNCTION_LOOPS)))
-        _FUNCTION_LOOPS[key] = found
-        return found
-
-
-def forget_cells() -> None:
-    """Drop what was read of earlier cells (tests; a kernel whose history was reset)."""
-    _CELL_FACTS.clear()
-    _MENTIONS.clear()
-    _FUNCTION_LOOPS.clear()
 
 
 def _loader_object(run: Run) -> Any:
@@ -353,7 +124,7 @@ def _loop_in_other_cell(
             continue
         found = earlier.function_loop(i, name, line, named=named is not None and i == numbers[0])
         if found is not None:
-            return found[0], _cell_label(i), found[1]
+            return found[0], cell_label(i), found[1]
     return None
 
 
@@ -375,9 +146,9 @@ def _loader_site(
             continue
         line = pick_loader_line(facts.loader_sites, names)
         if line is not None:
-            return CodeSite(line, _cell_label(i))
+            return CodeSite(line, cell_label(i))
         if first_built is None and facts.loader_lines:
-            first_built = CodeSite(facts.loader_lines[0], _cell_label(i))
+            first_built = CodeSite(facts.loader_lines[0], cell_label(i))
     if tree is not None and dataloader_lines(tree):
         return CodeSite(dataloader_lines(tree)[0], None)
     if first_built is not None:
@@ -392,7 +163,7 @@ def _loader_site(
         assigned = facts.first_assigned if facts is not None else {}
         seen = [assigned[n] for n in names if n in assigned]
         if seen:
-            return CodeSite(min(seen), _cell_label(i))
+            return CodeSite(min(seen), cell_label(i))
     return None
 
 
@@ -404,7 +175,7 @@ def source_label(run: Run, shell: Any, filename: str) -> str | None:
     named = fmt(filename) if fmt is not None else None
     if named:
         number = re.search(r"\d+", str(named[1]))
-        return _cell_label(int(number.group())) if number else str(named[1])
+        return cell_label(int(number.group())) if number else str(named[1])
     return os.path.basename(filename)
 
 
@@ -520,12 +291,6 @@ def _process_start_method() -> str:
     )
 
 
-def run_shell() -> Any:
-    from .environment import ipython_shell
-
-    return ipython_shell()
-
-
 @dataclass
 class CodeContext:
     """The code around a run: this cell's tree, where the loop and the DataLoader are."""
@@ -541,10 +306,11 @@ class CodeContext:
 
     @classmethod
     def of(cls, run: Run, shell: Any) -> CodeContext:
+        """Read the run's cells once: the history, the traced cell's tree, the loop and its cell."""
         ctx = cls(run_cells(run, shell))
         ctx.current = current_cell_index(ctx.cells, run.cell_source)
         ctx.earlier = EarlierCells(shell, ctx.cells, ctx.current)
-        ctx.tree = parse_cell(run.cell_source, _transform(shell)) if run.cell_source else None
+        ctx.tree = parse_cell(run.cell_source, cell_transform(shell)) if run.cell_source else None
         in_cell = "(" not in (run.loop_where or "")
         if run.loop_line is not None and ctx.tree is not None and in_cell:
             ctx.loop, ctx.loop_tree = loop_at(ctx.tree, run.loop_line), ctx.tree
@@ -583,7 +349,7 @@ def script_site(run: Run, shell: Any) -> CodeSite | None:
 
 def _site_text(run: Run, filename: str, line: int) -> str:
     """The call on a line of the traced cell (`x.to("cuda")`), else the line's text."""
-    from ..capture.sync_stalls import call_text
+    from ..capture.syncs import call_text
 
     text = call_text(run.cell_source, line) if filename == run.cell_filename else None
     return text or linecache.getline(filename, line).strip() or f"line {line}"
@@ -614,11 +380,11 @@ def copies_seen(run: Run, shell: Any = None) -> tuple[CopySeen, ...] | None:
 
 def busiest_line(run: Run) -> LineSeen | None:
     """The loop body's statement with the most host time per step (run.line_costs)."""
-    costs = getattr(run, "line_costs", None)
-    rows = [r for r in (costs or {}).get("statements") or [] if r.get("ms_per_step") is not None]
-    if not rows:
+    from ..capture.gpu_watch import costliest_host_line
+
+    top = costliest_host_line(getattr(run, "line_costs", None))
+    if top is None:
         return None
-    top = max(rows, key=lambda r: float(r["ms_per_step"]))
     return LineSeen(CodeSite(int(top["line"])), str(top["text"]), float(top["ms_per_step"]))
 
 
@@ -640,7 +406,7 @@ def facts_for(
     return Facts(
         verdict=checklist_verdict(run.verdict, run.straggler),  # a rank straggler: its cause
         loader=loader,
-        cpu_count=cpu_count(),
+        cpu_count=usable_cpus(),
         on_gpu=bool(getattr(run, "_gpu_used", False)) or summary.get("clock") == "gpu",
         several_passes=several,
         loader_site=ctx.loader_site,
@@ -678,19 +444,20 @@ def _feeder_facts(run: Run, shell: Any, summary: Mapping[str, Any], ctx: CodeCon
 
 
 def checklist_items(run: Run, shell: Any = None, context: CodeContext | None = None) -> list[Item]:
+    """The checklist evaluated on what the run, its loader, its code and the kernel hold."""
     return evaluate(facts_for(run, shell, context=context))
 
 
 def checklist_for(run: Run) -> list[dict[str, Any]]:
     """The evaluated checklist as JSON-ready dicts."""
-    return [item.to_dict() for item in checklist_items(run, run_shell())]
+    return [item.to_dict() for item in checklist_items(run, ipython_shell())]
 
 
 def keep_checklist(run: Run) -> list[Item] | None:
     """Evaluate the checklist once, leave it on the run (`run.checklist`, what `to_dict` and
     `--save` write) and return it for the report. Never raises: a failure is a note."""
     try:
-        shell = run_shell()
+        shell = ipython_shell()
         ctx = CodeContext.of(run, shell)
         items = checklist_items(run, shell, ctx)
         run.quoted_cells = quoted_cells(ctx, items)
