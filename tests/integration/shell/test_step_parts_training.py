@@ -15,8 +15,8 @@ import pytest
 import torch
 from ground_truth import Truth, hand_timed
 from helpers import traced
+from test_training_code import GAN_CELL, GAN_SETUP, TOLERANCE, run
 from test_training_code import SETUP as TUTORIAL_SETUP
-from test_training_code import TOLERANCE, run
 
 from traceml_jupyter.run import Run
 
@@ -162,25 +162,7 @@ def test_an_optimizer_heavy_step_gets_fused_or_foreach(shell: Any) -> None:
 
 
 def test_a_gan_sums_both_models_calls_and_both_optimizers(shell: Any) -> None:
-    setup = '''
-    gan_loader = DataLoader(Digits(128, 0.3), batch_size=8)
-    D, G = Net(5.0), nn.Sequential(nn.Linear(16, 784), nn.Tanh())
-    opt_d = torch.optim.Adam(D.parameters(), lr=2e-4)
-    opt_g = torch.optim.Adam(G.parameters(), lr=2e-4)
-    '''
-    cell = '''\
-    for real, _ in gan_loader:
-        z = torch.randn(real.size(0), 16)
-        fake = G(z).view(-1, 1, 28, 28)
-        opt_d.zero_grad()
-        loss_d = -D(real)[:, 0].mean() + D(fake.detach())[:, 0].mean()
-        loss_d.backward()
-        opt_d.step()
-        opt_g.zero_grad()
-        loss_g = -D(fake)[:, 0].mean()
-        loss_g.backward()
-        opt_g.step()
-    '''
+    setup, cell = GAN_SETUP.format(wait_ms=0.3, compute_ms=5.0), GAN_CELL
     truth, got = plain_then_traced(shell, setup, cell, ("Net", "Sequential"))
     expected = assert_parts_match(got, truth)
     assert expected["forward"] > 0.3  # three 5 ms calls of D a step

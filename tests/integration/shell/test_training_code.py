@@ -301,26 +301,30 @@ def test_zip_of_a_slow_and_a_fast_loader_reads_the_slow_one(shell: Any) -> None:
     assert workers["status"] == "fix"  # the slow loader needs workers
 
 
+# The GAN of PyTorch's DCGAN tutorial, cut down: two models, two optimizers, one batch a step.
+GAN_SETUP = '''
+gan_loader = DataLoader(Digits(128, {wait_ms}), batch_size=8)
+D, G = Net({compute_ms}), nn.Sequential(nn.Linear(16, 784), nn.Tanh())
+opt_d = torch.optim.Adam(D.parameters(), lr=2e-4)
+opt_g = torch.optim.Adam(G.parameters(), lr=2e-4)
+'''
+GAN_CELL = '''\
+for real, _ in gan_loader:
+    z = torch.randn(real.size(0), 16)
+    fake = G(z).view(-1, 1, 28, 28)
+    opt_d.zero_grad()
+    loss_d = -D(real)[:, 0].mean() + D(fake.detach())[:, 0].mean()
+    loss_d.backward()
+    opt_d.step()
+    opt_g.zero_grad()
+    loss_g = -D(fake)[:, 0].mean()
+    loss_g.backward()
+    opt_g.step()
+'''
+
+
 def test_a_gan_with_two_optimizers_steps_once_per_batch(shell: Any) -> None:
-    setup = '''
-    gan_loader = DataLoader(Digits(128, 0.5), batch_size=8)
-    D, G = Net(3.0), nn.Sequential(nn.Linear(16, 784), nn.Tanh())
-    opt_d = torch.optim.Adam(D.parameters(), lr=2e-4)
-    opt_g = torch.optim.Adam(G.parameters(), lr=2e-4)
-    '''
-    cell = '''\
-    for real, _ in gan_loader:
-        z = torch.randn(real.size(0), 16)
-        fake = G(z).view(-1, 1, 28, 28)
-        opt_d.zero_grad()
-        loss_d = -D(real)[:, 0].mean() + D(fake.detach())[:, 0].mean()
-        loss_d.backward()
-        opt_d.step()
-        opt_g.zero_grad()
-        loss_g = -D(fake)[:, 0].mean()
-        loss_g.backward()
-        opt_g.step()
-    '''
+    setup, cell = GAN_SETUP.format(wait_ms=0.5, compute_ms=3.0), GAN_CELL
     run(shell, setup)
     truth = plain(shell, cell)
     expected = truth.wait_share(key(shell, "gan_loader"))
