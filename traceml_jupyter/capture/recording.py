@@ -116,7 +116,6 @@ class Capture:
         self._loop_room = 0
         self._live_loops = 0  # passes of located loops under way (stamped only when one)
         self._events_seen = False  # hooks other than the loop's stamped since the loop last looked
-        self._loop_looks = False  # the located loop ends an iteration and looks again after its fetch
         # What a stamped event can end, from the model as it was when the hooks began stamping
         # (`_defer`): its level (steps only get stronger), whether the first event of that level
         # in an iteration's body ends no step (`_ends_no_step`), and where the last one was.
@@ -169,14 +168,9 @@ class Capture:
                 else:
                     # Reported now, one call each (the GPU path, sampled steps, the first steps).
                     self.flush()
-                    if fetched and self.active:
-                        # A step it ends grants the hooks nothing: the loop looks after this
-                        # fetch (a grant now would stamp the fetch's hooks and replay them).
-                        self._loop_looks = True
-                        try:
-                            model.iteration_end(clock())
-                        finally:
-                            self._loop_looks = False
+                    if fetched and self.active:  # (no grant at the step it ends: the loop looks after this fetch)
+                        self.stamps.writer = pass_
+                        model.iteration_end(clock())
                     # On a GPU its events first: a full launch queue blocking the record is not
                     # data wait.
                     self._fetch_begin()
@@ -237,18 +231,14 @@ class Capture:
         stamps = self.stamps
         if not left and t < self.due and self.deferred and self.room >= 0 and stamps.writer is pass_:
             loop_room = self._loop_room
-            if loop_room <= 0 and self.room > 0:
-                # The step ends the other hooks did not take are granted again, without a
-                # replay: one replay (one bulk window) before the sampled step, not several.
+            if loop_room <= 0 < self.room:  # the step ends the other hooks left: granted again, no replay
                 room = self.room // 4 if self._events_seen or stamps.events else 0
                 loop_room, self.room = self.room - room, room
             if loop_room > 0:  # the line flag's next run only: the per-step path's one call
-                lines = self.lines
-                if lines is None:
+                if (lines := self.lines) is None:
                     self._loop_room = 0
                     return loop_room, self.due
-                on, n = lines.take(loop_room)
-                hooks.lines.on = on
+                hooks.lines.on, n = lines.take(loop_room)
                 self._loop_room = loop_room - n
                 return n, self.due
         return self._look_again(t, left, pass_)
@@ -258,14 +248,12 @@ class Capture:
         lines, stamps = self.lines, self.stamps
         if left and lines is not None:
             lines.untake(left)
+        began, kept_out = perf_counter_ns(), self.model.kept_out_ns
         worked = stamps.pending()
-        began = kept_out = 0
-        if worked or self._tick_due(t):  # (reporting at once, the loop only sets the line flag)
-            began, kept_out = perf_counter_ns(), self.model.kept_out_ns
-            self.flush()
-            if self._tick_due(t):
-                self._tick(t)
-                worked = True
+        self.flush()
+        if self._tick_due(t):
+            self._tick(t)
+            worked = True
         budget = self._budget()
         k = 0
         if budget >= MIN_BUDGET:
@@ -276,12 +264,10 @@ class Capture:
         else:
             self._report_now()
         self._events_seen = False
+        self._loop_room = 0
         if lines is not None:
-            on, n = lines.take(k or 1)
-            hooks.lines.on = on
+            hooks.lines.on, n = lines.take(k or 1)
             k, self._loop_room = (n, k - n) if k else (0, 0)
-        else:
-            self._loop_room = 0
         if worked:
             self._own_time(began, kept_out)
         return k, self.due
@@ -682,7 +668,7 @@ class Capture:
                     self.cuda.open(run.recorder.n_steps)
                 except Exception as exc:
                     self._gpu_failed(exc)
-        if self.stamps.writer is None and not self.deferred and not self._loop_looks:
+        if self.stamps.writer is None and not self.deferred:
             self._grant()
 
     def listen(self) -> None:

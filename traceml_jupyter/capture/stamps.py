@@ -37,6 +37,31 @@ BULK = 16  # iterations in a row from which the bulk replay pays
 WINDOW = 64
 
 
+def _fetched(source: Any, d: int, stack: list[int]) -> bool:
+    """A fetch of `source` that took `d` ns ended (its entry on `stack` holds the time of the
+    fetches inside it): its own time and batch counted. True when it was inside no other fetch
+    (its time is the step's data wait), else its time goes to the fetch around it."""
+    source.wait_ns += d - stack.pop()
+    source.batches += 1
+    if stack:
+        stack[-1] += d
+        return False
+    return True
+
+
+def _closed(model: StepModel, ends: list[tuple[int, int, int]]) -> None:
+    """The steps `_steady` closed, to the recorder (a few one call each: cheaper than arrays)."""
+    if len(ends) >= BULK:
+        t0, t1, t2 = np.array(ends, dtype=np.int64).T
+        model.recorder.add_many(t0, t1, t2)
+    else:
+        add = model.recorder.add
+        for t0_, t1_, t2_ in ends:
+            add(t0_, t1_, t2_)
+    if ends and model.spans:
+        model.spans.clear()
+
+
 class Stamps:
     """What the hooks appended since the last replay (see the module docstring)."""
 
@@ -157,8 +182,7 @@ class Stamps:
         n_loop, n_events = len(loop), len(events) // 2
         wait, excluded, sample_in = model.wait, model.excluded, model.sample_in
         wait_total, serial, base = model.wait_total, model.fetch_serial, model.step_wait_base
-        in_iteration, opened = model.in_iteration, self._open
-        held: Deferred | tuple[int, int, int, int] | None = model.deferred
+        in_iteration, held, opened = model.in_iteration, model.deferred, self._open
         stack, starts = model._stack, self._fetches  # child time / start of each open fetch
         ends: list[tuple[int, int, int]] = []  # the steps closed: the recorder's three stamps each
         loop_source = writer.source if writer is not None else None
@@ -166,25 +190,18 @@ class Stamps:
         while True:
             if at <= li:
                 e = 2 * ei
-                kind, t = events[e] & 7, events[e + 1]
-                if kind <= CALL_END:  # a fetch's start or end
-                    ref = refs[ei]
-                    if kind <= FETCH_END and not ref.trained:
-                        break  # a pass to classify
-                    if not kind & 1:  # FETCH_START, CALL_START
-                        stack.append(0)
-                        starts.append(t)
-                    else:
-                        d = t - starts.pop()
-                        source = ref.source if kind == FETCH_END else ref
-                        source.wait_ns += d - stack.pop()
-                        source.batches += 1
-                        if stack:
-                            stack[-1] += d
-                        else:
-                            wait += d
-                            wait_total += d
-                            serial += 1
+                kind, t, ref = events[e] & 7, events[e + 1], refs[ei]
+                if kind <= FETCH_END and not ref.trained:
+                    break  # a pass to classify
+                if kind == FETCH_START or kind == CALL_START:
+                    stack.append(0)
+                    starts.append(t)
+                elif kind == FETCH_END or kind == CALL_END:
+                    d = t - starts.pop()
+                    if _fetched(ref.source if kind == FETCH_END else ref, d, stack):
+                        wait += d
+                        wait_total += d
+                        serial += 1
                 elif kind != OTHER_STEP:  # backward() or the first optimizer's step
                     event_level = BACKWARD if kind == BACKWARD_DONE else OPTIMIZER
                     if event_level > level:
@@ -193,7 +210,7 @@ class Stamps:
                         if in_iteration:
                             if held is not None:
                                 break  # two in one iteration: each ends a step
-                            held = (t, wait, excluded, serial)  # a Deferred when it is kept
+                            held = Deferred(t, wait, excluded, serial)
                         else:
                             if sample_in <= 1:
                                 break  # the sampler is called
@@ -225,30 +242,17 @@ class Stamps:
             else:  # it gave its batch
                 assert loop_source is not None
                 d = t - opened
-                loop_source.wait_ns += d - stack.pop()
-                loop_source.batches += 1
-                if stack:
-                    stack[-1] += d
-                else:
+                if _fetched(loop_source, d, stack):
                     wait += d
                     wait_total += d
                     serial += 1
                 in_iteration = True
                 opened = None
             li += 1
-        if len(ends) >= BULK:
-            t0, t1, t2 = np.array(ends, dtype=np.int64).T
-            model.recorder.add_many(t0, t1, t2)
-        else:  # a few: one call each costs less than the arrays
-            add = model.recorder.add
-            for t0_, t1_, t2_ in ends:
-                add(t0_, t1_, t2_)
-        if ends and model.spans:
-            model.spans.clear()
+        _closed(model, ends)
         model.start, model.wait, model.excluded, model.sample_in = start, wait, excluded, sample_in
         model.wait_total, model.fetch_serial, model.step_wait_base = wait_total, serial, base
-        model.in_iteration, self._open = in_iteration, opened
-        model.deferred = held if held is None or isinstance(held, Deferred) else Deferred(*held)
+        model.in_iteration, model.deferred, self._open = in_iteration, held, opened
         return li, ei
 
     def _training_window(self, model: StepModel, li: int, ei: int) -> tuple[int, int]:
