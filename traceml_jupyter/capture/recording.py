@@ -168,7 +168,8 @@ class Capture:
                 else:
                     # Reported now, one call each (the GPU path, sampled steps, the first steps).
                     self.flush()
-                    if fetched and self.active:
+                    if fetched and self.active:  # (no grant at the step it ends: the loop looks after this fetch)
+                        self.stamps.writer = pass_
                         model.iteration_end(clock())
                     # On a GPU its events first: a full launch queue blocking the record is not
                     # data wait.
@@ -230,13 +231,14 @@ class Capture:
         stamps = self.stamps
         if not left and t < self.due and self.deferred and self.room >= 0 and stamps.writer is pass_:
             loop_room = self._loop_room
+            if loop_room <= 0 < self.room:  # the step ends the other hooks left: granted again, no replay
+                room = self.room // 4 if self._events_seen or stamps.events else 0
+                loop_room, self.room = self.room - room, room
             if loop_room > 0:  # the line flag's next run only: the per-step path's one call
-                lines = self.lines
-                if lines is None:
+                if (lines := self.lines) is None:
                     self._loop_room = 0
                     return loop_room, self.due
-                on, n = lines.take(loop_room)
-                hooks.lines.on = on
+                hooks.lines.on, n = lines.take(loop_room)
                 self._loop_room = loop_room - n
                 return n, self.due
         return self._look_again(t, left, pass_)
@@ -262,12 +264,10 @@ class Capture:
         else:
             self._report_now()
         self._events_seen = False
+        self._loop_room = 0
         if lines is not None:
-            on, n = lines.take(k or 1)
-            hooks.lines.on = on
+            hooks.lines.on, n = lines.take(k or 1)
             k, self._loop_room = (n, k - n) if k else (0, 0)
-        else:
-            self._loop_room = 0
         if worked:
             self._own_time(began, kept_out)
         return k, self.due
