@@ -17,6 +17,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .failures import failure_text
+
 if TYPE_CHECKING:
     from .run import Run
 
@@ -178,13 +180,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report(run, command)
     except Exception as exc:  # the command's status is what matters to a script
-        print(f"traceml-jupyter: could not build the report: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"traceml-jupyter: could not build the report: {failure_text(exc)}", file=sys.stderr)
     if args.save:
         try:
             WRITERS[os.path.splitext(args.save)[1].lower()](run, args.save)
             print(f"traceml: saved {run.name} to {args.save}")
         except Exception as exc:
-            print(f"traceml-jupyter: could not save to {args.save}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(f"traceml-jupyter: could not save to {args.save}: {failure_text(exc)}", file=sys.stderr)
     return status
 
 

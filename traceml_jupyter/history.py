@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from .analysis.compare import Comparison
+from .failures import failure_text
 from .run import Run, find_run, runs
 from .run import compare as compare_runs
 from .saved import LoadError, SavedRun, read_run, run_key
@@ -86,7 +87,7 @@ def record(run: Run) -> Path | None:
     except Exception as exc:
         print(
             f"traceml: could not save {run.name} to the history {directory}: "
-            f"{type(exc).__name__}: {exc}",
+            f"{failure_text(exc)}",
             file=sys.stderr,
         )
         return None

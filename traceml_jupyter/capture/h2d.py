@@ -20,6 +20,7 @@ from time import perf_counter_ns
 from types import FrameType
 from typing import Any
 
+from ..failures import failure_text
 from .copy_calls import (
     CURRENT,
     NOT_A_DEVICE,
@@ -147,7 +148,7 @@ class CopyWatch:
 
     def turn_off(self, exc: BaseException) -> None:
         if self.off is None:
-            self.off = f"Copies to the GPU were not timed after an error: {type(exc).__name__}: {exc}"
+            self.off = f"Copies to the GPU were not timed after an error: {failure_text(exc)}"
         self._pending.clear()
         self._marked.clear()
         self.side_pending = 0

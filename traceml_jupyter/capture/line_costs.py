@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
 
+from ..failures import failure_text
 from .cuda_graphs import capturing
 from .hooks import LINES
 from .locate import LoopChoice, find_node
@@ -253,7 +254,7 @@ class CudaLineClock(LineClock):
 
     def _turn_off(self, exc: BaseException) -> None:
         if self.gpu_off is None:
-            self.gpu_off = f"{type(exc).__name__}: {exc}"
+            self.gpu_off = failure_text(exc)
         self._marks = None
         self._pending.clear()
         self._free.clear()

@@ -17,6 +17,7 @@ from time import perf_counter_ns
 from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
+from ..failures import failure_text
 from .copy_calls import cell_line
 from .patches import patched
 from .step_tally import StepTally
@@ -35,10 +36,6 @@ EVERY_STEP = 0.9  # a line that syncs in at least 90 % of the steps "synchronise
 # Methods whose call call_text() quotes: the syncing ones and the copying ones.
 CALL_NAMES = frozenset({"item", "tolist", "cpu", "numpy", "synchronize", "to", "cuda", "empty_cache"})
 EMPTY_CACHE = "torch.cuda.empty_cache"
-
-
-def why_off(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -131,7 +128,7 @@ class SyncWatch:
 
     def turn_off(self, exc: BaseException) -> None:
         if self.off is None:
-            self.off = f"Synchronising calls were not watched after an error: {why_off(exc)}"
+            self.off = f"Synchronising calls were not watched after an error: {failure_text(exc)}"
 
     def watch_from(self, step: int) -> None:
         for tally in self.tallies.values():
