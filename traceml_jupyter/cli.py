@@ -26,6 +26,7 @@ USAGE = "traceml-jupyter run [--name NAME] [--warmup N] [--loop FILE:LINE] [--sa
 
 
 def save(run: Run, path: str) -> None:
+    """Save the run to `path` (.json, or a standalone .html report)."""
     from .views import report_file  # noqa: F401  (Run.save writes .html through it)
 
     run.save(path)
@@ -36,6 +37,7 @@ WRITERS: dict[str, Callable[[Run, str], None]] = {".json": save, ".html": save}
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line's parser: `traceml-jupyter run [options] -- COMMAND ...`."""
     top = argparse.ArgumentParser(
         prog="traceml-jupyter",
         description="Time every training step of a command's Python processes: data wait vs compute, and a verdict.",
@@ -171,6 +173,8 @@ def checklist_lines(items: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`traceml-jupyter run -- python train.py`: run the command with its processes traced, print
+    the report, save it if asked; the command's own exit status is returned."""
     top = parser()
     args = top.parse_args(argv)
     command = _command(args, top)

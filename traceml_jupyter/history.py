@@ -56,6 +56,8 @@ def slug(name: str) -> str:
 
 
 def file_name(run: Run) -> str:
+    """The run's file name in the history: its start time, then its name
+    ("20250101-120000-123-run-3.json")."""
     started = run.started_at
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
     return f"{stamp}-{int(started * 1000) % 1000:03d}-{slug(run.name)}.json"
@@ -94,6 +96,7 @@ def record(run: Run) -> Path | None:
 
 
 def saved_runs(directory: Path) -> list[Path]:
+    """The history's run files in `directory`, oldest first."""
     return sorted(p for p in directory.glob("*.json") if FILE.match(p.name))
 
 

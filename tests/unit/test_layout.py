@@ -23,9 +23,30 @@ ORCHESTRATION = ("ranks", "tuning", "processes", "traced_cell", "tracing", "magi
 # Modules under every layer: any module may import them; they import nothing of the package.
 BASE = ("failures",)
 
-# Packages whose every public function, class and method has a docstring (help() finds it);
-# the rest of the package joins as its docstrings are written.
-DOCUMENTED = ("tuning", "ranks", "kernel", "analysis/checklist")
+# Every public function, class and method of the package has a docstring (help() finds it), but
+# in these modules, owned by another branch this round (the coordinator writes theirs after the
+# merge). A module that has them all must leave the list.
+NOT_YET_DOCUMENTED = (
+    "__init__.py",
+    "capture/model_calls.py",
+    "capture/recorder.py",
+    "capture/recording.py",
+    "capture/stamps.py",
+    "capture/step_model.py",
+    "capture/step_parts.py",
+    "magic.py",
+    "run.py",
+    "saved.py",
+    "traced_cell.py",
+    "views/live.py",
+    "views/live_header.py",
+    "views/live_svg.py",
+    "views/report_code.py",
+    "views/report_evidence.py",
+    "views/report_file.py",
+    "views/report_style.py",
+    "views/resource_plots.py",
+)
 
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
@@ -256,24 +277,44 @@ def test_every_relative_import_names_a_module_of_the_package() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def test_every_public_name_of_the_documented_packages_has_a_docstring() -> None:
-    missing = []
-    for folder in DOCUMENTED:
-        for path in (PACKAGE / folder).rglob("*.py"):
-            where = path.relative_to(PACKAGE)
+def undocumented(source: str) -> list[str]:
+    """The public functions, classes and methods of public classes in `source` without a
+    docstring, as "LINE Class.name"."""
+    missing: list[str] = []
 
-            def visit(node: ast.AST, prefix: str, where: Path = where) -> None:
-                for child in ast.iter_child_nodes(node):
-                    if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                        if child.name.startswith("_"):
-                            continue
-                        if ast.get_docstring(child) is None:
-                            missing.append(f"{where}:{child.lineno} {prefix}{child.name}")
-                        if isinstance(child, ast.ClassDef):
-                            visit(child, f"{prefix}{child.name}.")
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if child.name.startswith("_"):
+                    continue
+                if ast.get_docstring(child) is None:
+                    missing.append(f"{child.lineno} {prefix}{child.name}")
+                if isinstance(child, ast.ClassDef):
+                    visit(child, f"{prefix}{child.name}.")
 
-            visit(ast.parse(path.read_text(encoding="utf-8")), "")
+    visit(ast.parse(source), "")
+    return missing
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    missing, documented = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(PACKAGE))
+        names = undocumented(path.read_text(encoding="utf-8"))
+        if where in NOT_YET_DOCUMENTED:
+            if not names:
+                documented.append(where)
+            continue
+        missing += [f"{where}:{name}" for name in names]
     assert not missing, "no docstring: " + ", ".join(missing)
+    assert not documented, "documented now, take off NOT_YET_DOCUMENTED: " + ", ".join(documented)
+    assert all((PACKAGE / where).exists() for where in NOT_YET_DOCUMENTED)
+
+
+def test_the_docstring_rule_bites_on_new_code() -> None:
+    source = "def f():\n    pass\nclass A:\n    def m(self):\n        pass\n    def _p(self):\n        pass\nclass _B:\n    def m(self):\n        pass\n"
+    assert undocumented(source) == ["1 f", "3 A", "4 A.m"]
+    assert undocumented('def f():\n    """What f does."""\n') == []
 
 
 # -- the "never raise; add a note" guard ------------------------------------------------------

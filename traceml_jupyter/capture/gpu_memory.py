@@ -97,6 +97,8 @@ class GpuMemory:
         self._reset: Callable[[int], Any] | None = None
 
     def loop_started(self, device: int) -> None:
+        """The loop runs on `device`: start reading its memory statistics per step, or say in `off`
+        why not (CUDA not initialised, an error)."""
         if self._stats is not None or self.off is not None:
             return
         try:
@@ -170,9 +172,12 @@ class GpuMemory:
             self.off = f"GPU memory per step stopped: {failure_text(exc)}"
 
     def columns(self) -> dict[str, Callable[[Any], Any]]:
+        """The per-step columns of GPU memory (peak, allocated, reserved), by name."""
         return {name: tally.column for name, tally in self.tallies.items()}
 
     def result(self) -> dict[str, Any]:
+        """What the run keeps of the GPU memory: the device, its capacity, how often it was read and
+        at what cost."""
         return {
             "device": self.device,
             "capacity_mib": self.capacity_mib,
@@ -197,6 +202,7 @@ class Kinds:
 
 
 def torch_kinds() -> Kinds | None:
+    """torch's tensor, module and optimizer classes, when torch is imported; else None."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None

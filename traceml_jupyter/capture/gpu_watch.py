@@ -246,7 +246,7 @@ class GpuWatch:
         except Exception as exc:
             self._backlog_failed(exc)
 
-    # -- waits nobody reports, and our own host time (issue 23) ---------------------------
+    # -- waits nobody reports, and our own host time ---------------------------------------
     def _watch_hidden_and_own(self, syncs: SyncWatch, first: int) -> None:
         self.hidden = hidden_waits.at_loop_start()
         self._frees_before = self._allocator_frees()
@@ -344,6 +344,8 @@ class GpuWatch:
         return np.maximum(lag, 0.0)
 
     def columns(self) -> dict[str, Callable[[np.ndarray], np.ndarray]]:
+        """The per-step columns of the copies, the syncs and the GPU backlog that are measured, by
+        name."""
         cols: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
         if self.copies is not None and self.copies.off is None:
             cols.update({name: tally.column for name, tally in self.copies.tallies.items()})

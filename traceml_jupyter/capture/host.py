@@ -156,6 +156,8 @@ class Worker:
     uss_due: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """The worker's figures as JSON-ready values: pid, when it was seen, CPU seconds, memory
+        first and last."""
         uss = [v for _, v in self.uss]
         return {
             "pid": self.pid,
@@ -232,6 +234,7 @@ class HostSampler:
 
     @property
     def running(self) -> bool:
+        """The sampler's thread is alive."""
         return self._thread is not None and self._thread.is_alive()
 
     def add_workers(self, pids: Iterable[int], loader: int) -> None:
@@ -258,6 +261,8 @@ class HostSampler:
         return True
 
     def stop(self) -> None:
+        """Stop the sampler (its last sample taken, the thread joined) and let go of the workers'
+        handles."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:

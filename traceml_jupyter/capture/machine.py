@@ -55,6 +55,7 @@ def describe_machine(
 
 
 def package_version() -> str | None:
+    """traceml-jupyter's installed version; None when run from a source tree that was not installed."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -119,6 +119,7 @@ class GpuSamples(SampleBuffer):
     def add(
         self, time_s: float, util_pct: float, mem_used_mib: float, clock_mhz: float = NAN, temp_c: float = NAN
     ) -> None:
+        """One NVML reading at `time_s`: utilisation, memory used, SM clock and temperature."""
         self.add_row((time_s, util_pct, mem_used_mib, clock_mhz, temp_c))
 
     def latest(self) -> tuple[float, float] | None:
@@ -207,9 +208,12 @@ class GpuSampler:
 
     @property
     def running(self) -> bool:
+        """The sampler's thread is alive."""
         return self._thread is not None and self._thread.is_alive()
 
     def start_when_ready(self, device: int | None = None) -> None:
+        """Start sampling once the loop's GPU is known (the capture saw it, or `device`); until
+        then, and where there is no CUDA or no NVML, `note` says why not."""
         if self._decided or self._stop.is_set():
             return
         if not cuda_available():
@@ -333,6 +337,7 @@ class GpuSampler:
         self.samples.add(stamp, util, used, *clock_and_temperature(nvml, self._handle))
 
     def close(self) -> None:
+        """Let go of NVML (never raises)."""
         if self._nvml is not None:
             with never_raise():
                 self._nvml.nvmlShutdown()

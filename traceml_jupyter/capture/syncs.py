@@ -106,6 +106,7 @@ class SyncWatch:
             self.tallies["sync_untimed"].add(step, 1.0)
 
     def blocking_copy(self, step: int, ns: int, frame: FrameType | None) -> None:
+        """A blocking copy on `step` made the host wait `ns`: counted as a synchronising call."""
         self.synced(step, "blocking copy", ns, frame)
 
     def warned(self, frame: FrameType | None, t_in: int | None = None) -> None:
@@ -127,10 +128,13 @@ class SyncWatch:
             )
 
     def turn_off(self, exc: BaseException) -> None:
+        """Stop watching syncs after an error of ours (`off` says which); the calls themselves still
+        run."""
         if self.off is None:
             self.off = f"Synchronising calls were not watched after an error: {failure_text(exc)}"
 
     def watch_from(self, step: int) -> None:
+        """Steps from `step` on are watched: a step without a sync counts as 0, not unmeasured."""
         for tally in self.tallies.values():
             tally.watch_from(step)
 

@@ -41,6 +41,8 @@ class ChildSender(ranks.Sender):
         self.main_file: str | None = getattr(sys.modules.get("__main__"), "__file__", None)
 
     def hello(self) -> None:
+        """Introduce this process to the kernel: pid, command line, clock origin and who it is
+        (rank, world size)."""
         meta = {
             "pid": self.pid,
             "index": 0,
@@ -225,6 +227,8 @@ class LoopModuleFinder:
         self.path, self.line, self.token = path, line, token
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        """The module spec of the `--loop` file, loaded with its loop instrumented; None for any
+        other module."""
         import importlib.machinery
 
         spec = importlib.machinery.PathFinder.find_spec(name, path)
@@ -245,6 +249,8 @@ class LoopModuleFinder:
         return spec
 
     def rewritten(self) -> ast.Module:
+        """The `--loop` file's tree with the loop at its line instrumented (SyntaxError when no for
+        loop is there)."""
         with open(self.path, encoding="utf-8") as fh:
             tree = ast.parse(fh.read(), self.path)
         choice = loop_at_line(tree, self.line)
