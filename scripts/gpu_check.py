@@ -9,7 +9,7 @@ and after every cell the process is checked to be as it was (hygiene).
     .venv/bin/python scripts/gpu_check.py --second         # the second pass (≤ 60 s, gpu_second_pass.py)
     .venv/bin/python scripts/gpu_check.py --all --second   # both, one process, within 5 minutes
     .venv/bin/python scripts/gpu_check.py --list           # the scenarios, what each shows
-    .venv/bin/python scripts/gpu_check.py --fork-check     # finding 1 alone (CPU or GPU)
+    .venv/bin/python scripts/gpu_check.py --fork-check     # no CUDA initialised before a fork (CPU or GPU)
 
 The table goes to stdout and JSON to $OUT/gpu_check.json ($OUT, else ./artifacts). Without a
 CUDA device it prints "skipped: no CUDA device" and the scenario list, and exits 0.
@@ -1437,7 +1437,7 @@ def write_json(checks: list[Check], info: dict[str, Any]) -> Path:
     return path
 
 
-# -- finding 1, alone: a fork child after a traced cell ---------------------------------------------
+# -- the fork check, alone: a fork child after a traced cell -----------------------------------------
 
 
 def fork_check() -> int:
@@ -1492,7 +1492,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="every scenario (the default)")
     parser.add_argument("--only", default=None, help="comma-separated scenario keys")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
-    parser.add_argument("--fork-check", action="store_true", help="finding 1 alone (CPU or GPU)")
+    parser.add_argument("--fork-check", action="store_true", help="a fork child after a traced cell: no CUDA initialised before it (CPU or GPU)")
     parser.add_argument("--second", action="store_true", help="the second pass (gpu_second_pass.py, ≤ 60 s)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the second pass's child process
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

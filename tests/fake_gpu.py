@@ -25,8 +25,9 @@ wrong exactly there:
   memory, MIG mode (utilisation NOT_SUPPORTED), other processes on the device.
 - `initialized`: False until something uses CUDA; the watches must never be the first.
 
-Closer to CUDA since the double review (../shared/reviews/gpu-double-review.md), each rule with
-the documentation it follows next to its code (the section "issue 23" at the end):
+What CUDA does around graphs, hidden waits and the allocator (../shared/reviews/gpu-double-review.md),
+each rule with the documentation it follows next to its code (the section "CUDA graphs, hidden
+waits, allocator backends" at the end):
 
 - CUDA graph capture (`CUDAGraph`, `graph(...)`, `is_current_stream_capturing()`): work issued
   on the capturing stream is recorded into the graph, not run; `replay()` runs it on the
@@ -149,8 +150,8 @@ class FakeDevice:
         self.busy: list[tuple[int, int]] = []  # (start, end) of kernels and copies, for NVML
         self.allocations = 0  # tensors made on the device (torch.cuda.memory_stats counter)
 
-    copy_engine_free_at = 0  # when the device's host-to-device copy engine is free (issue 23)
-    device_frees = 0  # cudaFree calls of the allocator (empty_cache, retries) (issue 23)
+    copy_engine_free_at = 0  # when the device's host-to-device copy engine is free
+    device_frees = 0  # cudaFree calls of the allocator (empty_cache, retries)
 
     @property
     def default_stream(self) -> FakeStream:
@@ -168,7 +169,7 @@ class FakeGpu:
     `launch_us` and `event_us`: launch latency of a command and of an event record; 0 keeps
     the timings exact (most tests). `queue_depth`: commands that may be pending on a device
     before a launch blocks the host. `queue_ms` (optional): also block while more than this
-    much work is queued on the stream (the old model; None: off).
+    much work is queued on the stream (a queue bounded by time rather than count; None: off).
     """
 
     def __init__(
@@ -244,7 +245,7 @@ class FakeGpu:
     # -- work ---------------------------------------------------------------------------------
     def check(self) -> None:
         """A sticky CUDA error makes every later call raise. Every CUDA call passes here: it
-        costs the host `call_ns` (see `call_us` in the section "issue 23")."""
+        costs the host `call_ns` (see `call_us` in STAND_IN_DEFAULTS)."""
         if self.call_ns:
             self.clock.sleep(self.call_ns)
         if self.error is not None:
@@ -340,7 +341,7 @@ class FakeGpu:
         return 100.0 * busy / window_ns if window_ns > 0 else 0.0
 
 
-    # -- issue 23: graph capture, hidden waits, allocator backends, copy engine, call cost ----
+    # -- graph capture, hidden waits, allocator backends, copy engine, call cost -------------
     # Knobs (class defaults; a test sets them on its machine): see STAND_IN_DEFAULTS.
     capture: FakeCapture | None = None  # the stream capture under way, if any
     launch_blocking = False  # CUDA_LAUNCH_BLOCKING=1
@@ -451,7 +452,7 @@ class FakeEvent:
         self.device: int | None = None  # bound at the first record
         self.t: int | None = None  # GPU time it completes at (host ns)
 
-    captured = False  # last recorded on a capturing stream (see the section "issue 23")
+    captured = False  # last recorded on a capturing stream (see the section "CUDA graphs, ...")
 
     def record(self, stream: FakeStream | None = None) -> None:
         gpu = self.gpu
@@ -781,7 +782,8 @@ def install_fake_cuda(monkeypatch: Any, gpu: FakeGpu) -> None:
     events, the copy and sync watches, and the per-line clock.
 
     The watches get `gpu.module` through the same `cuda_api` as torch's; the capture core's
-    own CUDA decisions are replaced where it has them (old core: run.cuda_in_use, ...)."""
+    own CUDA decisions are replaced where it has them (CUDA initialised, the allocations each
+    device saw, events on a device)."""
     from traceml_jupyter import run as run_module
     from traceml_jupyter.capture import cuda_clock, gpu_watch
 
@@ -1131,7 +1133,7 @@ def install_fake_allocator(monkeypatch: Any, gpu: FakeGpu, capacity_gib: float =
     kinds = gpu_memory.Kinds((MemTensor, torch.Tensor), (FakeModel, torch.nn.Module), (FakeOptimizer, torch.optim.Optimizer))
     monkeypatch.setattr(gpu_memory, "torch_kinds", lambda: kinds)
     return allocator
-# -- issue 23: CUDA graphs, hidden waits, allocator backends ---------------------------------------
+# -- CUDA graphs, hidden waits, allocator backends ------------------------------------------------
 
 # What the stand-in assumes where CUDA or NVML does not say (or the docs say "may"); the first
 # real run measures each (scripts/gpu_check.py, group "calibration") and writes it next to

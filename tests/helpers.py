@@ -52,14 +52,38 @@ def traced(ip: Any, cell: str, options: str = "--no-live", *, store_history: boo
     return traced_and_result(ip, cell, options, store_history=store_history)[0]
 
 
+def stop_loader_workers(namespace: dict[str, Any]) -> list[str]:
+    """Shut down the worker processes a DataLoader of `namespace` keeps between passes
+    (`persistent_workers=True` keeps them in its `_iterator` until the loader is collected),
+    so that a test's loader left in the session's shell does not leave processes behind for
+    the next test file's leak checks (tests/integration/ranks, tests/integration/children).
+    The loader stays usable: its next pass starts workers anew. The names of those stopped."""
+    from torch.utils.data import DataLoader
+
+    stopped = []
+    for name, value in list(namespace.items()):
+        if not isinstance(value, DataLoader):
+            continue
+        iterator = value.__dict__.get("_iterator")
+        if iterator is not None and getattr(iterator, "_workers", None):
+            iterator._shutdown_workers()
+            value._iterator = None
+            stopped.append(name)
+    return stopped
+
+
 def shell_fixture(setup: str, *, store_history: bool = False, scope: Any = "function") -> Any:
     """A `shell` fixture (`shell = shell_fixture(SETUP)` in a test file): the session's shell
-    with `setup` run first, failing the test when it raised."""
+    with `setup` run first, failing the test when it raised; afterwards the workers of the
+    DataLoaders left in its namespace are stopped (`stop_loader_workers`)."""
 
     @pytest.fixture(scope=scope)
-    def shell(ip: Any) -> Any:
+    def shell(ip: Any) -> Iterator[Any]:
         run(ip, setup, store_history=store_history, check=True)
-        return ip
+        try:
+            yield ip
+        finally:
+            stop_loader_workers(ip.user_ns)
 
     return shell
 

@@ -17,6 +17,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .failures import failure_text
+
 if TYPE_CHECKING:
     from .run import Run
 
@@ -24,6 +26,7 @@ USAGE = "traceml-jupyter run [--name NAME] [--warmup N] [--loop FILE:LINE] [--sa
 
 
 def save(run: Run, path: str) -> None:
+    """Save the run to `path` (.json, or a standalone .html report)."""
     from .views import report_file  # noqa: F401  (Run.save writes .html through it)
 
     run.save(path)
@@ -34,6 +37,7 @@ WRITERS: dict[str, Callable[[Run, str], None]] = {".json": save, ".html": save}
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line's parser: `traceml-jupyter run [options] -- COMMAND ...`."""
     top = argparse.ArgumentParser(
         prog="traceml-jupyter",
         description="Time every training step of a command's Python processes: data wait vs compute, and a verdict.",
@@ -169,6 +173,8 @@ def checklist_lines(items: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`traceml-jupyter run -- python train.py`: run the command with its processes traced, print
+    the report, save it if asked; the command's own exit status is returned."""
     top = parser()
     args = top.parse_args(argv)
     command = _command(args, top)
@@ -178,13 +184,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report(run, command)
     except Exception as exc:  # the command's status is what matters to a script
-        print(f"traceml-jupyter: could not build the report: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"traceml-jupyter: could not build the report: {failure_text(exc)}", file=sys.stderr)
     if args.save:
         try:
             WRITERS[os.path.splitext(args.save)[1].lower()](run, args.save)
             print(f"traceml: saved {run.name} to {args.save}")
         except Exception as exc:
-            print(f"traceml-jupyter: could not save to {args.save}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(f"traceml-jupyter: could not save to {args.save}: {failure_text(exc)}", file=sys.stderr)
     return status
 
 

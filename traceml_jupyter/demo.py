@@ -157,6 +157,7 @@ def data_costs(scenario: str, sizes: Sizes, step_ms: float, workers: int) -> Dat
 
 
 def check_scenario(scenario: str) -> None:
+    """Raise ValueError naming the known scenarios when `scenario` is not one of them."""
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown demo scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from .analysis.compare import Comparison
+from .failures import failure_text
 from .run import Run, find_run, runs
 from .run import compare as compare_runs
 from .saved import LoadError, SavedRun, read_run, run_key
@@ -55,6 +56,8 @@ def slug(name: str) -> str:
 
 
 def file_name(run: Run) -> str:
+    """The run's file name in the history: its start time, then its name
+    ("20250101-120000-123-run-3.json")."""
     started = run.started_at
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
     return f"{stamp}-{int(started * 1000) % 1000:03d}-{slug(run.name)}.json"
@@ -86,13 +89,14 @@ def record(run: Run) -> Path | None:
     except Exception as exc:
         print(
             f"traceml: could not save {run.name} to the history {directory}: "
-            f"{type(exc).__name__}: {exc}",
+            f"{failure_text(exc)}",
             file=sys.stderr,
         )
         return None
 
 
 def saved_runs(directory: Path) -> list[Path]:
+    """The history's run files in `directory`, oldest first."""
     return sorted(p for p in directory.glob("*.json") if FILE.match(p.name))
 
 

@@ -2,8 +2,9 @@
 the cell runs) and analysis (pure) import nothing above them, kernel reads what the kernel holds
 (and the run), views read the run, the kernel and the analysis, the run never imports its views,
 and no import cycle exists anywhere. tuning/ and ranks/ orchestrate, as magic.py does: nothing
-below them imports them. No module grows past MAX_MODULE_LINES, no function past
-MAX_FUNCTION_LINES, but for the few listed (each with why it is still over)."""
+below them imports them; failures.py (the guard that turns a failure of ours into a note) is
+under every layer and imports nothing of the package. No module grows past MAX_MODULE_LINES, no
+function past MAX_FUNCTION_LINES, but for the few listed (each with why it is still over)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,33 @@ PACKAGE = REPO / "traceml_jupyter"
 # Packages and modules that drive the others (the top layer): nothing in capture, analysis,
 # kernel, run or views imports them.
 ORCHESTRATION = ("ranks", "tuning", "processes", "traced_cell", "tracing", "magic", "demo", "cli")
+# Modules under every layer: any module may import them; they import nothing of the package.
+BASE = ("failures",)
 
-# Packages whose every public function, class and method has a docstring (help() finds it);
-# the rest of the package joins as its docstrings are written.
-DOCUMENTED = ("tuning", "ranks", "kernel", "analysis/checklist")
+# Every public function, class and method of the package has a docstring (help() finds it), but
+# in these modules, owned by another branch this round (the coordinator writes theirs after the
+# merge). A module that has them all must leave the list.
+NOT_YET_DOCUMENTED = (
+    "__init__.py",
+    "capture/model_calls.py",
+    "capture/recorder.py",
+    "capture/recording.py",
+    "capture/stamps.py",
+    "capture/step_model.py",
+    "capture/step_parts.py",
+    "magic.py",
+    "run.py",
+    "saved.py",
+    "traced_cell.py",
+    "views/live.py",
+    "views/live_header.py",
+    "views/live_svg.py",
+    "views/report_code.py",
+    "views/report_evidence.py",
+    "views/report_file.py",
+    "views/report_style.py",
+    "views/resource_plots.py",
+)
 
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
@@ -92,6 +116,8 @@ def graph() -> dict[str, set[str]]:
 
 
 def layer(module: str) -> str:
+    if module in BASE:
+        return "base"
     head = module.split(".")[0]
     if head in ("capture", "analysis", "kernel", "views"):
         return head
@@ -123,12 +149,13 @@ def test_no_module_of_the_package_imports_itself_back() -> None:
 
 def test_imports_point_one_way_capture_analysis_run_views() -> None:
     allowed = {
-        "capture": {"capture"},
-        "analysis": {"analysis"},
-        "run": {"capture", "analysis"},
-        "kernel": {"capture", "analysis", "run", "kernel"},
-        "views": {"capture", "analysis", "run", "kernel", "views"},
-        "top": {"capture", "analysis", "run", "kernel", "views", "top"},
+        "base": set(),
+        "capture": {"base", "capture"},
+        "analysis": {"base", "analysis"},
+        "run": {"base", "capture", "analysis"},
+        "kernel": {"base", "capture", "analysis", "run", "kernel"},
+        "views": {"base", "capture", "analysis", "run", "kernel", "views"},
+        "top": {"base", "capture", "analysis", "run", "kernel", "views", "top"},
     }
     wrong = [
         f"{module} ({layer(module)}) imports {target} ({layer(target)})"
@@ -144,8 +171,8 @@ def test_the_tree_reads_as_the_flow() -> None:
     assert subpackages == ["analysis", "capture", "kernel", "processes", "ranks", "tuning", "views"]
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
     assert top == [
-        "__init__", "__main__", "async_cells", "cli", "demo", "history", "magic", "run", "saved",
-        "syntax_cells", "traced_cell", "tracing",
+        "__init__", "__main__", "async_cells", "cli", "demo", "failures", "history", "magic", "run",
+        "saved", "syntax_cells", "traced_cell", "tracing",
     ]
 
 
@@ -250,21 +277,139 @@ def test_every_relative_import_names_a_module_of_the_package() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def test_every_public_name_of_the_documented_packages_has_a_docstring() -> None:
-    missing = []
-    for folder in DOCUMENTED:
-        for path in (PACKAGE / folder).rglob("*.py"):
-            where = path.relative_to(PACKAGE)
+def undocumented(source: str) -> list[str]:
+    """The public functions, classes and methods of public classes in `source` without a
+    docstring, as "LINE Class.name"."""
+    missing: list[str] = []
 
-            def visit(node: ast.AST, prefix: str, where: Path = where) -> None:
-                for child in ast.iter_child_nodes(node):
-                    if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                        if child.name.startswith("_"):
-                            continue
-                        if ast.get_docstring(child) is None:
-                            missing.append(f"{where}:{child.lineno} {prefix}{child.name}")
-                        if isinstance(child, ast.ClassDef):
-                            visit(child, f"{prefix}{child.name}.")
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if child.name.startswith("_"):
+                    continue
+                if ast.get_docstring(child) is None:
+                    missing.append(f"{child.lineno} {prefix}{child.name}")
+                if isinstance(child, ast.ClassDef):
+                    visit(child, f"{prefix}{child.name}.")
 
-            visit(ast.parse(path.read_text(encoding="utf-8")), "")
+    visit(ast.parse(source), "")
+    return missing
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    missing, documented = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(PACKAGE))
+        names = undocumented(path.read_text(encoding="utf-8"))
+        if where in NOT_YET_DOCUMENTED:
+            if not names:
+                documented.append(where)
+            continue
+        missing += [f"{where}:{name}" for name in names]
     assert not missing, "no docstring: " + ", ".join(missing)
+    assert not documented, "documented now, take off NOT_YET_DOCUMENTED: " + ", ".join(documented)
+    assert all((PACKAGE / where).exists() for where in NOT_YET_DOCUMENTED)
+
+
+def test_the_docstring_rule_bites_on_new_code() -> None:
+    source = "def f():\n    pass\nclass A:\n    def m(self):\n        pass\n    def _p(self):\n        pass\nclass _B:\n    def m(self):\n        pass\n"
+    assert undocumented(source) == ["1 f", "3 A", "4 A.m"]
+    assert undocumented('def f():\n    """What f does."""\n') == []
+
+
+# -- the "never raise; add a note" guard ------------------------------------------------------
+# A block whose only job is to swallow a failure of ours (and maybe note it) is
+# `with never_raise(notes, "what"):` (failures.py). What remains hand-written, per module, at
+# most as many as today (it may shrink, not grow): blocks that fall back to another value (a
+# guarded read answers None, False, 0 or {}), translate the error into the user's message,
+# re-raise, retry, or run on the per-step hot path (where a `with` would cost every step).
+HAND_WRITTEN_EXCEPTS = {
+    "analysis/cell_code.py": 1,  # a transformer that fails: no tree (None)
+    "capture/copy_calls.py": 2,  # per copy: a tensor's size and pinning, a fallback each
+    "capture/cuda_clock.py": 3,  # fallbacks: no device, no stats
+    "capture/cuda_graphs.py": 2,  # a fallback (False); per replay: one note at most
+    "capture/cuda_state.py": 1,  # a fallback (False)
+    "capture/dataloaders.py": 5,  # guarded reads of the user's loader: None, or the next item
+    "capture/gpu_activity.py": 5,  # fallbacks; per sync (look); patches undone on failure
+    "capture/gpu_memory.py": 11,  # guarded reads of the user's namespace and of torch; per step
+    "capture/gpu_watch.py": 5,  # patches undone on failure; per step (backlog); a fallback
+    "capture/h2d.py": 5,  # per copy / per wait: the watch turns itself off
+    "capture/hidden_waits.py": 1,  # a fallback (False)
+    "capture/host.py": 2,  # fallbacks (None)
+    "capture/line_costs.py": 4,  # per step: the GPU clock turns itself off
+    "capture/nvml.py": 9,  # fallbacks; NVML's failure kept as the sampler's note and detail
+    "capture/probes.py": 6,  # guarded reads of the user's objects (the module's job)
+    "capture/sources.py": 4,  # guarded reads of the user's objects
+    "capture/syncs.py": 2,  # per sync: the watch turns itself off; a fallback
+    "cli.py": 2,  # the error in the command line's own words on stderr
+    "demo.py": 1,  # a fallback (no device count)
+    "history.py": 1,  # the error in the user's words on stderr
+    "kernel/code_facts.py": 3,  # guarded reads of the user's loader and dataset (None)
+    "processes/child_run.py": 1,  # the error goes into the end frame's note
+    # The children's sitecustomize imports nothing of the package (not even failures.py).
+    "processes/startup_hook.py": 9,
+    "syntax_cells.py": 2,  # someone else's input transformer fails: the magic decides
+    "tuning/measure.py": 2,  # a fallback (None); a candidate's error becomes its row
+    "tuning/model_rate.py": 3,  # fallbacks: no loader, no summary, no model rate
+    "tuning/recipe.py": 1,  # a fallback (the sampler itself)
+    # Owned by another branch this round (the coordinator converts them after the merge).
+    "capture/model_calls.py": 10,
+    "capture/recording.py": 18,
+    "capture/step_parts.py": 15,
+    "magic.py": 2,
+    "ranks/backward.py": 1,
+    "ranks/collector.py": 3,
+    "ranks/follow.py": 2,
+    "ranks/forks.py": 2,
+    "ranks/gather.py": 2,
+    "ranks/identity.py": 1,
+    "ranks/sender.py": 2,
+    "run.py": 4,
+    "saved.py": 1,
+    "traced_cell.py": 5,
+    "tuning/progress.py": 2,
+    "views/display.py": 2,
+    "views/environment.py": 1,
+    "views/live.py": 3,
+    "views/live_svg.py": 1,
+    "views/loop_passes.py": 1,
+    "views/report.py": 1,
+}
+
+
+def hand_written_excepts(source: str) -> int:
+    """The `except Exception` handlers (alone or in a tuple) in a module's source."""
+    count = 0
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ExceptHandler) and node.type is not None:
+            kinds = node.type.elts if isinstance(node.type, ast.Tuple) else [node.type]
+            count += any(isinstance(k, ast.Name) and k.id == "Exception" for k in kinds)
+    return count
+
+
+def excepts_over(counts: dict[str, int], allowed: dict[str, int]) -> list[str]:
+    wrong = [
+        f"{name}: {n} hand-written `except Exception` (at most {allowed.get(name, 0)}): "
+        "use `with never_raise(notes, ...)` from failures.py"
+        for name, n in sorted(counts.items())
+        if n > allowed.get(name, 0)
+    ]
+    wrong += [f"{name}: listed but has none: take it off the list" for name in allowed if not counts.get(name)]
+    return wrong
+
+
+def test_failures_of_ours_go_through_the_one_guard() -> None:
+    counts = {str(p.relative_to(PACKAGE)): hand_written_excepts(p.read_text(encoding="utf-8")) for p in PACKAGE.rglob("*.py")}
+    wrong = excepts_over(counts, HAND_WRITTEN_EXCEPTS)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_guard_count_bites_on_new_code() -> None:
+    source = "try:\n    f()\nexcept Exception:\n    pass\ntry:\n    g()\nexcept (ValueError, Exception):\n    pass\n"
+    assert hand_written_excepts(source) == 2
+    assert hand_written_excepts("try:\n    f()\nexcept ValueError:\n    pass\n") == 0
+    assert excepts_over({"new.py": 1}, {}) == [
+        "new.py: 1 hand-written `except Exception` (at most 0): use `with never_raise(notes, ...)` from failures.py"
+    ]
+    assert excepts_over({"old.py": 0}, {"old.py": 2}) == ["old.py: listed but has none: take it off the list"]
+    assert not excepts_over({"old.py": 1}, {"old.py": 2})  # fewer than allowed: fine

@@ -30,6 +30,8 @@ class CodeSite:
     cell: str | None = None
 
     def label(self) -> str:
+        """Where the code is, as the report says it: "line 4", or "cell 3, line 4" for an earlier
+        cell."""
         return f"line {self.line}" if self.cell is None else f"{self.cell}, line {self.line}"
 
 
@@ -74,6 +76,8 @@ def parse_cell(source: str, transform: Callable[[str], str] | None = None) -> as
 
 
 def call_name(call: ast.Call) -> str | None:
+    """The name a call is made by (`loader` in `loader(...)`, `to` in `x.to(...)`); None for
+    anything else."""
     func = call.func
     if isinstance(func, ast.Attribute):
         return func.attr
@@ -83,6 +87,7 @@ def call_name(call: ast.Call) -> str | None:
 
 
 def short_code(node: ast.AST, width: int = 48) -> str:
+    """The node's code on one line, cut to `width` characters with "..." when longer."""
     text = ast.unparse(node)
     return text if len(text) <= width else text[: width - 3] + "..."
 
@@ -206,6 +211,7 @@ def transfers_in(loop: ast.For | ast.AsyncFor, cell: str | None = None) -> list[
 
 
 def class_def(tree: ast.AST, name: str) -> ast.ClassDef | None:
+    """The first class named `name` defined in the tree, or None."""
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name == name:
             return node

@@ -43,6 +43,8 @@ class Comparison:
     per_step: list[ColumnChange] = field(default_factory=list)  # mean per step, A and B
 
     def text(self) -> str:
+        """The comparison as plain text: the caveats, the conclusion, the table of medians and the
+        notes."""
         lines = [f"traceml compare: {self.name_a} -> {self.name_b}"]
         lines.extend(f"  {caveat}" for caveat in self.caveats)
         lines.append(f"  {self.conclusion}")
@@ -74,6 +76,7 @@ class Comparison:
         return comparison_html(self)
 
     def to_dict(self) -> dict[str, Any]:
+        """The comparison as JSON-ready values (what `%traceml compare` and `--save` write)."""
         return {
             "a": self.name_a,
             "b": self.name_b,

@@ -46,6 +46,7 @@ class Feeder:
 
     @property
     def noun(self) -> str:
+        """What fed the steps in words ("a DataLoader", "a generator", ...)."""
         return NOUNS.get(self.type or "", "the loop's own source")
 
     @property

@@ -58,9 +58,12 @@ class KeptGraph:
         return f"`{self.value}.detach()` (or `{self.value}.item()` for a number)"
 
     def sentence(self) -> str:
+        """The finding in one sentence: the line that keeps every step's graph, and what to write
+        instead."""
         return f"line {self.line} keeps every step's graph (`{self.text}`): use {self.fix()}"
 
     def to_dict(self) -> dict[str, object]:
+        """The finding as JSON-ready values."""
         return {
             "line": self.line,
             "text": self.text,

@@ -75,9 +75,11 @@ class ColumnChange:
 
     @property
     def counts(self) -> bool:
+        """The change is beyond run-to-run noise (faster or slower)."""
         return self.verdict != "within noise"
 
     def to_dict(self) -> dict[str, Any]:
+        """The change as JSON-ready values."""
         return {
             "name": self.name,
             "column": self.column,
@@ -107,6 +109,7 @@ class Judgement:
 
     @property
     def slower_parts(self) -> list[ColumnChange]:
+        """The parts of the step (data wait, compute, ...) that got slower beyond noise."""
         return [c for c in self.columns[1:] if c.part and c.verdict == "slower"]
 
 

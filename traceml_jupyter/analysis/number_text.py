@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 def measured(value: float | None) -> bool:
+    """The value was measured: neither None nor NaN."""
     return value is not None and value == value  # NaN is not equal to itself
 
 

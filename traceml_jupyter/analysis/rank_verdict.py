@@ -221,6 +221,8 @@ NEXT = {
 
 
 def straggler_verdict(found: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]]) -> Verdict:
+    """The verdict when one rank holds the others back: which rank, what it waits for, and what the
+    others lose waiting for it."""
     r, score = found["rank"], float(found["score"])
     n = int(found["n_analysed"])
     why = (

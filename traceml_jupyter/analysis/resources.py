@@ -56,6 +56,8 @@ BATCH_HEADROOM = 0.90  # a larger batch may fill the device up to this share
 
 
 class Label(str, Enum):
+    """The labels of resource findings (OUT OF MEMORY, HIGH PRESSURE, CPU SATURATED, ...)."""
+
     OUT_OF_MEMORY = "OUT OF MEMORY"
     HIGH_PRESSURE = "HIGH PRESSURE"
     MEMORY_CREEP = "MEMORY CREEP"
@@ -80,9 +82,11 @@ class Finding:
     line: int | None = None
 
     def sentence(self) -> str:
+        """The finding in one line: its label, what was seen and what to do."""
         return f"{self.label.value}: {self.text} {self.next}".strip()
 
     def to_dict(self) -> dict[str, Any]:
+        """The finding as JSON-ready values."""
         return {
             "label": self.label.value,
             "severity": self.severity,
@@ -163,6 +167,7 @@ def kept_sentence(kept: Sequence[Mapping[str, Any]]) -> str:
 
 
 def gpu_memory_summary(facts: ResourceFacts) -> tuple[dict[str, Any], list[Finding]]:
+    """GPU memory's summary keys and findings (out of memory, high pressure, creeping up)."""
     out: dict[str, Any] = {}
     found: list[Finding] = []
     cols = facts.columns
@@ -250,6 +255,7 @@ def loop_span(cols: Mapping[str, np.ndarray], warmup: int) -> tuple[float, float
 
 
 def cpu_summary(facts: ResourceFacts) -> tuple[dict[str, Any], list[Finding]]:
+    """The CPU's summary keys (usable cores, how busy) and findings (the CPU saturated)."""
     host = facts.host or {}
     usable = host.get("usable_cores")
     out: dict[str, Any] = {"cpu_usable_cores": usable}
@@ -335,6 +341,8 @@ def cpu_sentence(summary: Mapping[str, Any]) -> str:
 
 
 def host_memory_summary(facts: ResourceFacts) -> tuple[dict[str, Any], list[Finding]]:
+    """The host memory's summary keys (the training process's and the workers' memory over the loop)
+    and its findings (memory creeping up, workers' memory growing)."""
     host = facts.host or {}
     samples = host.get("samples") or {}
     out: dict[str, Any] = {}
@@ -445,6 +453,7 @@ def holders_text(d: Mapping[str, Any]) -> str:
 
 
 def held_sentence(d: Mapping[str, Any]) -> str:
+    """What earlier cells hold on the GPU as this cell starts, with its biggest holders."""
     text = f"earlier cells hold {mib(d['allocated_mib'])} on cuda:{d['device']} when this cell starts"
     if d.get("capacity_mib"):
         text += f" ({pct(float(d['allocated_mib']) / float(d['capacity_mib']))} of {mib(d['capacity_mib'])})"
@@ -461,6 +470,7 @@ HELD_NEXT = "Free what you no longer need: `del NAME`, then `gc.collect()` and `
 
 
 def held_summary(facts: ResourceFacts, pressing: bool) -> tuple[dict[str, Any], list[Finding]]:
+    """What earlier cells held on the GPU (a summary key), a finding when it weighs."""
     d = _held_device(facts.held, facts.device)
     if d is None:
         return {"gpu_held_before_mib": None}, []
@@ -475,6 +485,8 @@ def held_summary(facts: ResourceFacts, pressing: bool) -> tuple[dict[str, Any], 
 
 
 def oom_finding(facts: ResourceFacts) -> Finding | None:
+    """The finding for a CUDA out-of-memory error: the step it happened in and what held the memory;
+    None when there was none."""
     oom = facts.oom
     if not oom:
         return None

@@ -104,6 +104,7 @@ class Row:
     compute_ratio: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The candidate's measurement as JSON-ready values."""
         return {
             "settings": self.setting.kwargs(),
             "label": self.setting.label(),
@@ -135,6 +136,7 @@ class ModelRate:
 
     @property
     def batches_per_s(self) -> float:
+        """The batches a second the model takes at its measured compute time."""
         return self.batches_per_step * 1000.0 / self.compute_ms
 
 
@@ -152,16 +154,19 @@ class Split:
 
     @property
     def per_sample_ms(self) -> float | None:
+        """`__getitem__`'s time per sample (ms); None when not measured."""
         if self.getitem_ms is None or not self.samples_per_batch:
             return None
         return self.getitem_ms / self.samples_per_batch
 
     @property
     def other_ms(self) -> float:
+        """What the parts measured do not explain (ms per batch, at least 0)."""
         known = sum(v for v in (self.getitem_ms, self.collate_ms, self.pin_ms) if v is not None)
         return max(0.0, self.batch_ms - known)
 
     def to_dict(self) -> dict[str, Any]:
+        """The split as JSON-ready values."""
         return {
             "batch_ms": self.batch_ms,
             "samples_per_batch": self.samples_per_batch,
@@ -217,6 +222,8 @@ def required_rate(num_workers: int, model_batches_per_s: float) -> float:
 
 
 def keeps_up(row: Row, model_batches_per_s: float | None) -> bool:
+    """The candidate delivers batches at least as fast as the model takes them (with its workers'
+    margin)."""
     if model_batches_per_s is None or row.batches_per_s is None:
         return False
     return row.batches_per_s >= required_rate(row.setting.num_workers, model_batches_per_s)
@@ -448,6 +455,7 @@ def code_line(
 
 
 def rate_text(value: float | None) -> str:
+    """A rate as the tables show it: "1,234" from 100 up, "12.3" below, "n/a" when unmeasured."""
     if value is None:
         return "n/a"
     return f"{value:,.0f}" if value >= 100 else f"{value:,.1f}"

@@ -59,6 +59,9 @@ class VerdictLabel(StrEnum):
 
 @dataclass(frozen=True)
 class Verdict:
+    """A run's verdict: its label (INPUT-BOUND, COMPUTE-BOUND, ...), how serious, why, what to do
+    next, and the numbers behind it."""
+
     label: str  # a VerdictLabel (a saved run read back keeps the label its file holds)
     severity: str  # "info", "warn" or "critical"
     why: str
@@ -66,6 +69,7 @@ class Verdict:
     evidence: list[tuple[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
+        """The verdict as JSON-ready values."""
         return {
             "label": str(self.label),
             "severity": self.severity,

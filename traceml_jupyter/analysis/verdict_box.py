@@ -20,6 +20,8 @@ def _line(text: str) -> str:
 
 
 def verdict_box(label: str, summary: Mapping[str, Any]) -> str:
+    """The text box printed under a traced cell: the verdict's label, data wait, compute and step
+    time."""
     compute_name = "GPU compute" if summary.get("clock") == "gpu" else "CPU compute"
     numbers = (
         f"  - Data wait: {_ms(summary.get('data_wait_ms'))} | "

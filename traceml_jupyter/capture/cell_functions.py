@@ -26,6 +26,8 @@ def is_cell_file(filename: str) -> bool:
 
 
 def as_cell_function(obj: Any) -> types.FunctionType | None:
+    """The plain function behind `obj` (a function or a bound method) when a notebook cell defined
+    it; else None."""
     func = getattr(obj, "__func__", obj)  # bound methods
     if isinstance(func, types.FunctionType) and is_cell_file(func.__code__.co_filename):
         return func
@@ -120,6 +122,7 @@ class FunctionLoop:
 
     @property
     def where(self) -> str:
+        """Where the loop is, as notes say it: "function train_epoch"."""
         return f"function {self.func.__qualname__}"
 
 

@@ -33,6 +33,8 @@ def cell_line(frame: FrameType | None, cell_filename: str | None) -> tuple[str, 
 
 
 def device_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The device a `.to(...)` call asks for: its `device=` keyword or its first argument (None if
+    neither)."""
     device = kwargs.get("device")
     if device is None and args:
         device = args[0]
@@ -40,7 +42,7 @@ def device_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 # Classes whose instances never name a device (dtypes, numbers): `.to(torch.float16)` is told
-# apart in one set lookup, the commonest call in a model (finding 16: the hooks' host cost).
+# apart in one set lookup, the commonest call in a model (the hooks' host cost).
 NOT_A_DEVICE: set[type] = {bool, float, type(None)}
 
 
@@ -101,6 +103,7 @@ def non_blocking_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 
 def nbytes_of(tensor: Any) -> int:
+    """The tensor's size in bytes; 0 when it cannot be read."""
     try:
         return int(tensor.nelement()) * int(tensor.element_size())
     except Exception:
@@ -108,6 +111,7 @@ def nbytes_of(tensor: Any) -> int:
 
 
 def is_pinned(tensor: Any) -> bool:
+    """The tensor is in pinned (page-locked) host memory; False when it cannot be asked."""
     try:
         return bool(tensor.is_pinned())
     except Exception:

@@ -142,6 +142,8 @@ class CudaSteps:
             self.current.start = self._mark()
 
     def before_fetch(self, index: int) -> None:
+        """A batch is about to be fetched: an event marks the step's data wait beginning (the first
+        fetch of a run also opens its first step)."""
         opening = self.current is None or self.current.start is None
         if opening:  # the run's first step (or one begun inside a CUDA graph capture) opens here
             self._stream = self.marks.stream()
@@ -152,6 +154,7 @@ class CudaSteps:
             self.current.start = ev
 
     def after_fetch(self, serial: int) -> None:
+        """The fetch returned: an event marks the end of its data wait."""
         before, self._before = self._before, None
         if before is not None and self.current is not None:
             self.current.fetches.append((serial, before, self._mark()))

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..failures import failure_text
 from .patches import patched
 
 
@@ -236,7 +237,7 @@ def graphs_watched(watch: GraphWatch) -> Iterator[GraphWatch]:
             watch._replayed(self)
         except Exception as exc:  # ours: never raised into the user's loop
             if not watch.notes:
-                watch.notes.append(f"CUDA graph replays not followed: {type(exc).__name__}: {exc}")
+                watch.notes.append(f"CUDA graph replays not followed: {failure_text(exc)}")
         return out
 
     for ours, theirs in ((capture_begin, begin), (capture_end, end), (graph_replay, replay)):

@@ -9,6 +9,7 @@ import sys
 import sysconfig
 from typing import Any
 
+from ..failures import never_raise
 from .probes import attribute, plain_count, safe_len, type_name
 
 SITES_KEPT = 256  # DataLoaders whose construction line is remembered (the newest)
@@ -145,7 +146,7 @@ def note_site(sites: dict[int, dict[str, Any]], loader: Any, frame: Any) -> None
     """Remember in `sites` (by id of the loader, the newest SITES_KEPT) where `loader` is built,
     from `frame` (the caller of its __init__) up, and where its dataset's __getitem__ is.
     Never raises."""
-    try:
+    with never_raise():
         site = construction_site(loader, frame)
         if site is None:
             return
@@ -153,8 +154,6 @@ def note_site(sites: dict[int, dict[str, Any]], loader: Any, frame: Any) -> None
         while len(sites) >= SITES_KEPT:
             sites.pop(next(iter(sites)))
         sites[id(loader)] = site
-    except Exception:
-        pass
 
 
 def split_site(site: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:

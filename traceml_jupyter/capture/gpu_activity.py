@@ -96,6 +96,7 @@ class WorkSeen:
         self._probes: ExitStack | None = None
 
     def saw(self, device: int | None, kind: str) -> None:
+        """Count work seen queued on `device`, of kind `kind` (a sync, a copy, ...)."""
         if device is not None:
             self.seen[device] += 1
             self.kinds[kind] += 1
@@ -158,6 +159,7 @@ class WorkSeen:
         self._probes = stack
 
     def stop_probing(self) -> None:
+        """Undo the probes' patches (if any); what they saw stays."""
         probes, self._probes = self._probes, None
         if probes is not None:
             probes.close()

@@ -29,6 +29,7 @@ from itertools import islice
 from time import perf_counter_ns
 from typing import Any
 
+from ..failures import failure_text, never_raise
 from .cuda_state import cuda_initialized, torch_cuda
 from .step_tally import StepTally
 
@@ -96,6 +97,8 @@ class GpuMemory:
         self._reset: Callable[[int], Any] | None = None
 
     def loop_started(self, device: int) -> None:
+        """The loop runs on `device`: start reading its memory statistics per step, or say in `off`
+        why not (CUDA not initialised, an error)."""
         if self._stats is not None or self.off is not None:
             return
         try:
@@ -166,12 +169,15 @@ class GpuMemory:
                 "GPU memory per step n/a: the allocator reports no statistics (a pluggable allocator?)."
             )
         else:
-            self.off = f"GPU memory per step stopped: {type(exc).__name__}: {exc}"
+            self.off = f"GPU memory per step stopped: {failure_text(exc)}"
 
     def columns(self) -> dict[str, Callable[[Any], Any]]:
+        """The per-step columns of GPU memory (peak, allocated, reserved), by name."""
         return {name: tally.column for name, tally in self.tallies.items()}
 
     def result(self) -> dict[str, Any]:
+        """What the run keeps of the GPU memory: the device, its capacity, how often it was read and
+        at what cost."""
         return {
             "device": self.device,
             "capacity_mib": self.capacity_mib,
@@ -196,6 +202,7 @@ class Kinds:
 
 
 def torch_kinds() -> Kinds | None:
+    """torch's tensor, module and optimizer classes, when torch is imported; else None."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None
@@ -397,11 +404,9 @@ def is_cuda_oom(error: BaseException | None) -> bool:
         return False
     cuda = cuda_module()
     kind = getattr(cuda, "OutOfMemoryError", None) if cuda is not None else None
-    try:
+    with never_raise():
         if isinstance(kind, type) and isinstance(error, kind):
             return "CUDA" in str(error) or cuda_initialized(cuda)
-    except Exception:
-        pass
     return type(error).__name__ == "OutOfMemoryError" and "CUDA out of memory" in str(error)
 
 
@@ -430,13 +435,11 @@ def oom_facts(error: BaseException, device: int | None, cuda: Any = None) -> dic
     }
     cuda = cuda if cuda is not None else cuda_module()
     if device is not None and cuda_initialized(cuda):
-        try:
+        with never_raise():
             s = cuda.memory_stats_as_nested_dict(device)
             facts["allocated_mib"] = _stat(s, "allocated_bytes", "current")
             facts["reserved_mib"] = _stat(s, "reserved_bytes", "current")
             facts["peak_mib"] = _stat(s, "allocated_bytes", "peak")
-        except Exception:
-            pass
         if facts["capacity_mib"] is None:
             facts["capacity_mib"] = capacity_mib(cuda, device)
     return facts

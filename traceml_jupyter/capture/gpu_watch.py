@@ -38,12 +38,13 @@ from typing import Any
 
 import numpy as np
 
+from ..failures import failure_text, never_raise
 from . import hidden_waits
 from .cuda_graphs import capturing
 from .cuda_state import cuda_initialized, torch_cuda
 from .h2d import COPY_COLUMNS, CopyWatch, EventPool, copies_timed
 from .step_tally import StepTally
-from .syncs import EMPTY_CACHE, SYNC_COLUMNS, SyncWatch, sync_warnings_counted, syncs_timed, why_off
+from .syncs import EMPTY_CACHE, SYNC_COLUMNS, SyncWatch, sync_warnings_counted, syncs_timed
 
 BACKLOG_EVERY = 4  # a backlog probe every 4th step: one event record, read when done
 OWN_COLUMN = "own_host_ms"  # traceml's own host time inside each step on the GPU path
@@ -223,7 +224,7 @@ class GpuWatch:
         except Exception as exc:  # never stop the user's loop for a measurement
             self._patches.close()
             self.copies = self.syncs = None
-            self.notes.append(f"Copies and syncs were not watched: {why_off(exc)}")
+            self.notes.append(f"Copies and syncs were not watched: {failure_text(exc)}")
             return
         try:
             self._tie_clocks()
@@ -245,7 +246,7 @@ class GpuWatch:
         except Exception as exc:
             self._backlog_failed(exc)
 
-    # -- waits nobody reports, and our own host time (issue 23) ---------------------------
+    # -- waits nobody reports, and our own host time ---------------------------------------
     def _watch_hidden_and_own(self, syncs: SyncWatch, first: int) -> None:
         self.hidden = hidden_waits.at_loop_start()
         self._frees_before = self._allocator_frees()
@@ -271,7 +272,7 @@ class GpuWatch:
     def merged(self, n: int) -> None:
         """The capture merged its last `n` closed steps into the open one (now step
         `recorder.n_steps`): what the watch summed for them moves there. Never raises."""
-        try:
+        with never_raise(self.notes, "Copies and syncs of merged steps misplaced"):
             first = int(self.run.recorder.n_steps)
             for part in (self.copies, self.syncs):
                 if part is not None:
@@ -280,8 +281,6 @@ class GpuWatch:
             self.own_tally.merge_from(first)
             self.backlog_raw.merge_from(first)
             self.backlog_at.merge_from(first)
-        except Exception as exc:
-            self.notes.append(f"Copies and syncs of merged steps misplaced: {why_off(exc)}")
 
     # -- backlog ---------------------------------------------------------------------------
     def _tie_clocks(self) -> None:
@@ -334,7 +333,7 @@ class GpuWatch:
 
     def _backlog_failed(self, exc: BaseException) -> None:
         if self.backlog_off is None:
-            self.backlog_off = f"The GPU backlog was not measured after an error: {why_off(exc)}"
+            self.backlog_off = f"The GPU backlog was not measured after an error: {failure_text(exc)}"
         self._probes.clear()
         self._last = None
         self.run.extra_columns.pop("gpu_backlog_ms", None)
@@ -345,6 +344,8 @@ class GpuWatch:
         return np.maximum(lag, 0.0)
 
     def columns(self) -> dict[str, Callable[[np.ndarray], np.ndarray]]:
+        """The per-step columns of the copies, the syncs and the GPU backlog that are measured, by
+        name."""
         cols: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
         if self.copies is not None and self.copies.off is None:
             cols.update({name: tally.column for name, tally in self.copies.tallies.items()})
@@ -361,26 +362,21 @@ class GpuWatch:
         """Undo every patch, wait once for the GPU, read every pending copy and probe, tie the
         clocks again, and leave the results on the run. Never raises. No CUDA event stays
         referenced afterwards (the run outlives the cell, in `_RUNS`)."""
-        try:
+        with never_raise(self.notes, "Restoring the GPU watch's patches"):
             self._patches.close()
-        except Exception as exc:
-            self.notes.append(f"Restoring the GPU watch's patches: {why_off(exc)}")
         if not self.started or self.api is None or self.device is None:
             self._release()
             self.run.notes.extend(self.notes)
             return
         try:
-            if capturing():  # a capture left open: a wait now would invalidate it
-                raise RuntimeError("a CUDA graph capture was still under way when the cell ended")
-            self._read_at_end(self.api, self.device)
-        except Exception as exc:
-            self.notes.append(f"GPU timings of copies and syncs incomplete: {why_off(exc)}")
+            with never_raise(self.notes, "GPU timings of copies and syncs incomplete"):
+                if capturing():  # a capture left open: a wait now would invalidate it
+                    raise RuntimeError("a CUDA graph capture was still under way when the cell ended")
+                self._read_at_end(self.api, self.device)
         finally:
             self._release()
-        try:
+        with never_raise(self.run.notes, "Copies and syncs not reported"):  # as the cell ends: never mask the user's error
             self._publish()
-        except Exception as exc:  # it runs as the cell ends: never mask the user's error
-            self.run.notes.append(f"Copies and syncs not reported: {why_off(exc)}")
 
     def _read_at_end(self, api: CudaApi, device: int) -> None:
         api.synchronize(device)  # the one wait at the end: every copy and probe is done

@@ -20,6 +20,7 @@ from time import perf_counter_ns
 from types import FrameType
 from typing import Any
 
+from ..failures import failure_text
 from .copy_calls import (
     CURRENT,
     NOT_A_DEVICE,
@@ -70,6 +71,7 @@ class EventPool:
         self._free.setdefault(device, []).extend(events)
 
     def clear(self) -> None:
+        """Drop every free CUDA event."""
         self._free.clear()
 
 
@@ -146,8 +148,10 @@ class CopyWatch:
         self._marked: dict[int, tuple[Any, _Copy]] = {}  # id(event) -> (event, copy it follows)
 
     def turn_off(self, exc: BaseException) -> None:
+        """Stop timing copies after an error of ours (`off` says which); the copies themselves still
+        run."""
         if self.off is None:
-            self.off = f"Copies to the GPU were not timed after an error: {type(exc).__name__}: {exc}"
+            self.off = f"Copies to the GPU were not timed after an error: {failure_text(exc)}"
         self._pending.clear()
         self._marked.clear()
         self.side_pending = 0
@@ -295,6 +299,7 @@ class CopyWatch:
         self.pool.clear()
 
     def watch_from(self, step: int) -> None:
+        """Steps from `step` on are watched: a step without a copy counts as 0, not unmeasured."""
         for tally in self.tallies.values():
             tally.watch_from(step)
 

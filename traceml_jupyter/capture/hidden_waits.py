@@ -23,6 +23,7 @@ FREE_KEYS = ("num_alloc_retries", "num_device_free")
 
 
 def launch_blocking() -> bool:
+    """CUDA_LAUNCH_BLOCKING=1 is set: every kernel launch waits for the GPU."""
     return os.environ.get("CUDA_LAUNCH_BLOCKING", "").strip() == "1"
 
 

@@ -31,11 +31,15 @@ class Recording(Protocol):
     thread: int  # threading.get_ident() of the thread it records
     lines: Any  # the line clock (line_costs.LineClock) or None
 
-    def loop(self, iterable: Iterable[Any]) -> Iterable[Any]: ...
+    def loop(self, iterable: Iterable[Any]) -> Iterable[Any]:
+        """The located loop's iterable, wrapped so that each iteration is a step."""
 
-    def aloop(self, iterable: AsyncIterable[Any]) -> AsyncIterable[Any]: ...
+    def aloop(self, iterable: AsyncIterable[Any]) -> AsyncIterable[Any]:
+        """The located `async for` loop's iterable, wrapped so that each iteration is a step."""
 
-    def fetch(self, site: int, func: Callable[..., Any], args: Any, kwargs: Any) -> Any: ...
+    def fetch(self, site: int, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """Call `func(*args, **kwargs)` (a fetch call the rewrite found at `site`), timed as data
+        wait."""
 
 
 # The capture recording now, on its own thread (`active.thread`); None between runs. One at a
@@ -86,10 +90,13 @@ class Lines:
         self.clock: Any = None
 
     def start(self, token: int) -> None:
+        """The loop body starts (for the traced cell's own token, on the training thread): the line
+        clock starts the step."""
         if token == self.token and get_ident() == self.thread:
             self.clock.start()
 
     def lap(self, token: int, index: int) -> None:
+        """The body's line `index` ended (for the traced cell's own token, on the training thread)."""
         if token == self.token and get_ident() == self.thread:
             self.clock.lap(index)
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ..failures import never_raise
 from .samples import SampleBuffer
 
 SAMPLE_PERIOD_S = 0.25  # the run's tick rate: 4 samples a second
@@ -155,6 +156,8 @@ class Worker:
     uss_due: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """The worker's figures as JSON-ready values: pid, when it was seen, CPU seconds, memory
+        first and last."""
         uss = [v for _, v in self.uss]
         return {
             "pid": self.pid,
@@ -231,6 +234,7 @@ class HostSampler:
 
     @property
     def running(self) -> bool:
+        """The sampler's thread is alive."""
         return self._thread is not None and self._thread.is_alive()
 
     def add_workers(self, pids: Iterable[int], loader: int) -> None:
@@ -247,17 +251,18 @@ class HostSampler:
             self.notes.append("CPU and memory were not sampled: psutil is not installed (pip install psutil).")
             return False
         self._psutil = psutil
-        try:
+        with never_raise(self.notes, "CPU and memory were not sampled") as guard:
             self._me = psutil.Process()
             self.sample_once()  # the baseline: CPU use is counted from here
-        except Exception as exc:
-            self.notes.append(f"CPU and memory were not sampled: {type(exc).__name__}: {exc}")
+        if guard.error is not None:
             return False
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
         return True
 
     def stop(self) -> None:
+        """Stop the sampler (its last sample taken, the thread joined) and let go of the workers'
+        handles."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -267,7 +272,7 @@ class HostSampler:
 
     def _run(self) -> None:
         period = self.period_s
-        try:
+        with never_raise(self.notes, "CPU and memory sampling stopped"):  # never let the sampler's error reach anyone
             while True:
                 self._wake.wait(period)
                 self._wake.clear()
@@ -280,8 +285,6 @@ class HostSampler:
             # The end of the run: workers still alive (persistent ones) get a last
             # private-memory read, unless they had one in the last USS_MIN_PERIOD_S.
             self.sample_once(uss=True, spaced=False)
-        except Exception as exc:  # never let the sampler's error reach anyone
-            self.notes.append(f"CPU and memory sampling stopped: {type(exc).__name__}: {exc}")
 
     # -- one sample --------------------------------------------------------------------------
     def _adopt(self, now_wall: float, since: float | None) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
 
+from ..failures import failure_text
 from .cuda_graphs import capturing
 from .hooks import LINES
 from .locate import LoopChoice, find_node
@@ -170,12 +171,14 @@ class LineClock:
         self.position -= n
 
     def start(self) -> None:
+        """A step of the body starts: the first line's time runs from now."""
         if self.timed <= self._snapshot_until:
             self.snapshots.append((list(self.ns), list(self.runs)))
         self.timed += 1
         self._prev = perf_counter_ns()
 
     def lap(self, i: int) -> None:
+        """Line `i` of the body ended: its time since the previous lap is added to it."""
         now = perf_counter_ns()
         self.ns[i] += now - self._prev
         self.runs[i] += 1
@@ -253,12 +256,14 @@ class CudaLineClock(LineClock):
 
     def _turn_off(self, exc: BaseException) -> None:
         if self.gpu_off is None:
-            self.gpu_off = f"{type(exc).__name__}: {exc}"
+            self.gpu_off = failure_text(exc)
         self._marks = None
         self._pending.clear()
         self._free.clear()
 
     def start(self) -> None:
+        """A step of the body starts: the host clock as LineClock's, and on a sampled step an event
+        opens the GPU's timing of its lines."""
         if self._marks is not None:
             self._pending.append(self._marks)
             self._marks = None
@@ -284,6 +289,8 @@ class CudaLineClock(LineClock):
             self._prev = perf_counter_ns()  # the event's own cost is no statement's
 
     def lap(self, i: int) -> None:
+        """Line `i` of the body ended: its host time, and on a sampled step an event after it on the
+        GPU."""
         now = perf_counter_ns()
         self.ns[i] += now - self._prev
         self.runs[i] += 1
@@ -341,6 +348,8 @@ class CudaLineClock(LineClock):
             raise RuntimeError(f"GPU time per line turned off: {self.gpu_off}")
 
     def gpu_ms(self) -> tuple[list[float], int] | None:
+        """The GPU time per line summed over the sampled steps read, and how many were read; None
+        when none was."""
         if self.gpu_off is not None or not self.gpu_read:
             return None
         return list(self.gpu_sums), self.gpu_read

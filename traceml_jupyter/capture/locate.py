@@ -115,6 +115,7 @@ def _choice(loop: ForLoop, reason: str, func: str | None) -> LoopChoice:
 
 
 def for_loop_lines(tree: ast.AST) -> list[int]:
+    """The lines of the cell's `for` loops, in order (where `--loop LINE` may point)."""
     return sorted(loop.lineno for loop, _, _ in _for_loops(tree))
 
 
@@ -172,6 +173,7 @@ def loop_at_line(tree: ast.AST, line: int) -> LoopChoice | None:
 
 
 def find_node(tree: ast.AST, choice: LoopChoice) -> ForLoop:
+    """The loop node `choice` names (by line and column) in `tree`."""
     for node in ast.walk(tree):
         if (
             isinstance(node, FOR_LOOPS)

@@ -7,6 +7,7 @@ import platform
 import sys
 from typing import Any
 
+from ..failures import never_raise
 from .cuda_state import cuda_initialized
 
 
@@ -30,10 +31,8 @@ def gpu_name(cuda_device: int | None, nvml_device: str | None) -> str | None:
     user's code), else the name NVML gave ('NVIDIA H200, 0000:17:00.0, 143771 MiB' -> 'NVIDIA
     H200'); None when the run used no GPU."""
     if cuda_device is not None and cuda_initialized():
-        try:
+        with never_raise():
             return str(sys.modules["torch"].cuda.get_device_name(cuda_device))
-        except Exception:
-            pass
     return nvml_device.split(",")[0].strip() if nvml_device else None
 
 
@@ -56,6 +55,7 @@ def describe_machine(
 
 
 def package_version() -> str | None:
+    """traceml-jupyter's installed version; None when run from a source tree that was not installed."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

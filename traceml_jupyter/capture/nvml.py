@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..failures import failure_text, never_raise
 from .cuda_state import cuda_initialized, torch_cuda
 from .samples import SampleBuffer
 
@@ -87,7 +88,7 @@ def open_nvml() -> tuple[Any, str | None]:
     try:
         pynvml.nvmlInit()
     except Exception as exc:  # pynvml.NVMLError and its subclasses, or a broken install
-        return None, f"{type(exc).__name__}: {exc}"
+        return None, failure_text(exc)
     return pynvml, None
 
 
@@ -102,14 +103,10 @@ def clock_and_temperature(nvml: Any, handle: Any) -> tuple[float, float]:
     """The SM clock (MHz) and the temperature (°C) of the device, NaN where NVML has none: the
     trend over the run says when a GPU slowed down because it throttled."""
     clock = temp = NAN
-    try:
+    with never_raise():
         clock = float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
-    except Exception:
-        pass
-    try:
+    with never_raise():
         temp = float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
-    except Exception:
-        pass
     return clock, temp
 
 
@@ -122,6 +119,7 @@ class GpuSamples(SampleBuffer):
     def add(
         self, time_s: float, util_pct: float, mem_used_mib: float, clock_mhz: float = NAN, temp_c: float = NAN
     ) -> None:
+        """One NVML reading at `time_s`: utilisation, memory used, SM clock and temperature."""
         self.add_row((time_s, util_pct, mem_used_mib, clock_mhz, temp_c))
 
     def latest(self) -> tuple[float, float] | None:
@@ -210,9 +208,12 @@ class GpuSampler:
 
     @property
     def running(self) -> bool:
+        """The sampler's thread is alive."""
         return self._thread is not None and self._thread.is_alive()
 
     def start_when_ready(self, device: int | None = None) -> None:
+        """Start sampling once the loop's GPU is known (the capture saw it, or `device`); until
+        then, and where there is no CUDA or no NVML, `note` says why not."""
         if self._decided or self._stop.is_set():
             return
         if not cuda_available():
@@ -222,10 +223,8 @@ class GpuSampler:
                 self.note, self.detail = NO_NVML, why
                 return
             self.note = NO_CUDA
-            try:
+            with never_raise():
                 nvml.nvmlShutdown()
-            except Exception:
-                pass
             return
         if device is None and self._device_of_loop is not None:
             device = self._device_of_loop()
@@ -277,7 +276,7 @@ class GpuSampler:
                 self.device += " (MIG slice)"
             self.shared_note = self._others(nvml, handle)
         except Exception as exc:
-            self.note, self.detail = NVML_FAILED, f"{type(exc).__name__}: {exc}"
+            self.note, self.detail = NVML_FAILED, failure_text(exc)
             self.close()
             return False
         return True
@@ -338,11 +337,10 @@ class GpuSampler:
         self.samples.add(stamp, util, used, *clock_and_temperature(nvml, self._handle))
 
     def close(self) -> None:
+        """Let go of NVML (never raises)."""
         if self._nvml is not None:
-            try:
+            with never_raise():
                 self._nvml.nvmlShutdown()
-            except Exception:
-                pass
             self._nvml = None
 
     def _run(self, where: tuple[str, str | int, str | None]) -> None:
@@ -357,6 +355,6 @@ class GpuSampler:
                     period *= 2
                 self._stop.wait(period)
         except Exception as exc:
-            self.note, self.detail = NVML_FAILED, f"{type(exc).__name__}: {exc}"
+            self.note, self.detail = NVML_FAILED, failure_text(exc)
         finally:
             self.close()

@@ -43,6 +43,7 @@ class PartStore:
 
     # -- writing (sampled steps only) ----------------------------------------------------------
     def record(self, step: int, flags: int, spans: list[tuple[int, int]] | None) -> None:
+        """Close the parts of a step record: its step, its flags and its spans (None: none)."""
         self.rec_step.append(step)
         self.rec_end.append(len(self.kind))
         self.rec_flags.append(flags)
@@ -182,5 +183,6 @@ class PartStore:
         return out
 
     def nbytes(self) -> int:
+        """The memory the store holds, in bytes."""
         raw = sum(a.buffer_info()[1] * a.itemsize for a in (self.kind, self.t0, self.own, self.rec_step, self.rec_end, self.rec_flags))
         return raw + int(self._kept_steps.nbytes + self._kept.nbytes)

@@ -34,6 +34,7 @@ def safe_len(obj: Any) -> int | None:
 
 
 def type_name(obj: Any) -> str:
+    """The name of the object's type; "object" when even that cannot be read."""
     try:
         return str(type(obj).__name__)
     except Exception:

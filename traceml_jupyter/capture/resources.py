@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ..failures import never_raise
 from . import gpu_memory
 from .cuda_state import cuda_initialized
 from .gpu_memory import GpuMemory, held_before, is_cuda_oom, oom_facts, reads_peak
@@ -43,10 +44,8 @@ class ResourceWatch:
         initialised only), the host sampler's thread, and the capture's hooks to the watches."""
         run, capture = self.run, self.capture
         if cuda_initialized(gpu_memory.cuda_module()):
-            try:
+            with never_raise(self.notes, "What earlier cells hold on the GPU was not read"):
                 self.held = held_before(user_namespace())
-            except Exception as exc:
-                self.notes.append(f"What earlier cells hold on the GPU was not read: {type(exc).__name__}: {exc}")
         capture.memory = self.memory
         capture.on_workers = self.host.add_workers
         self.host.start()
@@ -59,7 +58,7 @@ class ResourceWatch:
 
     def failed(self, error: BaseException) -> None:
         """The cell raised: an out-of-memory error's facts are read now, while they hold."""
-        try:
+        with never_raise(self.notes, "The out-of-memory error was not read"):
             if not is_cuda_oom(error):
                 return
             self.oom = oom_facts(error, self.run.cuda_device)
@@ -69,8 +68,6 @@ class ResourceWatch:
             closed = self.capture.model.level == ITERATION and recorded > 0
             step = recorded if closed else recorded + 1
             self.oom.update(step=step, completed_steps=step - 1)
-        except Exception as exc:
-            self.notes.append(f"The out-of-memory error was not read: {type(exc).__name__}: {exc}")
 
     def stop(self) -> None:
         """Stop every sampler (threads joined) and leave what they saw on the run."""
@@ -104,10 +101,8 @@ def resources_watched(run: Any, capture: Any) -> Iterator[ResourceWatch]:
     """Sample the run's resources for the duration (see the module docstring)."""
     watch = ResourceWatch(run, capture)
     run.resource_watch = watch
-    try:
+    with never_raise(run.notes, "Resources were not sampled"):
         watch.start()
-    except Exception as exc:
-        run.notes.append(f"Resources were not sampled: {type(exc).__name__}: {exc}")
     try:
         yield watch
     except BaseException as exc:
@@ -115,7 +110,5 @@ def resources_watched(run: Any, capture: Any) -> Iterator[ResourceWatch]:
         raise
     finally:
         run.resource_watch = None
-        try:
+        with never_raise(run.notes, "Resources not reported"):  # as the cell ends: never mask the user's error
             watch.stop()
-        except Exception as exc:  # it runs as the cell ends: never mask the user's error
-            run.notes.append(f"Resources not reported: {type(exc).__name__}: {exc}")

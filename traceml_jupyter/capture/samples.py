@@ -22,6 +22,7 @@ class SampleBuffer:
         self.decimations = 0  # each one halved the kept samples (and the sampling rate)
 
     def add_row(self, values: Sequence[float]) -> None:
+        """One sample (a value per column); when the buffer is full, every other sample goes first."""
         with self._lock:
             if self._n == self._data.shape[1]:
                 half = self._data[:, ::2].copy()
@@ -43,5 +44,6 @@ class SampleBuffer:
             return {name: float(self._data[i, self._n - 1]) for i, name in enumerate(self.names)}
 
     def columns(self) -> dict[str, np.ndarray]:
+        """A copy of the samples kept, one array per column, by name."""
         with self._lock:
             return {name: self._data[i, : self._n].copy() for i, name in enumerate(self.names)}

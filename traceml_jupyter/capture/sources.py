@@ -19,6 +19,9 @@ PHASE_WORDS = (("val", "validation"), ("test", "test"), ("eval", "evaluation"), 
 
 @dataclass
 class SourceFacts:
+    """What fed the steps, read while the cell ran: the sources and phases, the kind of step, the
+    optimizer, batches per step and the batch's size and kind."""
+
     sources: list[dict[str, Any]] = field(default_factory=list)
     phases: list[dict[str, Any]] = field(default_factory=list)
     step_kind: str = "none"

@@ -38,6 +38,7 @@ class StepTally:
             self.first_step = step
 
     def add(self, step: int, value: float) -> None:
+        """Add `value` to step `step` (and to the total)."""
         self.total += value
         steps = self._steps
         if steps and steps[-1] == step:

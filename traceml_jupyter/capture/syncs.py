@@ -17,6 +17,7 @@ from time import perf_counter_ns
 from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
+from ..failures import failure_text
 from .copy_calls import cell_line
 from .patches import patched
 from .step_tally import StepTally
@@ -35,10 +36,6 @@ EVERY_STEP = 0.9  # a line that syncs in at least 90 % of the steps "synchronise
 # Methods whose call call_text() quotes: the syncing ones and the copying ones.
 CALL_NAMES = frozenset({"item", "tolist", "cpu", "numpy", "synchronize", "to", "cuda", "empty_cache"})
 EMPTY_CACHE = "torch.cuda.empty_cache"
-
-
-def why_off(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -109,6 +106,7 @@ class SyncWatch:
             self.tallies["sync_untimed"].add(step, 1.0)
 
     def blocking_copy(self, step: int, ns: int, frame: FrameType | None) -> None:
+        """A blocking copy on `step` made the host wait `ns`: counted as a synchronising call."""
         self.synced(step, "blocking copy", ns, frame)
 
     def warned(self, frame: FrameType | None, t_in: int | None = None) -> None:
@@ -130,10 +128,13 @@ class SyncWatch:
             )
 
     def turn_off(self, exc: BaseException) -> None:
+        """Stop watching syncs after an error of ours (`off` says which); the calls themselves still
+        run."""
         if self.off is None:
-            self.off = f"Synchronising calls were not watched after an error: {why_off(exc)}"
+            self.off = f"Synchronising calls were not watched after an error: {failure_text(exc)}"
 
     def watch_from(self, step: int) -> None:
+        """Steps from `step` on are watched: a step without a sync counts as 0, not unmeasured."""
         for tally in self.tallies.values():
             tally.watch_from(step)
 

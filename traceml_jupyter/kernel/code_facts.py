@@ -38,6 +38,7 @@ from ..analysis.resources import cpu_sentence
 from ..capture.dataloaders import dataset_site, inner_dataset
 from ..capture.host import usable_cpus
 from ..capture.sources import fed_expression, resolve_name
+from ..failures import never_raise
 from ..run import tuned_for
 from .cells import (
     CELL_LABEL,
@@ -456,15 +457,13 @@ def checklist_for(run: Run) -> list[dict[str, Any]]:
 def keep_checklist(run: Run) -> list[Item] | None:
     """Evaluate the checklist once, leave it on the run (`run.checklist`, what `to_dict` and
     `--save` write) and return it for the report. Never raises: a failure is a note."""
-    try:
+    with never_raise(run.notes, "The checklist could not be evaluated"):
         shell = ipython_shell()
         ctx = CodeContext.of(run, shell)
         items = checklist_items(run, shell, ctx)
         run.quoted_cells = quoted_cells(ctx, items)
-    except Exception as exc:
-        run.notes.append(f"The checklist could not be evaluated: {type(exc).__name__}: {exc}")
-        return None
-    run.checklist = [item.to_dict() for item in items]
-    return items
+        run.checklist = [item.to_dict() for item in items]
+        return items
+    return None
 
 

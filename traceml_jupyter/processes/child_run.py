@@ -22,6 +22,7 @@ from ..capture.patches import patched
 from ..capture.recording import Capture, capturing, new_token
 from ..capture.rewrite import instrument_loop
 from ..capture.sources import training_source
+from ..failures import failure_text, never_raise
 from ..run import Run, _jsonable
 from .startup_hook import command_line
 
@@ -40,6 +41,8 @@ class ChildSender(ranks.Sender):
         self.main_file: str | None = getattr(sys.modules.get("__main__"), "__file__", None)
 
     def hello(self) -> None:
+        """Introduce this process to the kernel: pid, command line, clock origin and who it is
+        (rank, world size)."""
         meta = {
             "pid": self.pid,
             "index": 0,
@@ -86,7 +89,7 @@ class ChildSender(ranks.Sender):
                 resources=_jsonable(run.resources_dict()),  # this process's CPU, memory, workers
             )
         except Exception as exc:
-            end["note"] = f"what fed its steps could not be read: {type(exc).__name__}: {exc}"
+            end["note"] = f"what fed its steps could not be read: {failure_text(exc)}"
         return end
 
 
@@ -100,10 +103,8 @@ class Recording:
     def finish(self, exit_code: Any, exit_error: str | None) -> None:
         """At exit: close the capture (it classifies what is still open), send the last steps
         and the end."""
-        try:
+        with never_raise():
             self.stack.close()
-        except Exception:
-            pass
         self.sender.status, self.sender.error = exit_status(exit_code, exit_error)
         self.sender.finish()
 
@@ -124,10 +125,8 @@ def script_loader_info(info: dict[str, Any], main_file: str | None) -> dict[str,
         info["dataset_module"] = os.path.basename(main_file)
     mp = sys.modules.get("multiprocessing")
     if info.get("multiprocessing_context") is None and mp is not None:
-        try:
+        with never_raise():
             info["multiprocessing_context"] = mp.get_start_method(allow_none=True)
-        except Exception:
-            pass
     return info
 
 
@@ -194,10 +193,8 @@ def gather_before_the_group_goes(run: Run) -> None:
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
         if not done:
             done.append(True)
-            try:
+            with never_raise():
                 ranks.gather(run, None)
-            except Exception:
-                pass
         return original(*args, **kwargs)
 
     dist.destroy_process_group = destroy_process_group
@@ -230,6 +227,8 @@ class LoopModuleFinder:
         self.path, self.line, self.token = path, line, token
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        """The module spec of the `--loop` file, loaded with its loop instrumented; None for any
+        other module."""
         import importlib.machinery
 
         spec = importlib.machinery.PathFinder.find_spec(name, path)
@@ -250,6 +249,8 @@ class LoopModuleFinder:
         return spec
 
     def rewritten(self) -> ast.Module:
+        """The `--loop` file's tree with the loop at its line instrumented (SyntaxError when no for
+        loop is there)."""
         with open(self.path, encoding="utf-8") as fh:
             tree = ast.parse(fh.read(), self.path)
         choice = loop_at_line(tree, self.line)
@@ -322,8 +323,6 @@ def run_script(path: str, finder: LoopModuleFinder) -> None:
         shutdown()
     exits._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with never_raise():
             stream.flush()
-        except Exception:
-            pass
     os._exit(status & 0xFF)

@@ -102,6 +102,7 @@ class Channel:
         return env
 
     def close(self) -> None:
+        """Close the listening socket and remove the channel's private directory."""
         try:
             self.listener.close()
         except OSError:
@@ -177,6 +178,8 @@ class ChildStream(ranks.Stream):
         self.said_hello = False
 
     def apply(self, kind: int, meta: Mapping[str, Any], rows: np.ndarray | None) -> None:
+        """Take one frame the child sent (its hello, steps, end, or a note that it could not be
+        traced)."""
         command = meta.get("command")
         if isinstance(command, str) and command:
             self.command = command[:200]
@@ -190,6 +193,7 @@ class ChildStream(ranks.Stream):
 
     @property
     def exit_status(self) -> int | None:
+        """The exit status the child reported at its end; None before it ended."""
         return plain_count((self.end or {}).get("status"))
 
     @property
@@ -276,6 +280,7 @@ class ChildCollector(ranks.Collector):
         super()._read(stream)
 
     def describe(self, stream: ranks.Stream) -> str:
+        """A child by its command and pid, as notes name it."""
         if isinstance(stream, ChildStream):
             return f"`{stream.command}` (pid {stream.pid})"
         return super().describe(stream)
@@ -295,9 +300,12 @@ class ChildCollector(ranks.Collector):
         return found
 
     def adopt_into(self, run: Run, drain_s: float) -> None:
+        """Put what the children sent into the run: their steps where they trained, else notes."""
         adopt_children(run, self, drain_s)
 
     def forget_in_child(self) -> None:
+        """In a process forked from the kernel: close the kernel's sockets without touching the
+        kernel's collector."""
         super().forget_in_child()
         for sock in [self.channel.listener] + [k.sock for k in self.knocks]:
             try:
@@ -306,6 +314,7 @@ class ChildCollector(ranks.Collector):
                 pass
 
     def stop(self, drain_s: float) -> None:
+        """Stop reading (after `drain_s` for the last frames) and close the pending connections."""
         super().stop(drain_s)
         for knock in self.knocks:
             knock.sock.close()
@@ -367,6 +376,7 @@ def job_ranks(stream: ChildStream) -> list[dict[str, Any]] | None:
 
 
 def steps(stream: ranks.Stream) -> str:
+    """"1 step" or "N steps": the steps a stream sent."""
     n = stream.recorder.n_steps
     return f"{n} step" + ("" if n == 1 else "s")
 

@@ -111,6 +111,8 @@ class TorchWatcher:
         self.armed = armed
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        """Answer for "torch" alone, once: its spec, with the tripwires set when it has loaded; None
+        for any other name."""
         if name != "torch":
             return None
         import importlib.util
@@ -196,6 +198,8 @@ class Tripwires:
         self.finished = False
 
     def install(self) -> None:
+        """Set the tripwires: DataLoader's `__init__` and `__iter__`, `torch.autograd.backward` and
+        an optimizer step pre-hook."""
         import functools
 
         self.installed = True

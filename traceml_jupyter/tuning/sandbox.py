@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ..failures import never_raise
+
 
 class OutOfTime(BaseException):
     """A candidate's hard deadline passed (raised by the SIGALRM handler). A BaseException, so
@@ -219,14 +221,12 @@ def close_workers(iterator: Any, force: bool) -> None:
     if not workers:
         return
     if force:
-        try:
+        with never_raise():
             from torch.utils.data._utils import signal_handling
 
             if getattr(iterator, "_worker_pids_set", False):
                 signal_handling._remove_worker_pids(id(iterator))  # type: ignore[attr-defined]
                 iterator._worker_pids_set = False
-        except Exception:
-            pass
         thread = getattr(iterator, "_pin_memory_thread", None)
         if thread is not None:
             iterator._pin_memory_thread_done_event.set()
@@ -239,9 +239,7 @@ def close_workers(iterator: Any, force: bool) -> None:
                 w.terminate()
         for w in workers:
             w.join(timeout=1.0)
-    try:
+    with never_raise():
         iterator._shutdown_workers()
-    except Exception:
-        pass
 
 

@@ -1,4 +1,4 @@
-"""Finding 1: a traced cell never initialises CUDA that the user's code did not.
+"""A traced cell never initialises CUDA that the user's code did not.
 
 `torch.cuda.is_available()`, `device_count()`, `current_device()`, event creation and the
 rest initialise the driver; afterwards every fork-started process that uses CUDA fails

@@ -1,6 +1,6 @@
 """scripts/gpu_check.py, the one GPU validation: on a CUDA machine each scenario group runs as a
 test (skipped without CUDA); on any machine the script lists its scenarios and skips cleanly
-without a CUDA device, and its fork check (finding 1) passes."""
+without a CUDA device, and its fork check (no CUDA initialised before a fork) passes."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_without_cuda_the_script_lists_its_scenarios_and_skips() -> None:
         assert any(line.strip().startswith(key) for line in listed), key
 
 
-def test_the_scenarios_cover_the_reviews_a_to_m_and_the_trainer() -> None:
+def test_every_scenario_group_is_there_and_says_what_it_shows() -> None:
     gpu_check = load_script()
     keys = {s.key for s in gpu_check.SCENARIOS}
     assert set("ABCDEFHIJKLM") <= keys and {"hf", "demo", "overhead"} <= keys
@@ -68,7 +68,7 @@ def test_the_scenarios_cover_the_reviews_a_to_m_and_the_trainer() -> None:
 
 @pytest.mark.slow
 def test_the_fork_check_passes_after_a_traced_cell() -> None:
-    """Finding 1 in a fresh interpreter: a traced CPU cell leaves CUDA uninitialised and a fork
+    """In a fresh interpreter: a traced CPU cell leaves CUDA uninitialised and a fork
     child is not in a "bad fork" (on a GPU machine the child also runs a CUDA kernel)."""
     done = script("--fork-check")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -76,7 +76,7 @@ def test_the_fork_check_passes_after_a_traced_cell() -> None:
 
 
 def test_the_second_pass_lists_its_groups_and_skips_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 23: the second pass (≤ 60 s) beside --all; both in one command list both."""
+    """The second pass (≤ 60 s) beside --all: its groups are listed, none is a first-pass scenario."""
     gpu_check = load_script()
     second = gpu_check.second_pass()
     keys = [s.key for s in second.SECOND_PASS]

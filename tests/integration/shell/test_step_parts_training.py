@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from ground_truth import Truth, hand_timed
-from helpers import traced
+from helpers import stop_loader_workers, traced
 from test_training_code import GAN_CELL, GAN_SETUP, TOLERANCE, run
 from test_training_code import SETUP as TUTORIAL_SETUP
 
@@ -72,7 +72,8 @@ def assert_parts_match(got: Run, truth: Truth) -> dict[str, float]:
 @pytest.fixture()
 def shell(ip: Any) -> Iterator[Any]:
     """The shell with SETUP run, and torch on one thread for the test: on a loaded 2-core
-    machine its thread pool turns a 3 ms step into 100 ms ones at random."""
+    machine its thread pool turns a 3 ms step into 100 ms ones at random. Afterwards the
+    workers of a persistent loader the test left in the shell are stopped."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     run(ip, SETUP)
@@ -80,6 +81,7 @@ def shell(ip: Any) -> Iterator[Any]:
         yield ip
     finally:
         torch.set_num_threads(threads)
+        stop_loader_workers(ip.user_ns)
 
 
 def test_a_plain_loop_splits_into_forward_backward_optimizer_and_a_small_rest(shell: Any) -> None:
