@@ -1,5 +1,6 @@
-"""A traced run: what its capture recorded, and the result users read (summary, verdict, text,
-JSON). The capture (capture.py) does the measuring; views read the run."""
+"""A traced run: the recording its capture writes into while the cell runs, the handle users
+read, and this kernel's runs (runs, last, compare, clear). `finish()` freezes the run's result
+(result.py: the Result and its renderers); the capture does the measuring; views read the run."""
 
 from __future__ import annotations
 
@@ -9,30 +10,39 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from . import result as render
 from .analysis.compare import Comparison, compare_summaries
-from .analysis.phases import phase_sentence, phase_verdict, step_definition
-from .analysis.resources import finding_lines
-from .analysis.step_parts import also_lines, epoch_startup, parts_sentence, parts_summary, trend
-from .analysis.summary import summarize, with_batch_size
-from .analysis.verdict import Verdict, diagnose
-from .analysis.verdict_box import rank_table, report_text, verdict_box
+from .analysis.phases import step_definition
+from .analysis.verdict import Verdict
 from .capture.host import usable_cpus
 from .capture.machine import describe_machine
 from .capture.probes import safe_len
 from .capture.recorder import Recorder
+from .result import SCHEMA_VERSION, Result
+from .run_summary import analyse
 
 if TYPE_CHECKING:
     import numpy as np
 
     from .ranks import Collector, LocalRank
 
-SCHEMA_VERSION = 2  # 2 added, all nullable: the cell, the machine, resources, parts, GPU graphs
+__all__ = ["SCHEMA_VERSION", "Observer", "Result", "Run", "clear", "compare", "last", "runs"]
 REFRESH_NS = 250_000_000  # observers (the live view) run at most 4 times a second
 
-Observer = Callable[["Run"], None]
+
+
+class Observer(Protocol):
+    """What watches a run while it records (the live chart's refresh, a rank's sender, the
+    resource watch): called with the run at its ticks, on the capture's thread, at most 4 times
+    a second, and once more when the run finishes. An observer that raises is dropped (a note
+    says so): a view never stops the training."""
+
+    def __call__(self, run: Run, /) -> None: ...
+
 # Formats other than JSON that `Run.save` writes, by file suffix: a view registers its writer
 # (views/report_file.py: ".html", the report as one standalone page); the run knows no view.
 FileWriter = Callable[["Run", str], None]
@@ -166,10 +176,25 @@ def keep_training_loader(run: Run, twin: Any) -> None:
 
 
 class Run:
-    """One traced run: what was captured while it ran (capture.py), then its summary and verdict.
+    """One traced run: the recording its capture writes into while the cell runs, and the
+    handle users read. `finish()` freezes its result (`run.result`, result.Result: summary,
+    verdict, per-step columns, what ran and on what); `summary`, `verdict`, `steps`, `text()`,
+    `to_dict()`, `save()` read that result, and the views render it.
 
     Steps are what the training does (step_model.py): one optimizer step, else one backward(),
     else one iteration of the located loop, else the interval between two batches.
+
+    What the capture writes while the run records (besides the fields of result.Result, which
+    it copies from here when the run finishes):
+        recorder (per-step columns, capture/recorder.py); loop_is_range (the located loop
+        iterates range(...)); loop_iter_text, loop_iterable_type (the loop's iterable as
+        written and as it ran); fetch_calls (the loop body's fetch calls by line);
+        model_compiled; cell_filename; loader_ref, loader_name (the training loader and its
+        name); extra_columns, watch_summary (what the optional watches measure: per-step
+        columns aligned on demand, facts the verdict quotes); gpu_watch, resource_watch,
+        step_parts, pass_starts (the steps where each pass over the training loader began);
+        rank_collector (the forked ranks' steps, ranks.Collector, or this torchrun rank's own,
+        ranks.LocalRank); capture_thread; error_before_first_step; finished.
     """
 
     frozen = False  # a run read back from its saved JSON (saved.py): nothing of it is live
@@ -178,40 +203,61 @@ class Run:
         self.name = name or f"run {len(_RUNS) + 1}"
         self.warmup = warmup
         self.started_at = time.time()
+        self.ended_at: float | None = None
         self.recorder = Recorder()
         self.recorder.origin_ns = perf_counter_ns()
         self.batch_size: int | None = None
         self.batch_kind: str | None = None
         self.batches_per_step: float | None = None
         self.loop_line: int | None = None
-        self.loop_where: str | None = None  # "this cell", "function train (cell In[3])", ...
-        self.loop_is_range = False  # the located loop iterates range(...): its items are no batches
-        self.loop_cell_source: str | None = None  # the cell of the function holding the loop
-        self.loop_iter_text: str | None = None  # the located loop's iterable as written: `slow()`
-        self.loop_iterable_type: str | None = None  # what it was when it ran: "generator", ...
-        self.fetch_calls: dict[int, str] = {}  # the loop body's fetch calls by line: get_batch(...)
-        self.model_compiled = False  # a torch.compile'd module is in the namespace
+        self.loop_where: str | None = None
+        self.loop_is_range = False
+        self.loop_cell_source: str | None = None
+        self.loop_iter_text: str | None = None
+        self.loop_iterable_type: str | None = None
+        self.fetch_calls: dict[int, str] = {}
+        self.model_compiled = False
         self.cell_source: str | None = None
         self.cell_filename: str | None = None
-        self.loader_info: dict[str, Any] | None = None  # the training loader's settings
+        self.loader_info: dict[str, Any] | None = None
         self.loader_ref: Callable[[], Any] | None = None
-        self.loader_name: str | None = None  # the name the training loader is bound to
+        self.loader_name: str | None = None
         self.expected_steps: int | None = None
-        self.step_kind = "none"  # "optimizer", "backward", "iteration", "fetch" or "none"
+        self.step_kind = "none"
         self.step_definition = "no step ran"
-        self.sources: list[dict[str, Any]] = []  # where batches came from (per loader)
-        self.phases: list[dict[str, Any]] = []  # passes kept out of the steps (validation...)
-        self.wall_ms: float | None = None  # the whole capture (the cell), for phase shares
-        self.process_cpu_ms: float | None = None  # the process's CPU time (all threads) meanwhile
-        self.thread_cpu_ms: float | None = None  # the training thread's CPU time (Linux)
-        self.thread_wait_ms: float | None = None  # ... and its time ready but waiting for a core
+        self.sources: list[dict[str, Any]] = []
+        self.phases: list[dict[str, Any]] = []
+        self.wall_ms: float | None = None
+        self.process_cpu_ms: float | None = None
+        self.thread_cpu_ms: float | None = None
+        self.thread_wait_ms: float | None = None
         self.notes: list[str] = []
         self.error: str | None = None
         self.error_before_first_step = False
         self.finished = False
-        self.ended_at: float | None = None
-        self.cuda_device: int | None = None  # the CUDA device the loop ran on (capture decides)
+        self.cuda_device: int | None = None
         self.capture_thread: int | None = None
+        self.extra_columns: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
+        self.watch_summary: dict[str, Any] = {}
+        self.gpu_watch: Any = None  # loop_started(device) and step_ended(t); CUDA path only
+        self.h2d: dict[str, Any] | None = None
+        self.sync_stalls: dict[str, Any] | None = None
+        self.line_costs: dict[str, Any] | None = None
+        self.step_parts: Any = None  # capture/step_parts.py: columns(cols) and facts()
+        self.pass_starts: list[int] = []
+        self.cuda_graphs: dict[str, Any] | None = None
+        self.gpu_note: str | None = None
+        self.gpu_device: str | None = None
+        self.resource_watch: Any = None  # capture/resources.ResourceWatch while recording
+        self.host: dict[str, Any] | None = None
+        self.gpu_memory: dict[str, Any] | None = None
+        self.held_before: dict[str, Any] | None = None
+        self.oom: dict[str, Any] | None = None
+        self.ranks: list[dict[str, Any]] | None = None
+        self.rank_collector: Collector | LocalRank | None = None
+        self.processes: list[dict[str, Any]] | None = None
+        self.loader_site: dict[str, Any] | None = None
+        self.dataset_site: dict[str, Any] | None = None
         self._capture: Any = None  # capture.Capture while recording
         self._gpu_used = False
         self._observers: list[Observer] = []
@@ -219,51 +265,11 @@ class Run:
         self._loops_started = 0
         self._loader_infos: dict[Any, dict[str, Any]] = {}
         self._loader_twins: dict[Any, Any] = {}  # stand-ins of its DataLoaders (keep_training_loader)
-        self._summary: dict[str, Any] | None = None
-        self._columns: dict[str, np.ndarray] | None = None  # once finished (each read is O(steps))
-        self._verdict: Verdict | None = None
-        # Optional watches (gpu_watch.GpuWatch, line_costs): per-step columns they measure,
-        # aligned to the recorder's steps on demand, and the few facts the verdict quotes.
-        self.extra_columns: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
-        self.watch_summary: dict[str, Any] = {}
-        self.gpu_watch: Any = None  # loop_started(device) and step_ended(t); CUDA path only
-        self.h2d: dict[str, Any] | None = None  # host-to-device copies by line (h2d.py)
-        self.sync_stalls: dict[str, Any] | None = None  # synchronising calls by line
-        self.line_costs: dict[str, Any] | None = None  # ms per step of each body line
-        # forward / backward / optimizer / rest of sampled steps (capture/step_parts.py), and
-        # the steps where each pass over the training loader started (its start-up wait)
-        self.step_parts: Any = None
-        self.pass_starts: list[int] = []
-        self.cuda_graphs: dict[str, Any] | None = None  # CUDA graphs captured/replayed (cuda_graphs.py)
         self._gpu_samples: dict[str, Any] | None = None
-        self.gpu_note: str | None = None  # why GPU figures are missing (nvml.py), else None
-        self.gpu_device: str | None = None  # e.g. "NVIDIA H200, 0000:17:00.0, 143771 MiB"
-        # Resources (capture/resources.py): the watch while the run is captured, then what it
-        # saw: host CPU and memory samples and workers (host.py), the GPU memory watch's facts,
-        # what earlier cells held on the GPU, an out-of-memory error's facts.
-        self.resource_watch: Any = None
-        self.host: dict[str, Any] | None = None
-        self.gpu_memory: dict[str, Any] | None = None
-        self.held_before: dict[str, Any] | None = None
-        self.oom: dict[str, Any] | None = None
-        # Several processes (ranks.py): every rank's summary once known, and what feeds them
-        # while they run (the kernel's reader of forked ranks, or a torchrun rank's own).
-        self.ranks: list[dict[str, Any]] | None = None
-        # The checklist as the report shows it (set by whoever shows the report: it reads the
-        # kernel's history and the loader, which a run does not).
-        self.checklist: list[dict[str, Any]] | None = None
-        # The earlier cells the report quotes ({"In [2]": text}: where the DataLoader was built,
-        # the loop's cell, lines to change), kept with the checklist so a saved run reads the same.
-        self.quoted_cells: dict[str, str] | None = None
         self._machine: dict[str, Any] | None = None
-        # Several processes: the collector of the forked ranks' steps (ranks.Collector), or this
-        # torchrun rank's own backward() per step (ranks.LocalRank); None for one process.
-        self.rank_collector: Collector | LocalRank | None = None
-        # Processes the cell started (children.py): each one's pid, command, steps, status; and,
-        # when the run shows a child's steps, where its loader and its dataset's __getitem__ are.
-        self.processes: list[dict[str, Any]] | None = None
-        self.loader_site: dict[str, Any] | None = None  # {"file", "line"}
-        self.dataset_site: dict[str, Any] | None = None  # {"file", "line", "class"}
+        self._checklist: list[dict[str, Any]] | None = None
+        self._quoted_cells: dict[str, str] | None = None
+        self._result: Result | None = None
         _RUNS.append(self)
 
     # -- while it runs ----------------------------------------------------------------------
@@ -308,10 +314,31 @@ class Run:
 
     # -- observers (the live view) ---------------------------------------------------------
     def observe(self, observer: Observer) -> None:
+        """Call `observer` with the run at its ticks from the next step on, and once when the
+        run finishes (a raise removes it, with a note)."""
         self._observers.append(observer)
         self._next_tick = 0
         if self._capture is not None:
             self._capture.listen()
+
+    def observe_only(self, observer: Observer) -> None:
+        """`observer` alone from now on (a forked rank or a child process sends its steps to
+        the kernel: the live chart is the kernel's)."""
+        self._observers[:] = []
+        self.observe(observer)
+
+    def stop_observing(self, observer: Observer) -> None:
+        """`observer` is called no more (nothing happens if it was not observing)."""
+        if observer in self._observers:
+            self._observers.remove(observer)
+
+    def tick_due(self, now: int) -> bool:
+        """The observers are due at `now` (perf_counter_ns): at most 4 ticks a second."""
+        return now >= self._next_tick
+
+    def tick(self, now: int) -> None:
+        """Call the observers now; the next tick is due REFRESH_NS later."""
+        self._tick(now)
 
     def _tick(self, now: int) -> None:
         self._next_tick = now + REFRESH_NS
@@ -351,8 +378,8 @@ class Run:
             self.loader_site, self.dataset_site = split_site(capture.loader_sites[key])
 
     def finish(self, error: BaseException | None = None) -> Run:
-        """Close the run (after its capture): the final refresh of its views, then the summary
-        and the verdict are computed when first read."""
+        """Close the run (after its capture): its result is frozen (`result`), then the views
+        draw their final state from it."""
         if self.finished:
             return self
         if error is not None:
@@ -360,6 +387,7 @@ class Run:
             self.error_before_first_step = self.recorder.n_steps == 0
         self.finished = True
         self.ended_at = time.time()
+        self._result = self._freeze()
         for observer in list(self._observers):
             try:
                 observer(self)
@@ -368,16 +396,51 @@ class Run:
         self._observers.clear()
         return self
 
-    def columns(self) -> dict[str, np.ndarray]:
-        """The recorder's kept steps, with the columns of the optional watches and the NVML
-        samples (gpu_util_pct, gpu_mem_used_mib) placed on the same steps."""
-        if self._columns is not None and self.finished:
-            return dict(self._columns)
+    # -- the result --------------------------------------------------------------------------
+    @property
+    def result(self) -> Result:
+        """What the run measured and concluded (result.Result), frozen when the run finished;
+        before, what the recording holds so far (computed again at each read)."""
+        if self._result is not None:
+            return self._result
+        if not self.finished:
+            return self._freeze()
+        self._result = self._freeze()
+        return self._result
+
+    def _freeze(self) -> Result:
         cols = self._read_columns()
-        if self.finished:
-            self._columns = cols
-            return dict(cols)
-        return cols
+        summary, verdict = self._analysis(cols)
+        return Result(
+            name=self.name, started_at=self.started_at, ended_at=self.ended_at, warmup=self.warmup,
+            summary=summary, verdict=verdict, columns=cols, n_steps=self.n_steps,
+            stride=self.recorder.stride, wall_ms=self.wall_ms, loop_line=self.loop_line,
+            loop_where=self.loop_where, cell_source=self.cell_source,
+            loop_cell_source=self.loop_cell_source, step_kind=self.step_kind,
+            step_definition=self.step_definition, loader_info=self.loader_info,
+            sources=self.sources, phases=self.phases, expected_steps=self.expected_steps,
+            batch_size=self.batch_size, batch_kind=self.batch_kind,
+            batches_per_step=self.batches_per_step, process_cpu_ms=self.process_cpu_ms,
+            thread_cpu_ms=self.thread_cpu_ms, thread_wait_ms=self.thread_wait_ms,
+            machine=self._describe_machine(), gpu_used=self.gpu_used, cuda_device=self.cuda_device,
+            gpu_device=self.gpu_device, gpu_note=self.gpu_note, gpu_samples=self._gpu_samples,
+            h2d=self.h2d, sync_stalls=self.sync_stalls, line_costs=self.line_costs,
+            cuda_graphs=self.cuda_graphs, ranks=self.ranks, processes=self.processes,
+            loader_site=self.loader_site, dataset_site=self.dataset_site, host=self.host,
+            gpu_memory=self.gpu_memory, held_before=self.held_before, oom=self.oom,
+            checklist=self._checklist, quoted_cells=self._quoted_cells, notes=self.notes,
+            error=self.error,
+        )
+
+    def _describe_machine(self) -> dict[str, Any] | None:
+        """What the run ran on (capture/machine.py), once it has finished; None before."""
+        if self._machine is None and self.finished:
+            try:
+                self._machine = describe_machine(usable_cpus(), self.cuda_device, self.gpu_device)
+            except Exception as exc:  # never cost the run its result
+                self.notes.append(f"The machine could not be described: {type(exc).__name__}: {exc}")
+                self._machine = {}
+        return self._machine
 
     def _read_columns(self) -> dict[str, np.ndarray]:
         cols = self.recorder.columns()
@@ -394,141 +457,94 @@ class Run:
 
     @property
     def gpu_samples(self) -> dict[str, Any] | None:
-        """NVML samples of the run's GPU (time_s, gpu_util_pct, gpu_mem_used_mib), set by the
-        live view when it closes; setting them refreshes the summary."""
+        """NVML samples of the run's GPU (time_s, gpu_util_pct, gpu_mem_used_mib), left by the
+        resource watch when it stops; setting them after the run finished freezes its result
+        again with them."""
         return self._gpu_samples
 
     @gpu_samples.setter
     def gpu_samples(self, samples: dict[str, Any] | None) -> None:
         self._gpu_samples = samples
-        self._summary, self._verdict, self._columns = None, None, None
+        self._result = None
 
-    def _analysis(self) -> tuple[dict[str, Any], Verdict]:
-        if self._summary is None or self._verdict is None or not self.finished:
-            rec = self.recorder
-            cols = self.columns()
-            summary = summarize(cols, rec.n_steps, self.warmup, self._gpu_used, rec.totals())
-            summary.update(self.watch_summary)
-            summary.update(self._source_summary())
-            summary.update(self._inside_the_step(cols, summary))
-            with_batch_size(summary, self.batch_size, self.batches_per_step)
-            summary.update(self._resource_summary(cols, int(summary["warmup_steps"])))
-            verdict = diagnose(summary)
-            if self.ranks:
-                from .analysis.rank_verdict import with_ranks
+    @property
+    def checklist(self) -> list[dict[str, Any]] | None:
+        """The checklist as evaluated (its items as dicts), set by the kernel's reader once the
+        run has finished (kernel/code_facts.keep_checklist); part of the result."""
+        return self._checklist
 
-                summary, verdict = with_ranks(summary, self.ranks)
-            if not self.finished:
-                return summary, verdict
-            self._summary, self._verdict = summary, verdict
-        return self._summary, self._verdict
+    @checklist.setter
+    def checklist(self, items: list[dict[str, Any]] | None) -> None:
+        self._checklist = items
+        if self._result is not None:
+            self._result = replace(self._result, checklist=items)
 
-    def _source_summary(self) -> dict[str, Any]:
-        """What the verdict quotes of the data sources and the phases."""
-        training = next((src for src in self.sources if src.get("training")), None)
-        return {
-            "step_kind": self.step_kind,
-            "step_definition": self.step_definition,
-            "batches_per_step": self.batches_per_step,
-            "data_source": training.get("label") if training else None,
-            "data_source_kind": training.get("kind") if training else None,
-            "data_source_type": training.get("type") if training else None,
-            "data_source_line": training.get("line") if training else None,
-            "phases": list(self.phases),
-            "wall_ms": self.wall_ms,
-            "model_compiled": self.model_compiled,
-        }
+    @property
+    def quoted_cells(self) -> dict[str, str] | None:
+        """The earlier cells the report quotes ({"In [2]": text}), kept with the checklist."""
+        return self._quoted_cells
 
-    def _inside_the_step(self, cols: dict[str, np.ndarray], summary: dict[str, Any]) -> dict[str, Any]:
-        """The parts of the step, the trend over the run and each epoch's start-up wait."""
-        analysed = cols["step"] >= int(summary["warmup_steps"])
-        clock = str(summary["clock"])
-        out = parts_summary(cols, analysed, clock)
-        parts = self.step_parts
-        out.update(parts.facts() if parts is not None else {"forward_state": None, "forward_modules": [], "optimizers": []})
-        out["trend"] = trend(cols, analysed, clock)
-        total = (summary.get("totals_ms") or {}).get("step_gpu_ms" if clock == "gpu" else "step_ms")
-        out["epoch_startup"] = epoch_startup(cols, self.pass_starts, total, self.loader_info, clock)
-        return out
+    @quoted_cells.setter
+    def quoted_cells(self, cells: dict[str, str] | None) -> None:
+        self._quoted_cells = cells
+        if self._result is not None:
+            self._result = replace(self._result, quoted_cells=cells)
 
-    def also(self) -> list[tuple[str, str]]:
-        """(severity, text) of the lines after the verdict: the rest of the step, advice by the
-        part that dominates, each epoch's start-up, the trend over the run."""
-        source = self.loop_cell_source if self.loop_cell_source else self.cell_source
-        return also_lines(self.summary, self.line_costs, (source or "").splitlines())
+    def _analysis(self, cols: dict[str, np.ndarray]) -> tuple[dict[str, Any], Verdict]:
+        return analyse(self, cols)
 
-    def _resource_summary(self, cols: dict[str, Any], warmup: int) -> dict[str, Any]:
-        """GPU memory, CPU and host memory in numbers and findings (analysis/resources.py)."""
-        from .analysis.kept_graph import kept_graphs
-        from .analysis.resources import ResourceFacts, resource_summary
-        from .capture.gpu_memory import module_names
-        from .capture.probes import user_namespace
-
-        source = self.loop_cell_source or self.cell_source
-        kept = [k.to_dict() for k in kept_graphs(source, self.loop_line, module_names(user_namespace()))]
-        loader = self.loader_ref() if self.loader_ref is not None else None
-        facts = ResourceFacts(
-            columns=cols,
-            warmup=warmup,
-            gpu_memory=self.gpu_memory,
-            host=self.host,
-            kept=kept,
-            python_objects=list((self.loader_info or {}).get("python_objects") or []),
-            loader_name=self.loader_name,
-            training_loader=id(loader) if loader is not None else None,
-            held=self.held_before,
-            oom=self.oom,
-            device=self.cuda_device,
-        )
-        summary = resource_summary(facts)
-        summary["kept_graphs"] = kept
-        return summary
-
-    # -- the result API --------------------------------------------------------------------
+    # -- the result API: what `result` holds ------------------------------------------------
     @property
     def summary(self) -> dict[str, Any]:
-        return self._analysis()[0]
+        """The medians, shares and counts the verdict read (every key: docs/api.md)."""
+        return self.result.summary
 
     @property
     def verdict_detail(self) -> Verdict:
-        return self._analysis()[1]
+        """The verdict with its severity, why, what to try next and the evidence."""
+        return self.result.verdict
 
     @property
     def verdict(self) -> str:
+        """The verdict's label: INPUT-BOUND, COMPUTE-BOUND, ..."""
         return self.verdict_detail.label
 
     @property
     def severity(self) -> str:
+        """The verdict's severity: "info", "warn" or "critical"."""
         return self.verdict_detail.severity
 
     @property
     def clock(self) -> str:
+        """The clock the verdict read: "gpu" (CUDA events) or "cpu" (the wall clock)."""
         return str(self.summary["clock"])
 
     @property
     def n_steps(self) -> int:
+        """The steps recorded."""
         return self.recorder.n_steps
 
     @property
+    def gpu_used(self) -> bool:
+        """The loop ran on a CUDA device: its steps are timed with CUDA events too."""
+        return bool(self._gpu_used)
+
+    @property
+    def loops_started(self) -> int:
+        """Passes begun over the located loop so far (0 before the first)."""
+        return int(self._loops_started)
+
+    @property
     def machine(self) -> dict[str, Any] | None:
-        """What the run ran on (capture/machine.py: python, torch, cuda, platform, cpu, cpus,
-        gpu), read once the run has finished; None before."""
-        if self._machine is None and self.finished:
-            try:
-                self._machine = describe_machine(usable_cpus(), self.cuda_device, self.gpu_device)
-            except Exception as exc:  # never cost the run its result
-                self.notes.append(f"The machine could not be described: {type(exc).__name__}: {exc}")
-                self._machine = {}
-        return self._machine
+        """What the run ran on (python, torch, cuda, platform, cpu, cpus, gpu), read once the
+        run has finished; None before."""
+        return self.result.machine
 
     @property
     def straggler(self) -> dict[str, Any] | None:
         """Several ranks: {"rank", "cause": input|h2d|compute|unknown, "score"} of the rank that
         holds the others back (RANK STRAGGLER), else None."""
-        if not self.ranks:
-            return None
-        found = self.summary.get("straggler")
-        return dict(found) if found else None
+        return self.result.straggler
 
     @property
     def steps(self) -> dict[str, Any]:
@@ -536,32 +552,22 @@ class Run:
         and the GPU columns (NaN where not measured)."""
         return self.columns()
 
+    def columns(self) -> dict[str, np.ndarray]:
+        """The recorder's kept steps, with the columns of the optional watches and the NVML
+        samples (gpu_util_pct, gpu_mem_used_mib) placed on the same steps."""
+        return dict(self.result.columns) if self.finished else self._read_columns()
+
     def box(self) -> str:
-        return verdict_box(self.verdict, self.summary)
+        """The verdict box alone."""
+        return render.box(self.result)
+
+    def also(self) -> list[tuple[str, str]]:
+        """(severity, text) of the lines after the verdict (result.also)."""
+        return render.also(self.result)
 
     def text(self) -> str:
-        v = self.verdict_detail
-        head = f"traceml: {self.name} - {self.n_steps} steps ({self.step_definition})"
-        if self.loop_line is not None:
-            head += f", loop on line {self.loop_line}"
-        if self.loop_where and self.loop_where != "this cell":
-            head += f" of {self.loop_where}"
-        lines = [report_text(head, v.label, v.why, v.next, self.summary)]
-        split = parts_sentence(self.summary)
-        if split:
-            lines.append(f"Parts: {split}")
-        lines.extend(f"Also: {text}" for _, text in self.also())
-        if self.ranks:
-            lines.append(rank_table(self.ranks, self.straggler, self.summary.get("rank_notes") or []))
-        lines.extend(f"Phase: {phase_sentence(phase)}" for phase in self.phases)
-        slow_phase = phase_verdict(self.phases)
-        if slow_phase:
-            lines.append(f"Also: {slow_phase}")
-        lines.extend(f"Also: {line}" for line in finding_lines(self.summary))
-        if self.error:
-            lines.append(f"Stopped by: {self.error}")
-        lines.extend(f"Note: {note}" for note in self.notes)
-        return "\n".join(lines)
+        """The text box (what a terminal prints; result.text)."""
+        return render.text(self.result)
 
     def __repr__(self) -> str:
         return f"<traceml run {self.name!r}: {self.verdict}, {self.n_steps} steps>"
@@ -570,81 +576,12 @@ class Run:
         p.text(self.text())
 
     def to_dict(self) -> dict[str, Any]:
-        """What --save writes: JSON-ready, unmeasured values as null."""
-        cols = self.steps
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "name": self.name,
-            "started_at": self.started_at,
-            "ended_at": self.ended_at,
-            "verdict": self.verdict_detail.to_dict(),
-            "summary": _jsonable(self.summary),
-            "loop": {"line": self.loop_line, "where": self.loop_where},
-            "cpu": {
-                "process_ms": self.process_cpu_ms,
-                "thread_ms": self.thread_cpu_ms,
-                "thread_wait_ms": self.thread_wait_ms,
-            },
-            "step": {"kind": self.step_kind, "definition": self.step_definition},
-            "loader": _jsonable(self.loader_info),
-            "sources": _jsonable(self.sources),
-            "phases": _jsonable(self.phases),
-            "checklist": self.checklist,
-            "error": self.error,
-            "notes": list(self.notes),
-            "steps": {k: _jsonable(v.tolist()) for k, v in cols.items()},
-            "stride": self.recorder.stride,
-            "h2d": _jsonable(self.h2d),
-            "sync_stalls": _jsonable(self.sync_stalls),
-            "line_costs": _jsonable(self.line_costs),
-            "cuda_graphs": _jsonable(self.cuda_graphs),
-            "ranks": _jsonable(self.ranks),
-            "straggler": _jsonable(self.straggler),
-            "trend": _jsonable(self.summary.get("trend")),
-            "epoch_startup": _jsonable(self.summary.get("epoch_startup")),
-            "processes": _jsonable(self.processes),
-            "loader_site": _jsonable(self.loader_site),
-            "dataset_site": _jsonable(self.dataset_site),
-            # What a run read back needs to be shown and compared as it was (saved.py):
-            "cell": {"source": self.cell_source, "loop_cell_source": self.loop_cell_source},
-            "quoted_cells": self.quoted_cells,
-            "machine": _jsonable(self.machine),
-            "batch": {
-                "size": self.batch_size,
-                "kind": self.batch_kind,
-                "per_step": self.batches_per_step,
-            },
-            "warmup": self.warmup,
-            "wall_ms": self.wall_ms,
-            "expected_steps": self.expected_steps,
-            "gpu": {
-                "used": bool(self._gpu_used),
-                "cuda_device": self.cuda_device,
-                "device": self.gpu_device,
-                "note": self.gpu_note,
-                "samples": _jsonable(
-                    {k: _list(v) for k, v in self._gpu_samples.items()}
-                    if self._gpu_samples
-                    else None
-                ),
-            },
-            "resources": _jsonable(self.resources_dict()),
-        }
+        """What --save writes: JSON-ready, unmeasured values as null (result.to_dict)."""
+        return render.to_dict(self.result)
 
     def resources_dict(self) -> dict[str, Any]:
-        """What --save writes of the resources: the host's samples (columns) and workers, the
-        GPU memory watch, what earlier cells held, an out-of-memory error, the findings; null
-        where not measured. The per-step GPU memory columns are in `steps`."""
-        host = dict(self.host) if self.host is not None else None
-        if host is not None:
-            host["samples"] = {k: v.tolist() for k, v in host.get("samples", {}).items()}
-        return {
-            "host": host,
-            "gpu_memory": self.gpu_memory,
-            "held_before": self.held_before,
-            "oom": self.oom,
-            "findings": self.summary.get("resource_findings"),
-        }
+        """What --save writes of the resources (result.resources_dict)."""
+        return render.resources_dict(self.result)
 
     def save(self, path: str) -> str:
         """Write the run to `path`: the report as one standalone HTML page for `.html` (no
@@ -659,18 +596,3 @@ class Run:
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(self.to_dict(), fh, indent=1, allow_nan=False)
         return path
-
-
-def _list(values: Any) -> list[Any]:
-    return values.tolist() if hasattr(values, "tolist") else list(values)
-
-
-def _jsonable(value: Any) -> Any:
-    """NaN and infinities become null (unmeasured), containers are walked."""
-    if isinstance(value, float):
-        return value if value == value and value not in (float("inf"), float("-inf")) else None
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value

@@ -195,8 +195,8 @@ class SavedRun(Run):
             for row in verdict.get("evidence") or []
             if isinstance(row, (list, tuple)) and len(row) == 2
         ]
-        self._summary = dict(summary)
-        self._verdict = Verdict(
+        self._saved_summary = dict(summary)
+        self._saved_verdict = Verdict(
             str(verdict["label"]),
             str(verdict.get("severity") or "info"),
             str(verdict.get("why") or ""),
@@ -252,6 +252,7 @@ class SavedRun(Run):
         if not present:
             unsaved.add("host")
         self.finished = True
+        self._result = self._freeze()
         self.unsaved = frozenset(unsaved)
         self._frozen = True
 
@@ -261,20 +262,18 @@ class SavedRun(Run):
         super().__setattr__(name, value)
 
     # -- what the renderers read, as saved -----------------------------------------------------
-    def _analysis(self) -> tuple[dict[str, Any], Verdict]:
-        assert self._summary is not None and self._verdict is not None
-        return self._summary, self._verdict
+    def _analysis(self, cols: dict[str, np.ndarray]) -> tuple[dict[str, Any], Verdict]:
+        return self._saved_summary, self._saved_verdict
 
-    def columns(self) -> dict[str, np.ndarray]:
+    def _read_columns(self) -> dict[str, np.ndarray]:
         return dict(self._saved_columns)
+
+    def _describe_machine(self) -> dict[str, Any] | None:
+        return self._machine
 
     @property
     def n_steps(self) -> int:
         return self._n_steps
-
-    @property
-    def machine(self) -> dict[str, Any] | None:
-        return self._machine
 
     @property
     def key(self) -> tuple[str, float]:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
@@ -41,7 +41,10 @@ from .capture.locate import (
 from .capture.recording import Capture
 from .capture.rewrite import instrument_loop
 from .processes import children
-from .run import _RUNS, Run
+from .run import _RUNS, Observer, Run
+
+if TYPE_CHECKING:
+    from .views.display import LiveView
 
 NO_LOOP = (
     "traceml: no training loop found in this cell (no `for` loop calling .backward() or "
@@ -298,7 +301,7 @@ def recording(cell: TracedCell) -> Iterator[None]:
     __tracebackhide__ = True  # noqa: F841
     run, capture = cell.run, cell.capture
     error: BaseException | None = None
-    views: list[Any] = []
+    views: list[LiveView] = []
     try:
         with ExitStack() as stack:
             from .capture.gpu_watch import gpu_watched
@@ -362,11 +365,11 @@ def _run_coroutine(shell: Any, coro: Any) -> Any:
     )
 
 
-def _live_view_starter(run: Run, opts: CellOptions, views: list[Any]) -> Any:
+def _live_view_starter(run: Run, opts: CellOptions, views: list[LiveView]) -> Observer:
     """The live view starts with the first step (a cell without steps shows none)."""
 
     def start(_run: Run) -> None:
-        run._observers.remove(start)
+        run.stop_observing(start)
         if run.n_steps == 0:  # the run ended without a step: nothing to chart
             return
         from .views.display import start_live_view
@@ -379,7 +382,7 @@ def _live_view_starter(run: Run, opts: CellOptions, views: list[Any]) -> Any:
     return start
 
 
-def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Any, commands: list[str] | None = None) -> None:
+def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: LiveView | None, commands: list[str] | None = None) -> None:
     """Show the report, or one line when there is nothing to report; never mask the user's error."""
     from .views.display import show_report
 

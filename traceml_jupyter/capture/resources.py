@@ -75,7 +75,7 @@ class ResourceWatch:
         capture.memory = None
         capture.on_workers = None
         try:
-            run._observers.remove(self.tick)
+            run.stop_observing(self.tick)
         except ValueError:
             pass
         self.gpu.stop()

@@ -396,7 +396,7 @@ def facts_for(
     ctx = context or CodeContext.of(run, shell)
     loader = loader_settings(run)
     summary = run.summary
-    passes = int(getattr(run, "_loops_started", 0) or 0)
+    passes = run.loops_started
     several = passes >= 2
     if ctx.loop is not None and ctx.loop_tree is not None and run.loop_line is not None:
         several = several or nested_in_loop(ctx.loop_tree, run.loop_line)
@@ -408,7 +408,7 @@ def facts_for(
         verdict=checklist_verdict(run.verdict, run.straggler),  # a rank straggler: its cause
         loader=loader,
         cpu_count=usable_cpus(),
-        on_gpu=bool(getattr(run, "_gpu_used", False)) or summary.get("clock") == "gpu",
+        on_gpu=run.gpu_used or summary.get("clock") == "gpu",
         several_passes=several,
         loader_site=ctx.loader_site,
         transfers=tuple(transfers_in(ctx.loop, ctx.loop_cell)) if ctx.loop is not None else None,

@@ -23,7 +23,8 @@ from ..capture.recording import Capture, capturing, new_token
 from ..capture.rewrite import instrument_loop
 from ..capture.sources import training_source
 from ..failures import failure_text, never_raise
-from ..run import Run, _jsonable
+from ..result import jsonable as _jsonable
+from ..run import Run
 from .startup_hook import command_line
 
 if TYPE_CHECKING:
@@ -148,8 +149,7 @@ def record(tripwires: Tripwires, sock: Any) -> Recording:
     tap = ranks.StepTap(capture, timer)
     stack.callback(tap.follow_merges(capture.model))
     sender = ChildSender(sock, tap, run, tripwires)
-    run._observers[:] = [sender]  # the live chart is the kernel's
-    run._next_tick = 0
+    run.observe_only(sender)  # the live chart is the kernel's
     capture.listen()
     ranks.start_no_rank_channel()
     original_exit = sys.exit

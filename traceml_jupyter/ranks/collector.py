@@ -280,8 +280,8 @@ class Collector:
         if main is not None and run.recorder is not main.recorder:
             run.recorder = main.recorder
         now = perf_counter_ns()
-        if now >= run._next_tick:
-            run._tick(now)
+        if run.tick_due(now):
+            run.tick(now)
 
     def live(self, window: int) -> dict[str, Any] | None:
         """For the live chart: each rank's last `window` steps, and the rank that holds the

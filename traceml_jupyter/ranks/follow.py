@@ -56,8 +56,7 @@ def watching(run: Run, capture: Capture) -> Iterator[None]:
             yield
         finally:
             undo()
-            if at_tick in run._observers:
-                run._observers.remove(at_tick)
+            run.stop_observing(at_tick)
             rows = tap.take(final=True)
             if rows is not None:
                 local.add(rows)

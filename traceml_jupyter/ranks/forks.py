@@ -144,8 +144,7 @@ def become_rank(pending: _Pending) -> Sender:
     tap = StepTap(capture, timer)
     tap.follow_merges(capture.model)
     sender = Sender(pending.child_end, tap, run, pending.index)
-    run._observers[:] = [sender]  # the live chart is the kernel's
-    run._next_tick = 0
+    run.observe_only(sender)  # the live chart is the kernel's
     run.rank_collector = None
     capture.listen()  # the model calls back from the next step on
     multiprocessing.util.Finalize(sender, sender.finish, exitpriority=100)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..analysis.tune_plan import OK, TIMEOUT, Row, Setting, rate_text
 from .render import BAR, MODEL, table_lines
@@ -15,6 +15,23 @@ if TYPE_CHECKING:
 
 Progress = Callable[[Mapping[str, Any]], None]
 
+
+class ProgressView(Protocol):
+    """What a view shown while a tune measures offers (as a run's live view, views/display.py:
+    told as it goes, then the final state): the tune starts, a candidate starts, a candidate
+    was measured, the tune ended with its result."""
+
+    def start(self, label: str, budget: float, model: float | None) -> None:
+        """The tune starts: `label`, its budget (s), the model's rate (batches/s)."""
+
+    def candidate(self, setting: Setting, index: int, total: int) -> None:
+        """Candidate `index` of about `total` starts."""
+
+    def measured(self, row: Row, rows: Sequence[Row]) -> None:
+        """`row` was measured; `rows`: every row so far."""
+
+    def finish(self, result: TuneResult) -> None:
+        """The tune ended with `result`: its final state."""
 
 
 class TextView:
@@ -159,7 +176,7 @@ class WidgetView:
         )
 
 
-def progress_view(show: bool) -> Any:
+def progress_view(show: bool) -> ProgressView | None:
     """The view for this front-end (widgets, an HTML display, text); None when `show` is False."""
     if not show:
         return None
@@ -181,7 +198,7 @@ class ProgressViews:
     """The view and the caller's progress callback, told the same events. A broken view is
     dropped; the callback's exceptions (KeyboardInterrupt included) are the caller's."""
 
-    def __init__(self, view: Any, progress: Progress | None) -> None:
+    def __init__(self, view: ProgressView | None, progress: Progress | None) -> None:
         self.view, self.progress = view, progress
 
     def _call(self, name: str, *args: Any) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..kernel.shell import ipython_shell
 from . import report_file  # noqa: F401  (Run.save writes .html through it)
@@ -11,6 +11,19 @@ from . import report_file  # noqa: F401  (Run.save writes .html through it)
 if TYPE_CHECKING:
     from ..run import Run
 
+
+class LiveView(Protocol):
+    """What a view shown while a run records offers (live.LiveView; tune's progress views have
+    the same shape for a tune: tuning/progress.ProgressView). `refresh` is the run's observer
+    (run.Observer): it draws what the run holds so far, and its final state once the run has
+    finished. `close` draws that final state if the run's last tick did not, and leaves it
+    displayed."""
+
+    def refresh(self, run: Run | None = None) -> None:
+        """Draw what the run holds now (its final state once it has finished)."""
+
+    def close(self) -> None:
+        """The final state drawn (if not yet), left displayed; no refresh after."""
 
 
 class ReportDisplay:
@@ -26,7 +39,7 @@ class ReportDisplay:
         return {"text/plain": self.run.text(), "text/html": render_html(self.run, self.checklist)}
 
 
-def show_report(run: Run, view: Any = None) -> None:
+def show_report(run: Run, view: LiveView | None = None) -> None:
     """Stop the live view (its chart stays, with the final data), evaluate the checklist once
     (it stays on the run: `run.checklist`) and show the report below the chart."""
     from ..kernel.code_facts import keep_checklist
@@ -54,7 +67,7 @@ def print_whole(text: str) -> None:
     sys.stdout.flush()
 
 
-def start_live_view(run: Run, show: bool = True) -> Any:
+def start_live_view(run: Run, show: bool = True) -> LiveView | None:
     """The live chart for a notebook front-end, or (show=False, or no front-end) only the
     GPU sampling behind it; None if it cannot start."""
     try:

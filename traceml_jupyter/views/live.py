@@ -344,7 +344,7 @@ class LiveView:
             self._passes = passes_of(self._loops, names)
         if self._passes and per_pass * self._passes >= run.n_steps:
             return per_pass * self._passes, None
-        started = max(1, int(getattr(run, "_loops_started", 1)))
+        started = max(1, run.loops_started)
         in_pass = run.n_steps - (started - 1) * per_pass
         if not 0 <= in_pass <= per_pass:
             return None, None
@@ -413,7 +413,7 @@ class LiveView:
         elif (final or turn == "bars") and len(tail["step"]) >= 2:
             # On a GPU, the steps whose events have resolved, on the GPU clock: what the host
             # waited while queued work hid it is no data wait (the report says the same).
-            cols, on_gpu = clock_columns(tail, bool(run._gpu_used))
+            cols, on_gpu = clock_columns(tail, run.gpu_used)
             suffix = "_gpu_ms" if on_gpu else "_ms"
             parts = window_parts(run, cols, on_gpu)
             if parts is None:

@@ -128,7 +128,7 @@ def live_numbers(
         summary, verdict = run.summary, run.verdict_detail
         steps_per_s = summary.get("steps_per_s")
     else:
-        cols, on_gpu = clock_columns(tail, bool(run._gpu_used))
+        cols, on_gpu = clock_columns(tail, run.gpu_used)
         summary = summarize(cols, step, run.warmup, on_gpu)
         verdict = diagnose(summary)
         steps_per_s = window_throughput(tail)
@@ -207,7 +207,7 @@ def gpu_text(run: Run) -> str:
         utils = utils[np.isfinite(utils)]
         if len(utils):
             return f"GPU {float(np.mean(utils)):.0f} % on average"
-        return run.gpu_note or ("GPU n/a" if not run._gpu_used else "GPU: not sampled")
+        return run.gpu_note or ("GPU n/a" if not run.gpu_used else "GPU: not sampled")
     sampler, memory = watch.gpu, watch.memory
     latest = sampler.samples.latest()
     mem = None

@@ -43,7 +43,7 @@ def gpu_utilisation(run: Run) -> str:
     if note:  # the sampler's notes read "GPU n/a (no NVML)": the row says "GPU" already
         note = str(note).removeprefix("GPU ").strip()
         return note if note.startswith("n/a") else f"n/a ({note})"
-    used = bool(getattr(run, "_gpu_used", False))
+    used = bool(getattr(run, "gpu_used", False))
     return "n/a (not sampled)" if used else "n/a (no GPU used)"
 
 

@@ -328,3 +328,29 @@ def test_traceml_history_in_the_environment_saves_every_run(
     with capture_output() as out:
         ip.run_line_magic("traceml", "history")
     assert out.stdout.strip() == f"traceml: every run is saved to {tmp_path / 'from-env'} (1 run there)"
+
+
+def test_the_saved_checklist_does_not_depend_on_the_report_being_displayed(
+    ip: Any, own_runs: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checklist is kept on the run before anything is shown: a run whose report could not
+    be displayed saves the checklist a displayed one saves (the one its run reads now)."""
+    from traceml_jupyter.kernel.code_facts import checklist_for
+
+    for source in (SETUP, MODEL, TRAIN):
+        assert cell(ip, source).error_in_exec is None
+    saved = {}
+    for shown in (True, False):
+        if not shown:
+            monkeypatch.setattr("IPython.display.display", lambda *a, **k: None)
+        path = tmp_path / f"shown_{shown}.json"
+        result = cell(ip, f"%%traceml --no-live --save {path}\ntrain()\n")
+        assert result.error_in_exec is None, result.out.stderr
+        run = traceml_jupyter.last()
+        assert run is not None
+        assert bool(result.out.outputs) is shown  # the report was displayed, or not
+        saved[shown] = json.loads(path.read_text())
+        assert saved[shown]["checklist"] == checklist_for(run) == run.result.checklist
+    assert saved[True]["checklist"] and [i["key"] for i in saved[True]["checklist"]] == [
+        i["key"] for i in saved[False]["checklist"]
+    ]

@@ -335,7 +335,7 @@ def test_gpu_utilisation_from_nvml_samples_or_why_not() -> None:
     assert gpu_utilisation(SimpleNamespace(gpu_samples=None, gpu_note="no NVML")) == "n/a (no NVML)"
     from_sampler = SimpleNamespace(gpu_samples=None, gpu_note="GPU n/a (no NVML)")
     assert gpu_utilisation(from_sampler) == "n/a (no NVML)"
-    assert gpu_utilisation(SimpleNamespace(gpu_samples=None, _gpu_used=False)) == "n/a (no GPU used)"
+    assert gpu_utilisation(SimpleNamespace(gpu_samples=None, gpu_used=False)) == "n/a (no GPU used)"
 
 
 def test_a_checklist_that_cannot_be_read_never_costs_the_report(

@@ -1,0 +1,94 @@
+"""The summary and the verdict of what a run recorded, read off the recording once the run
+finishes (or at each read while it runs): the step's numbers (analysis/summary.py), the data
+sources and phases, the parts of the step, the trend, each epoch's start-up, the resources,
+and, with several ranks, the rank verdict. Every key is listed in docs/api.md, "The summary"."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .analysis.step_parts import epoch_startup, parts_summary, trend
+from .analysis.summary import summarize, with_batch_size
+from .analysis.verdict import Verdict, diagnose
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .run import Run
+
+
+def analyse(run: Run, cols: dict[str, np.ndarray]) -> tuple[dict[str, Any], Verdict]:
+    """The summary and the verdict of what `run` recorded, its per-step columns `cols`."""
+    rec = run.recorder
+    summary = summarize(cols, rec.n_steps, run.warmup, run.gpu_used, rec.totals())
+    summary.update(run.watch_summary)
+    summary.update(_source_summary(run))
+    summary.update(_inside_the_step(run, cols, summary))
+    with_batch_size(summary, run.batch_size, run.batches_per_step)
+    summary.update(_resource_summary(run, cols, int(summary["warmup_steps"])))
+    verdict = diagnose(summary)
+    if run.ranks:
+        from .analysis.rank_verdict import with_ranks
+
+        summary, verdict = with_ranks(summary, run.ranks)
+    return summary, verdict
+
+
+
+def _source_summary(run: Run) -> dict[str, Any]:
+    """What the verdict quotes of the data sources and the phases."""
+    training = next((src for src in run.sources if src.get("training")), None)
+    return {
+        "step_kind": run.step_kind,
+        "step_definition": run.step_definition,
+        "batches_per_step": run.batches_per_step,
+        "data_source": training.get("label") if training else None,
+        "data_source_kind": training.get("kind") if training else None,
+        "data_source_type": training.get("type") if training else None,
+        "data_source_line": training.get("line") if training else None,
+        "phases": list(run.phases),
+        "wall_ms": run.wall_ms,
+        "model_compiled": run.model_compiled,
+    }
+
+
+def _inside_the_step(run: Run, cols: dict[str, np.ndarray], summary: dict[str, Any]) -> dict[str, Any]:
+    """The parts of the step, the trend over the run and each epoch's start-up wait."""
+    analysed = cols["step"] >= int(summary["warmup_steps"])
+    clock = str(summary["clock"])
+    out = parts_summary(cols, analysed, clock)
+    parts = run.step_parts
+    out.update(parts.facts() if parts is not None else {"forward_state": None, "forward_modules": [], "optimizers": []})
+    out["trend"] = trend(cols, analysed, clock)
+    total = (summary.get("totals_ms") or {}).get("step_gpu_ms" if clock == "gpu" else "step_ms")
+    out["epoch_startup"] = epoch_startup(cols, run.pass_starts, total, run.loader_info, clock)
+    return out
+
+
+def _resource_summary(run: Run, cols: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """GPU memory, CPU and host memory in numbers and findings (analysis/resources.py)."""
+    from .analysis.kept_graph import kept_graphs
+    from .analysis.resources import ResourceFacts, resource_summary
+    from .capture.gpu_memory import module_names
+    from .capture.probes import user_namespace
+
+    source = run.loop_cell_source or run.cell_source
+    kept = [k.to_dict() for k in kept_graphs(source, run.loop_line, module_names(user_namespace()))]
+    loader = run.loader_ref() if run.loader_ref is not None else None
+    facts = ResourceFacts(
+        columns=cols,
+        warmup=warmup,
+        gpu_memory=run.gpu_memory,
+        host=run.host,
+        kept=kept,
+        python_objects=list((run.loader_info or {}).get("python_objects") or []),
+        loader_name=run.loader_name,
+        training_loader=id(loader) if loader is not None else None,
+        held=run.held_before,
+        oom=run.oom,
+        device=run.cuda_device,
+    )
+    summary = resource_summary(facts)
+    summary["kept_graphs"] = kept
+    return summary
+
