@@ -14,6 +14,7 @@ import copy
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -252,8 +253,8 @@ class SavedRun(Run):
         if not present:
             unsaved.add("host")
         self.finished = True
-        self._result = self._freeze()
         self.unsaved = frozenset(unsaved)
+        self._result = replace(self._freeze(), unsaved=self.unsaved)
         self._frozen = True
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -39,11 +39,7 @@ NOT_YET_DOCUMENTED = (
     "saved.py",
     "traced_cell.py",
     "views/live.py",
-    "views/live_header.py",
     "views/live_svg.py",
-    "views/report_code.py",
-    "views/report_evidence.py",
-    "views/report_file.py",
     "views/report_style.py",
     "views/resource_plots.py",
 )
@@ -362,12 +358,10 @@ HAND_WRITTEN_EXCEPTS = {
     "saved.py": 1,
     "traced_cell.py": 5,
     "tuning/progress.py": 2,
-    "views/display.py": 2,
     "views/environment.py": 1,
     "views/live.py": 3,
     "views/live_svg.py": 1,
     "views/loop_passes.py": 1,
-    "views/report.py": 1,
 }
 
 
