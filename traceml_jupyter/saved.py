@@ -274,10 +274,12 @@ class SavedRun(Run):
 
     @property
     def n_steps(self) -> int:
+        """The steps the saved run recorded."""
         return self._n_steps
 
     @property
     def key(self) -> tuple[str, float]:
+        """What tells it apart from other runs: its name and when it started (run_key)."""
         return run_key(self)
 
     def to_dict(self) -> dict[str, Any]:
