@@ -3,7 +3,10 @@
 A thin view over the Run: `start(run)` registers `view.refresh` as an observer (the step hook
 calls it on the main thread at most 4 times a second, and once more when the run finishes).
 Each refresh reads a bounded tail of the recorder and sends one batched update per widget it
-changes. Without a widget front-end it becomes an updating HTML display, or nothing.
+changes. Without a widget front-end it becomes an updating HTML display, or nothing. Its final
+state, once the run has finished, reads the run's result (the header's verdict, rate, time and
+resources: live_header.py); the window's bars stay the recording's last steps (the result keeps
+every stride-th step of a long run only).
 
 Widgets are built only for runs that last past the first update (about a second), and only
 the KEEP_LIVE_CHARTS newest finished runs keep them: an older chart is replaced in place by a
