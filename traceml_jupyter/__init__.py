@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    """`%load_ext traceml_jupyter`: the `%%traceml` cell magic and `%traceml` line magic, and the
+    cells that await or do not compile routed as plain cells."""
     from .async_cells import route_async_cells
     from .magic import TraceMLMagics, import_views_when_idle
     from .syntax_cells import route_syntax_errors
@@ -44,6 +46,7 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def unload_ipython_extension(ipython: Any) -> None:
+    """`%unload_ext traceml_jupyter`: the magics and the cell routing removed again."""
     ipython.magics_manager.magics["cell"].pop("traceml", None)
     ipython.magics_manager.magics["line"].pop("traceml", None)
     from .async_cells import route_async_cells

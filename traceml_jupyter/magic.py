@@ -10,6 +10,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from .failures import never_raise
 from .views.environment import live_mode
 
 
@@ -75,14 +76,12 @@ def import_views_when_idle(shell: Any) -> bool:
 
 def import_views() -> None:
     """Import the traced cell's modules and the live chart's libraries; never raises."""
-    try:
+    with never_raise():  # the traced cell imports them again, and says what failed
         import bqplot  # noqa: F401
         import ipywidgets  # noqa: F401
 
         from . import traced_cell  # noqa: F401
         from .views import live, report  # noqa: F401
-    except Exception:  # the traced cell imports them again, and says what failed
-        pass
 
 
 async def traced_cell_async(shell: Any, magic_line: str, cell: str) -> Any:
@@ -97,6 +96,9 @@ async def traced_cell_async(shell: Any, magic_line: str, cell: str) -> Any:
 
 @magics_class
 class TraceMLMagics(Magics):
+    """The `%%traceml` cell magic (trace a training cell: live chart, then the report) and the
+    `%traceml` line magic (compare, tune, history, ...)."""
+
     @magic_arguments()
     @argument("--name", type=str, default=None, help="label of the run (default: 'run N')")
     @argument(

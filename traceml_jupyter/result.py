@@ -47,6 +47,8 @@ class Result:
     The kernel's reading: checklist (its items as dicts), quoted_cells (the earlier cells the
         report quotes). notes (what could not be measured or shown: the run's own list, which
         a view that fails later adds to) and error (what stopped the cell).
+    Read back from a file (saved.py): unsaved names the fields its file did not hold (an older
+    version wrote fewer keys); empty for a run of this kernel.
     """
 
     name: str
@@ -97,6 +99,7 @@ class Result:
     quoted_cells: dict[str, str] | None
     notes: list[str]
     error: str | None
+    unsaved: frozenset[str] = frozenset()
 
     @property
     def straggler(self) -> dict[str, Any] | None:

@@ -22,6 +22,7 @@ from .capture.host import usable_cpus
 from .capture.machine import describe_machine
 from .capture.probes import safe_len
 from .capture.recorder import Recorder
+from .failures import never_raise
 from .result import SCHEMA_VERSION, Result
 from .run_summary import analyse
 
@@ -34,7 +35,6 @@ __all__ = ["SCHEMA_VERSION", "Observer", "Result", "Run", "clear", "compare", "l
 REFRESH_NS = 250_000_000  # observers (the live view) run at most 4 times a second
 
 
-
 class Observer(Protocol):
     """What watches a run while it records (the live chart's refresh, a rank's sender, the
     resource watch): called with the run at its ticks, on the capture's thread, at most 4 times
@@ -42,6 +42,7 @@ class Observer(Protocol):
     says so): a view never stops the training."""
 
     def __call__(self, run: Run, /) -> None: ...
+
 
 # Formats other than JSON that `Run.save` writes, by file suffix: a view registers its writer
 # (views/report_file.py: ".html", the report as one standalone page); the run knows no view.
@@ -62,6 +63,7 @@ def last() -> Run | None:
 
 
 def find_run(name: str) -> Run | None:
+    """The latest run of this kernel with that name, or None."""
     for run in reversed(_RUNS):
         if run.name == name:
             return run
@@ -343,11 +345,11 @@ class Run:
     def _tick(self, now: int) -> None:
         self._next_tick = now + REFRESH_NS
         for observer in list(self._observers):
-            try:
+            guard = never_raise(self.notes, "The live view stopped")  # never stop the training
+            with guard:
                 observer(self)
-            except Exception as exc:  # a broken view must never stop training
+            if guard.error is not None:
                 self._observers.remove(observer)
-                self.notes.append(f"The live view stopped: {type(exc).__name__}: {exc}")
 
     # -- the end ---------------------------------------------------------------------------
     def captured(self, capture: Any, wall_ns: int) -> None:
@@ -389,10 +391,8 @@ class Run:
         self.ended_at = time.time()
         self._result = self._freeze()
         for observer in list(self._observers):
-            try:
+            with never_raise():
                 observer(self)
-            except Exception:
-                pass
         self._observers.clear()
         return self
 
@@ -435,11 +435,9 @@ class Run:
     def _describe_machine(self) -> dict[str, Any] | None:
         """What the run ran on (capture/machine.py), once it has finished; None before."""
         if self._machine is None and self.finished:
-            try:
+            self._machine = {}  # what is kept if it fails: never cost the run its result
+            with never_raise(self.notes, "The machine could not be described"):
                 self._machine = describe_machine(usable_cpus(), self.cuda_device, self.gpu_device)
-            except Exception as exc:  # never cost the run its result
-                self.notes.append(f"The machine could not be described: {type(exc).__name__}: {exc}")
-                self._machine = {}
         return self._machine
 
     def _read_columns(self) -> dict[str, np.ndarray]:
@@ -464,6 +462,7 @@ class Run:
 
     @gpu_samples.setter
     def gpu_samples(self, samples: dict[str, Any] | None) -> None:
+        """Keep the NVML samples (the resource watch, when it stops)."""
         self._gpu_samples = samples
         self._result = None
 
@@ -475,6 +474,7 @@ class Run:
 
     @checklist.setter
     def checklist(self, items: list[dict[str, Any]] | None) -> None:
+        """Keep the checklist as evaluated (it goes into the result)."""
         self._checklist = items
         if self._result is not None:
             self._result = replace(self._result, checklist=items)
@@ -486,6 +486,7 @@ class Run:
 
     @quoted_cells.setter
     def quoted_cells(self, cells: dict[str, str] | None) -> None:
+        """Keep the cells the report quotes (they go into the result)."""
         self._quoted_cells = cells
         if self._result is not None:
             self._result = replace(self._result, quoted_cells=cells)

@@ -14,6 +14,7 @@ import copy
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -252,8 +253,8 @@ class SavedRun(Run):
         if not present:
             unsaved.add("host")
         self.finished = True
-        self._result = self._freeze()
         self.unsaved = frozenset(unsaved)
+        self._result = replace(self._freeze(), unsaved=self.unsaved)
         self._frozen = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -273,10 +274,12 @@ class SavedRun(Run):
 
     @property
     def n_steps(self) -> int:
+        """The steps the saved run recorded."""
         return self._n_steps
 
     @property
     def key(self) -> tuple[str, float]:
+        """What tells it apart from other runs: its name and when it started (run_key)."""
         return run_key(self)
 
     def to_dict(self) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from .capture.locate import (
 )
 from .capture.recording import Capture
 from .capture.rewrite import instrument_loop
+from .failures import never_raise
 from .processes import children
 from .run import _RUNS, Observer, Run
 
@@ -55,6 +56,10 @@ NO_LOOP = (
 
 @dataclass
 class CellOptions:
+    """What `%%traceml`'s options asked for: the run's name, the warm-up steps, the live chart
+    or not, where to save, the loop to time (--loop) and whether each line of its body is
+    timed (--lines)."""
+
     name: str | None = None
     warmup: int | None = None
     live: bool = True
@@ -319,11 +324,10 @@ def recording(cell: TracedCell) -> Iterator[None]:
         raise
     finally:
         if cell.choice is not None and cell.choice.function is not None:
-            try:  # the cell's functions get their plain code back (never mask the user's error)
+            # The cell's functions get their plain code back (never mask the user's error).
+            with never_raise(run.notes, "The cell's functions keep their traced code"):
                 plain = compile(cell.tree, cell.filename, "exec", cell.flags, dont_inherit=True)
                 restore_definitions(cell.shell.user_ns, cell.code, plain)
-            except Exception as exc:
-                run.notes.append(f"The cell's functions keep their traced code: {type(exc).__name__}: {exc}")
         _finish(run, error, cell.opts, views[0] if views else None, children.started_commands(cell.tree))
 
 
@@ -444,14 +448,11 @@ def line_costs_kept(run: Run, clock: Any) -> Iterator[Any]:
     try:
         yield clock
     finally:
-        try:
+        with never_raise(run.notes, "GPU time per line incomplete"):
             clock.finish()
-        except Exception as exc:
-            run.notes.append(f"GPU time per line incomplete: {type(exc).__name__}: {exc}")
-        try:
+        # It runs as the cell ends: never mask the user's error.
+        with never_raise(run.notes, "Cost per line not reported"):
             run.line_costs = _costs_of(run, clock)
-        except Exception as exc:  # it runs as the cell ends: never mask the user's error
-            run.notes.append(f"Cost per line not reported: {type(exc).__name__}: {exc}")
 
 
 def _costs_of(run: Run, clock: Any) -> dict[str, Any]:

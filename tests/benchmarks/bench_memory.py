@@ -116,9 +116,9 @@ def one_run(n: int, traced_memory: bool) -> dict[str, Any]:
 
 
 def report_renderer() -> Any:
-    """`traceml_jupyter.views.report.render_html` when the HTML report exists (another issue)."""
+    """`traceml_jupyter.views.report.report_html` when the HTML report exists (another issue)."""
     try:
-        from traceml_jupyter.views.report import render_html
+        from traceml_jupyter.views.report import report_html as render_html
     except ImportError:
         return None
     return render_html
@@ -193,7 +193,7 @@ def measure(sizes: list[int] | None = None) -> list[Table]:
         "columns also exist.",
         f"Exact history is kept up to HISTORY_CAP = {cap:,} steps, then one step in `stride`.",
         "report = run.finish() + run.summary + run.verdict + run.text()"
-        + (" + report.render_html(run)." if results[0][1]["html"] else "; traceml_jupyter.views.report "
+        + (" + report.report_html(run)." if results[0][1]["html"] else "; traceml_jupyter.views.report "
            "does not exist yet, so no HTML was rendered."),
     ]
     t_rows = [

@@ -38,7 +38,7 @@ from ..analysis.resources import cpu_sentence
 from ..capture.dataloaders import dataset_site, inner_dataset
 from ..capture.host import usable_cpus
 from ..capture.sources import fed_expression, resolve_name
-from ..failures import never_raise
+from ..failures import failure_text, never_raise
 from ..run import tuned_for
 from .cells import (
     CELL_LABEL,
@@ -170,7 +170,13 @@ def _loader_site(
 
 def source_label(run: Run, shell: Any, filename: str) -> str | None:
     """None for the traced cell itself, "In [3]" for another cell, the file name else."""
-    if filename == run.cell_filename:
+    return file_label(run.cell_filename, shell, filename)
+
+
+def file_label(cell_filename: str | None, shell: Any, filename: str) -> str | None:
+    """None for the traced cell's file (`cell_filename`), "In [3]" for another cell, the file
+    name else."""
+    if filename == cell_filename:
         return None
     fmt = getattr(getattr(shell, "compile", None), "format_code_name", None)
     named = fmt(filename) if fmt is not None else None
@@ -304,11 +310,13 @@ class CodeContext:
     loop_tree: ast.AST | None = None  # this cell's tree, or the function around the loop
     loader_site: CodeSite | None = None
     earlier: EarlierCells | None = None
+    cell_filename: str | None = None  # the traced cell's file name (linecache's)
+    shell: Any = None
 
     @classmethod
     def of(cls, run: Run, shell: Any) -> CodeContext:
         """Read the run's cells once: the history, the traced cell's tree, the loop and its cell."""
-        ctx = cls(run_cells(run, shell))
+        ctx = cls(run_cells(run, shell), cell_filename=run.cell_filename, shell=shell)
         ctx.current = current_cell_index(ctx.cells, run.cell_source)
         ctx.earlier = EarlierCells(shell, ctx.cells, ctx.current)
         ctx.tree = parse_cell(run.cell_source, cell_transform(shell)) if run.cell_source else None
@@ -326,6 +334,10 @@ class CodeContext:
         if ctx.loader_site is None and not getattr(run, "processes", None):
             ctx.loader_site = _loader_site(ctx.earlier, ctx.tree, names)
         return ctx
+
+    def label(self, filename: str) -> str | None:
+        """None for the traced cell itself, "In [3]" for another cell, the file name else."""
+        return file_label(self.cell_filename, self.shell, filename)
 
     def cell_line(self, site: CodeSite) -> str | None:
         """The text of `site` when it is a line of an earlier cell."""
@@ -467,3 +479,29 @@ def keep_checklist(run: Run) -> list[Item] | None:
     return None
 
 
+@dataclass(frozen=True)
+class KernelReading:
+    """What a run's report shows that its result does not hold, read from the kernel: the code
+    around the run (`code`: the history, where the loop and the DataLoader are), the checklist
+    as evaluated, and why it could not be evaluated (`problem`, shown with the notes)."""
+
+    code: CodeContext
+    checklist: list[Item]
+    problem: str | None = None
+
+
+def kernel_reading(run: Run, checklist: Sequence[Item] | None = None) -> KernelReading:
+    """What the report of `run` reads from the kernel: the code around it and the checklist
+    (`checklist` when given; for a run read back from its file, the one it saved; else
+    evaluated now). Never raises: a failure leaves the code unread, the checklist as given,
+    and says why."""
+    shell = ipython_shell()
+    if checklist is None and run.frozen:  # read back from its file: the checklist as evaluated
+        checklist = [Item.from_dict(item) for item in run.checklist or []]
+    guard = never_raise()
+    with guard:  # the checklist reads live objects and history: never let it cost the report
+        ctx = CodeContext.of(run, shell)
+        items = list(checklist) if checklist is not None else checklist_items(run, shell, ctx)
+        return KernelReading(ctx, items)
+    problem = f"The checklist could not be evaluated: {failure_text(guard.error)}" if guard.error else None
+    return KernelReading(CodeContext(cell_filename=run.cell_filename, shell=shell), list(checklist or []), problem)

@@ -15,6 +15,7 @@ from ..capture.probes import plain_count
 from ..capture.recorder import Recorder
 from ..capture.recording import Capture
 from ..capture.step_model import BACKWARD
+from ..failures import never_raise
 from .wire import PART_ROWS, ROWS
 
 if TYPE_CHECKING:
@@ -225,10 +226,8 @@ class StepTap:
         """The parts of these steps (step_parts.py), NaN where not sampled or not measured."""
         parts = getattr(self.capture, "parts", None)
         if parts is not None:
-            try:
+            with never_raise():
                 return parts.columns(cols)  # type: ignore[no-any-return]
-            except Exception:
-                pass
         return {name: np.full(len(cols["step"]), np.nan) for name in PART_ROWS}
 
 

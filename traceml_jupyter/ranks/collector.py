@@ -20,6 +20,7 @@ from ..analysis.summary import summarize
 from ..analysis.verdict import WARN_SHARE
 from ..capture.probes import plain_count
 from ..capture.recorder import Recorder
+from ..failures import never_raise
 from .backward import RankParts, StepSample, shows_parts_of
 from .wire import END, HELLO, STEPS, read_frames
 
@@ -200,7 +201,8 @@ class Collector:
             self._selector.register(sock, selectors.EVENT_READ, stream)
 
     def _loop(self) -> None:
-        try:
+        # Never let the kernel's thread die silently.
+        with never_raise(self.notes, "The ranks' steps stopped arriving"):
             while True:
                 timeout = None if self._stop_at is None else max(0.0, self._stop_at - monotonic())
                 events = self._selector.select(timeout)
@@ -217,8 +219,6 @@ class Collector:
                 if self._changed:
                     self._changed = False
                     self._refresh()
-        except Exception as exc:  # never let the kernel's thread die silently
-            self.notes.append(f"The ranks' steps stopped arriving: {type(exc).__name__}: {exc}")
 
     def _drain_wake(self) -> None:
         try:
@@ -311,10 +311,8 @@ class Collector:
                 sock.close()
             except OSError:
                 pass
-        try:
+        with never_raise():
             self._selector.close()
-        except Exception:
-            pass
 
     def stop(self, drain_s: float) -> None:
         """Wait (drain_s at most) for the ranks still sending, read what is left, close every

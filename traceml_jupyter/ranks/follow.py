@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..capture.patches import patched
 from ..capture.recording import Capture, capturing
+from ..failures import never_raise
 from . import collector
 from .backward import BackwardTimer, LocalRank, StepTap
 from .collector import Collector
@@ -69,14 +70,13 @@ def capture_ended(run: Run, capture: Capture) -> None:
     # An interrupted cell (KeyboardInterrupt going up through the capture) does not wait for
     # ranks still running: the user asked to stop.
     interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)
-    try:
+    guard = never_raise(run.notes, "The ranks could not be summarised")
+    with guard:
         if isinstance(feed, Collector) and feed.pid == os.getpid():
             feed.adopt_into(run, 0.0 if interrupted else collector.DRAIN_S)
         dataparallel_note(run)
-    except Exception as exc:
-        run.notes.append(f"The ranks could not be summarised: {type(exc).__name__}: {exc}")
-        if isinstance(feed, Collector):
-            feed.stop(0.0)
+    if guard.error is not None and isinstance(feed, Collector):
+        feed.stop(0.0)
 
 
 def dataparallel_note(run: Run) -> None:

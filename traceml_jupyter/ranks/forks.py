@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..capture import hooks
+from ..failures import never_raise
 from .backward import BackwardTimer, StepTap
 from .collector import Collector, running
 from .identity import describe_error
@@ -97,7 +98,8 @@ def _after_fork_parent() -> None:
         return
     pending.child_end.close()
     run = pending.run
-    try:
+    guard = never_raise(run.notes, "A forked process could not be followed")
+    with guard:
         feed = run.rank_collector
         if not (isinstance(feed, Collector) and feed.pid == os.getpid() and not feed.stopped):
             feed = Collector(run)
@@ -106,9 +108,8 @@ def _after_fork_parent() -> None:
             feed.start()
         feed.forks = pending.index + 1
         feed.add(pending.kernel_end, pending.index)
-    except Exception as exc:
+    if guard.error is not None:
         pending.kernel_end.close()
-        run.notes.append(f"A forked process could not be followed: {type(exc).__name__}: {exc}")
 
 
 def _after_fork_child() -> None:
@@ -124,9 +125,10 @@ def _after_fork_child() -> None:
         return
     _in_rank = True
     pending.kernel_end.close()
-    try:
+    guard = never_raise()
+    with guard:
         _child = become_rank(pending)
-    except Exception:
+    if guard.error is not None:
         pending.child_end.close()
 
 

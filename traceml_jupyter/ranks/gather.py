@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..analysis.rank_verdict import RANK_NUMBERS, compare_ranks, rank_summary
 from ..analysis.verdict import WARN_SHARE
+from ..failures import never_raise
 from .backward import LocalRank
 from .identity import dist_rank, distributed_env, loader_facts
 
@@ -66,7 +67,7 @@ def gather(run: Run, error: BaseException | None) -> None:
         if distributed_env():
             run.notes.append("The ranks were not gathered: no process group at the end of trace().")
         return
-    try:
+    with never_raise(run.notes, "The ranks were not gathered"):
         world, rank = int(dist.get_world_size()), int(dist.get_rank())
         if world < 2:
             return
@@ -90,8 +91,6 @@ def gather(run: Run, error: BaseException | None) -> None:
                 f"The box shows the medians of rank {found['rank']} (the rank that holds the "
                 f"others back); the steps and the evidence are this rank's (rank {rank})."
             )
-    except Exception as exc:
-        run.notes.append(f"The ranks were not gathered: {type(exc).__name__}: {exc}")
 
 
 def shows_report(run: Run) -> bool:

@@ -9,16 +9,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..capture.probes import attribute, plain_count, safe_len, type_name
+from ..failures import never_raise
 
 
 def dist_rank() -> tuple[int | None, int | None]:
     """(rank, world size) from an initialised process group, else from RANK / WORLD_SIZE."""
     dist = sys.modules.get("torch.distributed")
-    try:
+    with never_raise():
         if dist is not None and dist.is_available() and dist.is_initialized():
             return int(dist.get_rank()), int(dist.get_world_size())
-    except Exception:
-        pass
     return env_count("RANK"), env_count("WORLD_SIZE")
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..failures import never_raise
 from .backward import StepTap
 from .identity import dist_rank, loader_facts
 from .wire import END, HELLO, STEPS, STEPS_PER_FRAME, frame
@@ -64,14 +65,13 @@ class Sender:
             return
         self.ended = True
         try:
-            if not self.closed:
-                rows = self.tap.take(final=True)
-                if rows is not None:
-                    self._put_steps(self._who(), rows)
-                self._put(frame(END, self._end()))
-                self._push(deadline=monotonic() + FINAL_SEND_S)
-        except Exception:
-            pass
+            with never_raise():
+                if not self.closed:
+                    rows = self.tap.take(final=True)
+                    if rows is not None:
+                        self._put_steps(self._who(), rows)
+                    self._put(frame(END, self._end()))
+                    self._push(deadline=monotonic() + FINAL_SEND_S)
         finally:
             self._close()
 

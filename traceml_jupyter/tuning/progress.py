@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..analysis.tune_plan import OK, TIMEOUT, Row, Setting, rate_text
+from ..failures import never_raise
 from .render import BAR, MODEL, table_lines
 
 if TYPE_CHECKING:
@@ -184,13 +185,11 @@ def progress_view(show: bool) -> ProgressView | None:
     from ..views.environment import live_mode
 
     mode = live_mode(ipython_shell())
-    try:
+    with never_raise():  # a view must never stop the tune
         if mode == "widget":
             return WidgetView()
         if mode == "html":
             return HtmlView()
-    except Exception:  # a view must never stop the tune
-        pass
     return TextView()
 
 
@@ -203,9 +202,10 @@ class ProgressViews:
 
     def _call(self, name: str, *args: Any) -> None:
         if self.view is not None:
-            try:
+            guard = never_raise()  # a broken view is dropped
+            with guard:
                 getattr(self.view, name)(*args)
-            except Exception:
+            if guard.error is not None:
                 self.view = None
 
     def start(self, label: str, budget: float, model: float | None) -> None:

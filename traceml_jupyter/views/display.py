@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..failures import never_raise
 from ..kernel.shell import ipython_shell
 from . import report_file  # noqa: F401  (Run.save writes .html through it)
 
@@ -27,16 +28,18 @@ class LiveView(Protocol):
 
 
 class ReportDisplay:
-    """The final report as a display object: static HTML for notebooks, the box for terminals."""
+    """The final report as a display object: static HTML for notebooks, the box for terminals
+    (renderers of the run's result: report.report_html, result.text)."""
 
     def __init__(self, run: Run, checklist: Any = None) -> None:
         self.run = run
         self.checklist = checklist
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        from .report import render_html
+        from ..result import text
+        from .report import report_html
 
-        return {"text/plain": self.run.text(), "text/html": render_html(self.run, self.checklist)}
+        return {"text/plain": text(self.run.result), "text/html": report_html(self.run, self.checklist)}
 
 
 def show_report(run: Run, view: LiveView | None = None) -> None:
@@ -45,10 +48,8 @@ def show_report(run: Run, view: LiveView | None = None) -> None:
     from ..kernel.code_facts import keep_checklist
 
     if view is not None:
-        try:
+        with never_raise():
             view.close()
-        except Exception:
-            pass
     items = keep_checklist(run)
     if ipython_shell() is None:
         print_whole(run.text())
@@ -70,13 +71,11 @@ def print_whole(text: str) -> None:
 def start_live_view(run: Run, show: bool = True) -> LiveView | None:
     """The live chart for a notebook front-end, or (show=False, or no front-end) only the
     GPU sampling behind it; None if it cannot start."""
-    try:
+    with never_raise(run.notes, "The live view could not start"):  # never stop the user's cell
         from .live import start
 
         return start(run, show)
-    except Exception as exc:  # a view must never stop the user's cell
-        run.notes.append(f"The live view could not start: {type(exc).__name__}: {exc}")
-        return None
+    return None
 
 
 def release_charts() -> int:

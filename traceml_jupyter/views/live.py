@@ -3,7 +3,10 @@
 A thin view over the Run: `start(run)` registers `view.refresh` as an observer (the step hook
 calls it on the main thread at most 4 times a second, and once more when the run finishes).
 Each refresh reads a bounded tail of the recorder and sends one batched update per widget it
-changes. Without a widget front-end it becomes an updating HTML display, or nothing.
+changes. Without a widget front-end it becomes an updating HTML display, or nothing. Its final
+state, once the run has finished, reads the run's result (the header's verdict, rate, time and
+resources: live_header.py); the window's bars stay the recording's last steps (the result keeps
+every stride-th step of a long run only).
 
 Widgets are built only for runs that last past the first update (about a second), and only
 the KEEP_LIVE_CHARTS newest finished runs keep them: an older chart is replaced in place by a
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..failures import failure_text, never_raise
 from ..kernel.shell import ipython_shell
 from . import environment
 from .live_header import (
@@ -169,6 +173,7 @@ class WidgetChart:
         self.rank_series: Mapping[str, Any] | None = None
 
     def show(self, text: str) -> Any:
+        """What to display for the chart: its widgets, with `text` for front-ends without them."""
         return WidgetDisplay(self.box, text)
 
     def picture(self, text: str) -> HtmlStatus:
@@ -195,17 +200,20 @@ class WidgetChart:
                 widget.close()
 
     def draw_header(self, value: str) -> None:
+        """Set the header's HTML (no message when it did not change)."""
         if self.header.value != value:
             self.header.value = value
 
     def draw_window(
         self, step: np.ndarray, wait: np.ndarray, compute: np.ndarray, parts: dict[str, np.ndarray] | None = None
     ) -> None:
+        """Draw the window's steps: data wait under compute (or its parts), one message."""
         with self.bars.hold_sync():
             self.bars.x = step.astype(np.float64)
             self.bars.y = window_rows(wait, compute, parts)
 
     def draw_overview(self, centre: np.ndarray, wait: np.ndarray, compute: np.ndarray) -> None:
+        """Draw the whole run's strip: the mean data wait and compute of each bin."""
         with self.overview_bars.hold_sync():
             self.overview_bars.x = centre
             self.overview_bars.y = np.vstack([wait, compute])
@@ -252,23 +260,29 @@ class HtmlChart:
         self._svg = ""
 
     def show(self, text: str) -> Any:
+        """What to display for the chart: its HTML status (header and SVG)."""
         return self.status
 
     def draw_header(self, value: str) -> None:
+        """Keep the header's HTML for the next publish."""
         self._header = value
 
     def draw_window(
         self, step: np.ndarray, wait: np.ndarray, compute: np.ndarray, parts: dict[str, np.ndarray] | None = None
     ) -> None:
+        """Keep an SVG of the window's data wait and compute for the next publish."""
         self._svg = svg_chart(wait, compute)
 
     def draw_overview(self, centre: np.ndarray, wait: np.ndarray, compute: np.ndarray) -> None:
+        """Nothing: the HTML chart has no overview strip."""
         pass
 
     def draw_ranks(self, feed: Mapping[str, Any]) -> None:
+        """Keep an SVG of each rank's step time for the next publish."""
         self._svg = rank_svg(feed)
 
     def publish(self, text: str) -> None:
+        """Update the displayed chart with the header and SVG kept."""
         self.status = HtmlStatus(text, self._header + self._svg)
         if self.handle is not None:
             self.handle.update(self.status)
@@ -302,6 +316,7 @@ class LiveView:
         self._passes: int | None = None
 
     def display(self) -> None:
+        """Show the chart under the cell (nothing without a front-end)."""
         if self.chart is None:
             return
         from IPython.display import display as ipython_display
@@ -323,7 +338,7 @@ class LiveView:
         except ImportError:  # no bqplot: the HTML chart goes on
             return
         except Exception as exc:
-            self.run.notes.append(f"The live chart stayed HTML: {type(exc).__name__}: {exc}")
+            self.run.notes.append(f"The live chart stayed HTML: {failure_text(exc)}")
             return
         chart.handle = html.handle
         self.chart = chart  # from now on released (and its widgets closed) like any chart
@@ -357,6 +372,8 @@ class LiveView:
 
     # -- the observer ----------------------------------------------------------------------
     def refresh(self, run: Run | None = None) -> None:
+        """The run's observer: draw the steps so far (within the update budget), or the final
+        state once the run has finished (its header read off the result)."""
         if self.closed or self.final_done:
             return
         began = perf_counter_ns()
@@ -457,10 +474,8 @@ def release_charts(keep: int = 0) -> int:
     released = 0
     while len(_live_charts) > keep:
         view = _live_charts.pop(0)
-        try:
+        with never_raise():  # a front-end gone away must not cost the cell
             view.release()
-        except Exception:  # a front-end gone away must not cost the cell
-            pass
         released += 1
     return released
 
@@ -485,15 +500,15 @@ def start(run: Run, show: bool = True) -> LiveView | None:
     cannot start is a note on the run.
     """
     shell = ipython_shell()
-    try:
+    guard = never_raise(run.notes, "The live view could not start")
+    with guard:
         mode = environment.live_mode(shell) if show else "none"
         if mode == "widget":
             environment.enable_custom_widget_manager_once()
         chart = HtmlChart(run.name) if mode != "none" else None
         view = LiveView(run, chart, shell, widgets=mode == "widget")
         view.display()
-    except Exception as exc:
-        run.notes.append(f"The live view could not start: {type(exc).__name__}: {exc}")
+    if guard.error is not None:
         return None
     run.observe(view.refresh)
     return view

@@ -1,5 +1,7 @@
 """The live chart's header, pure: the numbers of the steps so far (rate, medians, the verdict and
-its share, the ranks, GPU and host resources) and their text and HTML."""
+its share, the ranks, GPU and host resources) and their text and HTML. While the run records they
+are read off the recording (a bounded window); once it has finished, off its result, as the
+report shows them."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from ..analysis.verdict import VerdictLabel
 from .live_svg import LEGEND_HTML, WINDOW
 
 if TYPE_CHECKING:
+    from ..result import Result
     from ..run import Run
 
 
@@ -21,6 +24,7 @@ SEVERITY_COLOUR = {"critical": "#c0392b", "warn": "#b9770e", "info": "#2e7d32"}
 
 
 def format_duration(seconds: float | None) -> str:
+    """A duration as the header says it: "<0.1 s", "4.2 s", "12 min 05 s", "1 h 02 min"."""
     if seconds is None or not np.isfinite(seconds):
         return "?"
     seconds = max(0.0, seconds)
@@ -123,22 +127,22 @@ def live_numbers(
     from ..analysis.summary import summarize
     from ..analysis.verdict import diagnose
 
-    step = run.n_steps
-    if run.finished:
-        summary, verdict = run.summary, run.verdict_detail
-        steps_per_s = summary.get("steps_per_s")
+    finished, eta, elapsed = run.finished, None, None
+    if finished:  # the final state: the run's result
+        result = run.result
+        step, batch, error = result.n_steps, result.batch_size, result.error
+        summary, verdict = result.summary, result.verdict
+        steps_per_s, elapsed = summary.get("steps_per_s"), loop_seconds(result)
     else:
+        step, batch, error = run.n_steps, run.batch_size, run.error
         cols, on_gpu = clock_columns(tail, run.gpu_used)
         summary = summarize(cols, step, run.warmup, on_gpu)
         verdict = diagnose(summary)
         steps_per_s = window_throughput(tail)
-    eta: float | None = None
-    if steps_per_s and not run.finished:
-        if total is not None and total >= step:
+        if steps_per_s and total is not None and total >= step:
             eta = (total - step) / steps_per_s
-        elif pass_info is not None:
+        elif steps_per_s and pass_info is not None:
             eta = (pass_info[1] - pass_info[0]) / steps_per_s
-    batch = run.batch_size
     return {
         "name": run.name,
         "step": step,
@@ -150,15 +154,15 @@ def live_numbers(
         "verdict": verdict.label,
         "severity": verdict.severity,
         "share": verdict_share(verdict.label, summary),
-        "finished": run.finished,
-        "elapsed_s": _loop_seconds(run) if run.finished else None,
-        "error": run.error,
+        "finished": finished,
+        "elapsed_s": elapsed,
+        "error": error,
     }
 
 
-def _loop_seconds(run: Run) -> float:
+def loop_seconds(result: Result) -> float:
     """Time inside the loop (every step, fetch and body), in seconds."""
-    return float(run.recorder.totals().get("step_ms", 0.0)) / 1e3
+    return float((result.summary.get("totals_ms") or {}).get("step_ms", 0.0)) / 1e3
 
 
 def _count(n: float | None, unit: str) -> str:
@@ -201,13 +205,9 @@ def gpu_text(run: Run) -> str:
     on a CUDA loop, else NVML's device-wide one), "GPU 87 % on average" at the end, else why
     there is no GPU figure."""
     watch = run.resource_watch
-    if watch is None:
-        samples = run.gpu_samples or {}
-        utils = np.asarray(samples.get("gpu_util_pct", ()), dtype=np.float64)
-        utils = utils[np.isfinite(utils)]
-        if len(utils):
-            return f"GPU {float(np.mean(utils)):.0f} % on average"
-        return run.gpu_note or ("GPU n/a" if not run.gpu_used else "GPU: not sampled")
+    if watch is None:  # once finished: what the result kept
+        kept = run.result if run.finished else run
+        return kept_gpu_text(kept.gpu_samples, kept.gpu_note, kept.gpu_used)
     sampler, memory = watch.gpu, watch.memory
     latest = sampler.samples.latest()
     mem = None
@@ -227,24 +227,38 @@ def gpu_text(run: Run) -> str:
     return sampler.note or "GPU: starting NVML"
 
 
+def kept_gpu_text(samples: Mapping[str, Any] | None, note: str | None, used: bool) -> str:
+    """"GPU 87 % on average" over the NVML samples a run kept, else why there is no figure."""
+    utils = np.asarray((samples or {}).get("gpu_util_pct", ()), dtype=np.float64)
+    utils = utils[np.isfinite(utils)]
+    if len(utils):
+        return f"GPU {float(np.mean(utils)):.0f} % on average"
+    return note or ("GPU n/a" if not used else "GPU: not sampled")
+
+
 def host_text(run: Run) -> str | None:
     """"CPU 1.8 / 2 cores | RSS 1.2 GiB": the cores busy in the training process and its
     DataLoader workers, of the usable ones, and the process's memory (newest sample while it
     runs, the loop's median at the end); None before the sampler has two samples."""
     watch = run.resource_watch
-    if watch is not None:
-        row = watch.host.latest()
-        if row is None:
-            return None
-        cores = row["process_cores"] + row["workers_cores"]
-        usable, rss = watch.host.usable_cores, row["process_rss_mib"]
-        saturated = False
-    else:
-        s = run.summary if run.finished else {}
-        cores, usable, rss = s.get("cpu_cores"), s.get("cpu_usable_cores"), s.get("host_rss_mib")
-        saturated = bool(s.get("cpu_saturated"))
-        if cores is None or not usable:
-            return None
+    if watch is None:  # once finished: what the result kept
+        return kept_host_text(run.result.summary) if run.finished else None
+    row = watch.host.latest()
+    if row is None:
+        return None
+    cores = row["process_cores"] + row["workers_cores"]
+    return _host_line(cores, watch.host.usable_cores, row["process_rss_mib"], False)
+
+
+def kept_host_text(summary: Mapping[str, Any]) -> str | None:
+    """The cores busy and the memory a finished run's summary kept, as host_text says them."""
+    cores, usable = summary.get("cpu_cores"), summary.get("cpu_usable_cores")
+    if cores is None or not usable:
+        return None
+    return _host_line(cores, usable, summary.get("host_rss_mib"), bool(summary.get("cpu_saturated")))
+
+
+def _host_line(cores: float, usable: float, rss: float | None, saturated: bool) -> str:
     text = f"CPU {cores:.1f} / {usable:g} cores" + (" (saturated)" if saturated else "")
     if rss is not None and np.isfinite(rss):
         text += f" | RSS {rss / 1024:.1f} GiB" if rss >= 1024 else f" | RSS {rss:.0f} MiB"
@@ -252,16 +266,19 @@ def host_text(run: Run) -> str | None:
 
 
 def resources_text(run: Run) -> str:
-    """The header's last part: GPU, then CPU and memory."""
+    """The header's last part: GPU, then CPU and memory (what the capture samples while the run
+    records; once it has finished and its watch stopped, what its result kept)."""
     host = host_text(run)
     return gpu_text(run) + (f" | {host}" if host else "")
 
 
 def header_text(numbers: Mapping[str, Any], gpu: str) -> str:
+    """The header as one line of text (live_numbers' `numbers`, resources_text's `gpu`)."""
     return f"traceml {numbers['name']} | " + " | ".join(header_parts(numbers, gpu))
 
 
 def header_html(numbers: Mapping[str, Any], gpu: str) -> str:
+    """The header as HTML: the verdict in its severity's colour, the chart's legend."""
     parts = [html.escape(p) for p in header_parts(numbers, gpu)]
     colour = SEVERITY_COLOUR.get(numbers["severity"], "#555")
     verdict = html.escape(str(numbers["verdict"]))

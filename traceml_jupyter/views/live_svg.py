@@ -128,6 +128,7 @@ def window_parts(run: Run, cols: Mapping[str, np.ndarray], on_gpu: bool) -> dict
 
 
 def waiting_html(name: str) -> str:
+    """The header shown before the first step: "traceml NAME: waiting for the first step"."""
     return (
         '<div class="traceml-live-header" style="font-size:13px">'
         f"<b>traceml</b> {html.escape(name)}: waiting for the first step&hellip;</div>"

@@ -1,6 +1,9 @@
-"""The final report as static HTML: the cell's code (each loop-body line with its ms per step)
-beside the verdict, the evidence and the evaluated checklist (kernel/code_facts.py gathers what the
-checklist reads). Small functions, one per part of the page, each returning its HTML with inline
+"""The final report as static HTML, a renderer of the run's result (result.Result): the cell's
+code (each loop-body line with its ms per step) beside the verdict, the evidence and the evaluated
+checklist; what the result does not hold (the code around the run, the checklist) is the kernel's
+reading (kernel/code_facts.KernelReading). A run of this kernel and one read back from its file
+take the same path (`report_html`). Small functions, one per part of the page, each returning its
+HTML with inline
 styles: JupyterLab's sanitizer drops <style> in untrusted outputs, and a template engine would be
 one more dependency for a page of a dozen parts."""
 
@@ -9,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .. import result as render
 from ..analysis.checklist import CHECK, Item
 from ..analysis.number_text import ms_fine
 from ..analysis.number_text import pct as fmt_pct
 from ..analysis.phases import phase_sentence, phase_verdict
 from ..analysis.resources import mib
 from ..analysis.step_parts import parts_sentence
-from ..kernel.code_facts import CodeContext, checklist_items
-from ..kernel.shell import ipython_shell
+from ..kernel.code_facts import CodeContext, KernelReading, kernel_reading
 from .report_code import code_pane, legend_html
 from .report_evidence import evidence_table
 from .report_style import (
@@ -47,14 +50,15 @@ from .report_style import (
 )
 
 if TYPE_CHECKING:
+    from ..result import Result
     from ..run import Run
 
 
 ROOT_CLASS = "traceml-report"
 
 
-def _banner(run: Run) -> str:
-    verdict = run.verdict_detail
+def _banner(result: Result) -> str:
+    verdict = result.verdict
     colour, background = SEVERITY.get(verdict.severity, SEVERITY["info"])
     return (
         f'<div class="tml-verdict tml-{esc(verdict.severity)}" style="border-left:4px solid '
@@ -156,17 +160,17 @@ def _step_bar(summary: Mapping[str, Any]) -> str:
     )
 
 
-def _also(run: Run) -> str:
+def _also(result: Result) -> str:
     """The lines after the verdict: the rest of the step (its own verdict line), advice by the
     part that dominates, each epoch's start-up, the trend over the run (or that there is none)."""
-    lines = run.also()
+    lines = render.also(result)
     out = "".join(
         f'<div class="tml-also tml-{esc(severity)}" style="margin-top:6px;padding:6px 10px;'
         f"border-radius:6px;color:{SEVERITY[severity][0]};background-color:{SEVERITY[severity][1]}\">"
         f"{with_code(text)}</div>"
         for severity, text in lines
     )
-    found = run.summary.get("trend")
+    found = result.summary.get("trend")
     if found and not found.get("direction"):
         out += (
             f'<div class="tml-trend" style="margin-top:6px;font-size:11px;color:{MUTED}">Over the run: '
@@ -215,60 +219,60 @@ def _checklist(items: Sequence[Item]) -> str:
     return out
 
 
-def _notes(run: Run, problem: str | None = None) -> str:
+def _notes(result: Result, problem: str | None = None) -> str:
     out = ""
-    if run.error:
+    if result.error:
         colour, background = SEVERITY["critical"]
         out += (
             f'<div class="tml-error" style="margin-top:12px;padding:6px 10px;border-radius:6px;'
             f'color:{colour};background-color:{background}">'
-            f"<b>Stopped by:</b> {esc(run.error)} (the numbers cover the steps before it)</div>"
+            f"<b>Stopped by:</b> {esc(result.error)} (the numbers cover the steps before it)</div>"
         )
-    notes_seen = list(run.notes) + ([problem] if problem else [])
+    notes_seen = list(result.notes) + ([problem] if problem else [])
     if notes_seen:
         notes = "".join(f'<li style="margin:2px 0">{esc(n)}</li>' for n in notes_seen)
         out += f'<ul class="tml-notes" style="margin:10px 0 0 0;padding-left:18px">{notes}</ul>'
     return out
 
 
-def _text_box(run: Run) -> str:
+def _text_box(result: Result) -> str:
     return (
         f'<details class="tml-text" style="margin-top:12px"><summary style="cursor:pointer;'
         f'color:{MUTED};font-size:12px">Text report</summary>'
         f'<pre style="font-family:{MONO};font-size:11px;line-height:1.4;overflow-x:auto;'
         f"margin:6px 0 0 0;padding:8px;border:1px solid {BORDER};border-radius:6px;"
-        f'background-color:{SUBTLE};color:{FG}">{esc(run.text())}</pre></details>'
+        f'background-color:{SUBTLE};color:{FG}">{esc(render.text(result))}</pre></details>'
     )
 
 
-def _header(run: Run) -> str:
-    bits = [f"{run.n_steps} steps"]
-    if run.loop_line is not None:
-        bits.append(f"loop on line {run.loop_line}")
-    if run.loop_where and run.loop_where != "this cell":
-        bits.append(run.loop_where)
+def _header(result: Result) -> str:
+    bits = [f"{result.n_steps} steps"]
+    if result.loop_line is not None:
+        bits.append(f"loop on line {result.loop_line}")
+    if result.loop_where and result.loop_where != "this cell":
+        bits.append(result.loop_where)
     return (
         f'<div style="display:flex;flex-wrap:wrap;align-items:baseline;margin-bottom:8px">'
         f'<span style="font-weight:700;font-size:14px;margin-right:10px">traceml</span>'
-        f'<span style="color:{MUTED}">{esc(run.name)} &middot; {esc(" · ".join(bits))}</span>'
+        f'<span style="color:{MUTED}">{esc(result.name)} &middot; {esc(" · ".join(bits))}</span>'
         f'<span class="tml-step-definition" style="color:{MUTED};margin-left:10px">'
-        f"({with_code(run.step_definition)})</span></div>"
+        f"({with_code(result.step_definition)})</span></div>"
     )
 
 
-def _phases(run: Run) -> str:
+def _phases(result: Result) -> str:
     """The passes kept out of the steps (validation, test, eval): their share of the cell and
     their own data wait, and a line of their own when they are what makes the cell slow."""
-    if not run.phases:
+    if not result.phases:
         return ""
     rows = "".join(
         f'<li class="tml-phase" style="margin:2px 0">{with_code(phase_sentence(p))}</li>'
-        for p in run.phases
+        for p in result.phases
     )
     out = section_title("Kept out of the steps") + (
         f'<ul class="tml-phases" style="margin:0;padding-left:18px">{rows}</ul>'
     )
-    slow = phase_verdict(run.phases)
+    slow = phase_verdict(result.phases)
     if slow:
         colour, background = SEVERITY["warn"]
         out += (
@@ -278,42 +282,44 @@ def _phases(run: Run) -> str:
     return out
 
 
-def render_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
-    """The report as one self-contained HTML fragment: inline styles only, no script, no
-    external asset, so it reads the same after a reload, on nbviewer, GitHub and Kaggle."""
-    shell = ipython_shell()
-    problem = None
-    if checklist is None and run.frozen:  # read back from its file: the checklist as evaluated
-        checklist = [Item.from_dict(item) for item in run.checklist or []]
-    try:  # the checklist reads live objects and history: never let it cost the report
-        ctx = CodeContext.of(run, shell)
-        items = list(checklist) if checklist is not None else checklist_items(run, shell, ctx)
-    except Exception as exc:
-        ctx, items = CodeContext(), list(checklist or [])
-        problem = f"The checklist could not be evaluated: {type(exc).__name__}: {exc}"
-    left = code_pane(run, ctx, items)
+def report_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
+    """The report of a finished run, of this kernel or read back from its file: its result
+    rendered with what the kernel reads for it (the code around it; the checklist, `checklist`
+    when given, else the one the file saved, else evaluated now)."""
+    return render_html(run.result, kernel_reading(run, checklist))
+
+
+def render_html(result: Result, reading: KernelReading | None = None) -> str:
+    """The report of `result` as one self-contained HTML fragment: inline styles only, no
+    script, no external asset, so it reads the same after a reload, on nbviewer, GitHub and
+    Kaggle. `reading` is what the kernel read for it (kernel_reading); without it, the
+    checklist the result holds and no code beyond the result's."""
+    if reading is None:
+        reading = KernelReading(CodeContext(), [Item.from_dict(item) for item in result.checklist or []])
+    items = reading.checklist
+    left = code_pane(result, reading.code, items)
     right = (
-        _banner(run)
-        + _tiles(run.summary)
-        + _ranks(run)
+        _banner(result)
+        + _tiles(result.summary)
+        + _ranks(result)
         + section_title("What a step is made of (median shares)")
-        + _step_bar(run.summary)
-        + _also(run)
-        + _phases(run)
-        + _resources(run)
+        + _step_bar(result.summary)
+        + _also(result)
+        + _phases(result)
+        + _resources(result)
         + section_title("Evidence")
-        + evidence_table(run)
+        + evidence_table(result, reading.code)
         + section_title("Checklist")
         + _checklist(items)
-        + _notes(run, problem)
-        + _text_box(run)
+        + _notes(result, reading.problem)
+        + _text_box(result)
     )
     pane = "flex-grow:1;flex-shrink:1;min-width:0;margin:8px"
     return (
         f'<div class="{ROOT_CLASS}" style="font-family:{SANS};font-size:13px;line-height:1.45;'
         f"color:{FG};background-color:{BG};border:1px solid {BORDER};border-radius:8px;"
         f'padding:12px 14px;max-width:1400px;box-sizing:border-box;text-align:left">'
-        f"{_header(run)}"
+        f"{_header(result)}"
         f'<div style="display:flex;flex-wrap:wrap;align-items:flex-start;margin:-8px">'
         f'<div class="tml-code-pane" style="{pane};flex-basis:380px">{left}</div>'
         f'<div class="tml-result-pane" style="{pane};flex-basis:440px">{right}</div>'
@@ -321,9 +327,9 @@ def render_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
     )
 
 
-def _resource_figures(run: Run) -> str:
+def _resource_figures(result: Result) -> str:
     """One line of the run's resource figures: GPU memory peak, CPU cores busy, RSS, workers."""
-    s = run.summary
+    s = result.summary
     bits = []
     if s.get("gpu_mem_peak_mib") is not None:
         cap = s.get("gpu_mem_capacity_mib")
@@ -341,8 +347,8 @@ def _resource_figures(run: Run) -> str:
     return " · ".join(bits)
 
 
-def _worker_rows(run: Run) -> str:
-    workers = (run.host or {}).get("workers") or []
+def _worker_rows(result: Result) -> str:
+    workers = (result.host or {}).get("workers") or []
     if not workers:
         return ""
     num = CELL + ";text-align:right;white-space:nowrap"
@@ -383,22 +389,22 @@ def _finding_row(f: Mapping[str, Any]) -> str:
     )
 
 
-def _resources(run: Run) -> str:
+def _resources(result: Result) -> str:
     """Memory and CPU beside the time: the findings (with the lines to change), small plots
     of GPU memory per step, CPU cores busy and host memory, and the DataLoader workers."""
     from .resource_plots import cpu_svg, gpu_memory_svg, host_memory_svg
 
-    s = run.summary
-    host = run.host or {}
+    s = result.summary
+    host = result.host or {}
     samples = host.get("samples") or {}
     plots = [
-        gpu_memory_svg(run.steps, s.get("gpu_mem_capacity_mib")),
+        gpu_memory_svg(result.columns, s.get("gpu_mem_capacity_mib")),
         cpu_svg(samples, host.get("usable_cores")),
         host_memory_svg(samples),
     ]
     plots = [p for p in plots if p]
     findings = "".join(_finding_row(f) for f in s.get("resource_findings") or [])
-    figures = _resource_figures(run)
+    figures = _resource_figures(result)
     if not (plots or findings or figures):
         return ""
     out = section_title("Resources")
@@ -407,16 +413,16 @@ def _resources(run: Run) -> str:
     out += findings
     if plots:
         out += f'<div style="display:flex;flex-wrap:wrap;column-gap:12px;margin-top:6px">{"".join(plots)}</div>'
-    out += _worker_rows(run)
+    out += _worker_rows(result)
     return f'<div class="tml-resources">{out}</div>'
 
 
-def _ranks(run: Run) -> str:
+def _ranks(result: Result) -> str:
     """Several processes: one row per rank (steps, medians per step, status), the rank that
     holds the others back highlighted, then what the numbers alone do not say."""
-    if not run.ranks:
+    if not result.ranks:
         return ""
-    late = (run.straggler or {}).get("rank")
+    late = (result.straggler or {}).get("rank")
     num = CELL + ";text-align:right;white-space:nowrap"
     left = CELL + ";text-align:left"
     heads = ("rank", "steps", "data wait", "compute", "forward", "backward", "optimizer", "step time", "status")
@@ -426,7 +432,7 @@ def _ranks(run: Run) -> str:
     )
     rows = [f'<tr style="{ROW}">{head}</tr>']
     colour, background = SEVERITY["critical"]
-    for r in run.ranks:
+    for r in result.ranks:
         is_late = r.get("rank") == late
         style = f"background-color:{background}" if is_late else ROW
         name = f"rank {r.get('rank')}" + (" &larr; holds the others back" if is_late else "")
@@ -441,7 +447,7 @@ def _ranks(run: Run) -> str:
             f'<td style="{left}">{esc(r.get("status") or "finished")}</td></tr>'
         )
     table = f'<table class="tml-ranks" style="{TABLE}">{"".join(rows)}</table>'
-    notes = run.summary.get("rank_notes") or []
+    notes = result.summary.get("rank_notes") or []
     listed = "".join(f'<li style="margin:2px 0">{esc(n)}</li>' for n in notes)
     more = f'<ul class="tml-rank-notes" style="margin:6px 0 0 0;padding-left:18px">{listed}</ul>' if notes else ""
     return section_title("Ranks (median per step)") + table + more

@@ -29,7 +29,7 @@ from .report_style import (
 )
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..result import Result
 
 
 @dataclass(frozen=True)
@@ -249,30 +249,33 @@ def heat_note(costs: Mapping[str, Any]) -> str:
     return note
 
 
-def code_pane(run: Run, ctx: CodeContext, items: Sequence[Item]) -> str:
-    where = run.loop_where or ""
+def code_pane(result: Result, ctx: CodeContext, items: Sequence[Item]) -> str:
+    """The report's left pane: the traced cell's lines (the loop and the DataLoader marked, the
+    lines the checklist `items` point at, each loop-body line's cost per step), the loop's own
+    cell above it when the loop is in another one (`ctx`: the code the kernel read)."""
+    where = result.loop_where or ""
     parts = [section_title("Cell")]
-    if run.cell_source is None:
+    if result.cell_source is None:
         why = "this run was traced from code (traceml_jupyter.trace)."
-        if "cell_source" in getattr(run, "unsaved", ()):
+        if "cell_source" in result.unsaved:
             why = "its saved file does not hold it (written by an older traceml_jupyter)."
         parts.append(f'<div style="color:{MUTED}">No cell source: {esc(why)}</div>')
         return "".join(parts)
-    if run.loop_cell_source and run.loop_line is not None:
-        parts = [_loop_cell_pane(run)] + parts
-    lines = run.cell_source.splitlines()
-    in_cell = run.loop_line is not None and "(" not in where and ctx.loop_cell is None
-    loop_line = run.loop_line if in_cell else None
+    if result.loop_cell_source and result.loop_line is not None:
+        parts = [_loop_cell_pane(result)] + parts
+    lines = result.cell_source.splitlines()
+    in_cell = result.loop_line is not None and "(" not in where and ctx.loop_cell is None
+    loop_line = result.loop_line if in_cell else None
     loader_lines = set(dataloader_lines(ctx.tree)) if ctx.tree is not None else set()
     marks: dict[int, list[str]] = {}
     for item in items:
         if item.status == FIX and item.site is not None and item.site.cell is None:
             marks.setdefault(item.site.line, []).append(item.key)
-    if not run.loop_cell_source:  # a resource finding's line (a kept graph) is a line of this cell
-        for finding in run.summary.get("resource_findings") or []:
+    if not result.loop_cell_source:  # a resource finding's line (a kept graph) is a line of this cell
+        for finding in result.summary.get("resource_findings") or []:
             if finding.get("line") is not None and finding["severity"] != "info":
                 marks.setdefault(int(finding["line"]), []).append(str(finding["label"]).lower())
-    costs = getattr(run, "line_costs", None) if not run.loop_cell_source else None
+    costs = result.line_costs if not result.loop_cell_source else None
     bars = line_bars(costs, len(lines))
     parts.append(
         f'<div style="font-family:{MONO};font-size:12px;line-height:1.55;overflow-x:auto;'
@@ -296,26 +299,26 @@ def code_pane(run: Run, ctx: CodeContext, items: Sequence[Item]) -> str:
             f'<div class="tml-heat-note" style="margin-top:4px;font-size:11px;color:{MUTED}">'
             f"{esc(heat_note(costs))}</div>"
         )
-    if run.loop_line is not None and not in_cell:
-        text = f"The step loop is in {where}, line {run.loop_line}."
+    if result.loop_line is not None and not in_cell:
+        text = f"The step loop is in {where}, line {result.loop_line}."
         parts.append(f'<div style="margin-top:8px;font-size:12px">{esc(text)}</div>')
-    elif run.loop_line is None and where:
+    elif result.loop_line is None and where:
         parts.append(f'<div style="margin-top:8px;font-size:12px">Timed: {esc(where)}.</div>')
     parts.append(_elsewhere(ctx, items))
     return "".join(parts)
 
 
-def _loop_cell_pane(run: Run) -> str:
+def _loop_cell_pane(result: Result) -> str:
     """The cell that defines the function holding the step loop, with its cost per line."""
-    lines = (run.loop_cell_source or "").splitlines()
-    costs = run.line_costs
+    lines = (result.loop_cell_source or "").splitlines()
+    costs = result.line_costs
     bars = line_bars(costs, len(lines))
-    out = section_title(f"The step loop: {run.loop_where}") + (
+    out = section_title(f"The step loop: {result.loop_where}") + (
         f'<div class="tml-loop-cell" style="font-family:{MONO};font-size:12px;line-height:1.55;'
         f"overflow-x:auto;border:1px solid {BORDER};border-radius:6px;background-color:{SUBTLE};"
-        f'padding:6px 0">{_code_lines(lines, run.loop_line, set(), {}, bars)}</div>'
+        f'padding:6px 0">{_code_lines(lines, result.loop_line, set(), {}, bars)}</div>'
     )
-    legend = [(f"step loop (line {run.loop_line})", LOOP_COLOUR, LOOP_BG)]
+    legend = [(f"step loop (line {result.loop_line})", LOOP_COLOUR, LOOP_BG)]
     if bars and costs:
         legend += heat_legend(costs, bars)
     out += legend_html(legend)

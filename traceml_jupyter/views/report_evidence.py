@@ -10,25 +10,24 @@ from ..analysis.checklist import per_step_bytes
 from ..analysis.number_text import ms_fine
 from ..analysis.number_text import pct as fmt_pct
 from ..analysis.verdict import sync_sentence
-from ..kernel.code_facts import source_label
-from ..kernel.shell import ipython_shell
 from .report_style import CELL, MUTED, ROW, TABLE, compute_name, esc, fmt_rate, with_code
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..kernel.code_facts import CodeContext
+    from ..result import Result
 
 
 def _gpu_column(samples: Any, name: str) -> list[float]:
-    """The finite values of one column of the run's NVML samples (see Run.gpu_samples)."""
+    """The finite values of one column of the run's NVML samples (see Result.gpu_samples)."""
     if not isinstance(samples, Mapping) or samples.get(name) is None:
         return []
     values = [float(v) for v in samples[name]]
     return [v for v in values if v == v]
 
 
-def gpu_utilisation(run: Run) -> str:
+def gpu_utilisation(result: Result) -> str:
     """'median 87 %, max 99 %, memory up to 10.2 GiB (40 samples)', or why there is none."""
-    samples = getattr(run, "gpu_samples", None)
+    samples = getattr(result, "gpu_samples", None)
     values = sorted(_gpu_column(samples, "gpu_util_pct"))
     if values:
         text = f"median {values[len(values) // 2]:.0f} %, max {values[-1]:.0f} %"
@@ -39,11 +38,11 @@ def gpu_utilisation(run: Run) -> str:
     memory = _gpu_column(samples, "gpu_mem_used_mib")
     if memory:  # NVML gave memory but no utilisation (a MIG slice, an unsupported device)
         return f"n/a (NVML reports no utilisation here), memory up to {max(memory) / 1024:.1f} GiB"
-    note = getattr(run, "gpu_note", None)
+    note = getattr(result, "gpu_note", None)
     if note:  # the sampler's notes read "GPU n/a (no NVML)": the row says "GPU" already
         note = str(note).removeprefix("GPU ").strip()
         return note if note.startswith("n/a") else f"n/a ({note})"
-    used = bool(getattr(run, "gpu_used", False))
+    used = bool(getattr(result, "gpu_used", False))
     return "n/a (not sampled)" if used else "n/a (no GPU used)"
 
 
@@ -53,23 +52,24 @@ def _yes_no(part: int, whole: int) -> str:
     return "no" if part == 0 else f"{part} of {whole} copies"
 
 
-def _where(run: Run, row: Mapping[str, Any]) -> str:
+def _where(code: CodeContext, row: Mapping[str, Any]) -> str:
     if row.get("in_cell"):
         return f"line {row['line']}"
-    return f"{source_label(run, ipython_shell(), str(row['filename']))}, line {row['line']}"
+    return f"{code.label(str(row['filename']))}, line {row['line']}"
 
 
 COPIES_MEDIAN = "H2D copies (median per step)"  # the label the H2D-BOUND verdict uses too
 
 
-def copy_rows(run: Run) -> list[tuple[str, str]]:
-    """Evidence of the copies to the GPU (run.h2d): the median per step, then each copying line
-    with bytes per step, bandwidth, pinned or not and non_blocking or not."""
-    h2d = getattr(run, "h2d", None)
+def copy_rows(result: Result, code: CodeContext) -> list[tuple[str, str]]:
+    """Evidence of the copies to the GPU (result.h2d): the median per step, then each copying
+    line (where `code` says it is) with bytes per step, bandwidth, pinned or not and
+    non_blocking or not."""
+    h2d = result.h2d
     sites = (h2d or {}).get("sites") or []
     if not sites:
         return []
-    s = run.summary
+    s = result.summary
     rows = []
     if s.get("h2d_ms") is not None:
         share = fmt_pct(s.get("h2d_share"))
@@ -80,7 +80,7 @@ def copy_rows(run: Run) -> list[tuple[str, str]]:
         took = f" in {ms_fine(site['ms_per_step'])}" if site.get("ms_per_step") is not None else ""
         rows.append(
             (
-                f"Copy, {_where(run, site)}",
+                f"Copy, {_where(code, site)}",
                 f"{per_step_bytes(float(site['bytes_per_step']))}/step{took}{rate}; "
                 f"pinned: {_yes_no(int(site['pinned']), copies)}; "
                 f"non_blocking: {_yes_no(int(site['non_blocking']), copies)}",
@@ -89,15 +89,15 @@ def copy_rows(run: Run) -> list[tuple[str, str]]:
     return rows
 
 
-def sync_rows(run: Run) -> list[tuple[str, str]]:
-    """Evidence of the synchronising calls (run.sync_stalls): the sentence for the costliest
-    line of the cell, then the other syncing lines."""
-    stalls = getattr(run, "sync_stalls", None)
+def sync_rows(result: Result, code: CodeContext) -> list[tuple[str, str]]:
+    """Evidence of the synchronising calls (result.sync_stalls): the sentence for the costliest
+    line of the cell, then the other syncing lines (where `code` says they are)."""
+    stalls = result.sync_stalls
     sites = (stalls or {}).get("sites") or []
     if not sites:
         return []
     rows = []
-    top = run.summary.get("sync_top")
+    top = result.summary.get("sync_top")
     sentence = sync_sentence(top)
     if sentence:
         rows.append(("Sync stall", sentence))
@@ -110,14 +110,14 @@ def sync_rows(run: Run) -> list[tuple[str, str]]:
         if wait is not None:
             waited = f", host waits {ms_fine(wait)} per step"
         per = float(site["calls_per_step"])
-        rows.append((f"Syncs, {_where(run, site)}", f"{call or 'sync'} {per:.2g} per step{waited}"))
+        rows.append((f"Syncs, {_where(code, site)}", f"{call or 'sync'} {per:.2g} per step{waited}"))
     return rows
 
 
-def evidence_rows(run: Run) -> list[tuple[str, str]]:
+def evidence_rows(result: Result, code: CodeContext) -> list[tuple[str, str]]:
     """Label and value rows under the timing table: the run's, the verdict's own extra evidence,
     then the copies to the GPU and the syncs measured on the way (rows not already shown)."""
-    s = run.summary
+    s = result.summary
     steps = f"{s.get('n_analysed', 0)} of {s.get('n_steps', 0)} ({s.get('warmup_steps', 0)} warm-up)"
     clock = "GPU (CUDA events)" if s.get("clock") == "gpu" else "CPU (wall clock, perf_counter)"
     samples = fmt_rate(s.get("samples_per_s"), "samples/s")
@@ -130,7 +130,7 @@ def evidence_rows(run: Run) -> list[tuple[str, str]]:
         ("Analysed steps", steps),
         ("Clock", clock),
         ("Throughput", f"{fmt_rate(s.get('steps_per_s'), 'steps/s')}, {samples}"),
-        ("GPU utilisation", gpu_utilisation(run)),
+        ("GPU utilisation", gpu_utilisation(result)),
     ]
     shown = {
         "Data wait (median)",
@@ -140,16 +140,18 @@ def evidence_rows(run: Run) -> list[tuple[str, str]]:
         "Analysed steps",
         "Clock",
     }
-    watched = copy_rows(run) + sync_rows(run)
+    watched = copy_rows(result, code) + sync_rows(result, code)
     if any(k.startswith("Copy, ") for k, _ in watched):
         shown.add("Copy lines")  # each copying line has its own row
-    rows += [(k, v) for k, v in run.verdict_detail.evidence if k not in shown]
+    rows += [(k, v) for k, v in result.verdict.evidence if k not in shown]
     labels = {k for k, _ in rows}
     return rows + [(k, v) for k, v in watched if k not in labels]
 
 
-def evidence_table(run: Run) -> str:
-    s = run.summary
+def evidence_table(result: Result, code: CodeContext) -> str:
+    """The medians, p90 and max of data wait, compute and step time, then the evidence rows
+    (evidence_rows), as two HTML tables."""
+    s = result.summary
     stats = s.get("stats") or {}
     left = CELL + ";text-align:left"
     num = CELL + ";text-align:right;white-space:nowrap"
@@ -171,7 +173,7 @@ def evidence_table(run: Run) -> str:
     kv = "".join(
         f'<tr style="{ROW}"><td style="{left};color:{MUTED};width:45%">{esc(k)}</td>'
         f'<td style="{left}">{with_code(v)}</td></tr>'
-        for k, v in evidence_rows(run)
+        for k, v in evidence_rows(result, code)
     )
     more = f'<table class="tml-facts" style="{TABLE};margin-top:8px">{kv}</table>'
     return table + more

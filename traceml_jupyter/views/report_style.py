@@ -35,6 +35,7 @@ MONO = "ui-monospace, SFMono-Regular, Menlo, Consolas, 'Liberation Mono', monosp
 
 
 def esc(value: Any) -> str:
+    """`value` as text, HTML-escaped (quotes too)."""
     return escape(str(value), quote=True)
 
 
@@ -56,16 +57,19 @@ def with_code(text: str) -> str:
 
 
 def fmt_rate(value: float | None, unit: str) -> str:
+    """A rate with its unit: "12.3 steps/s", "1,234 samples/s", "n/a steps/s"."""
     if value is None or value != value:
         return f"n/a {unit}"
     return f"{value:,.1f} {unit}" if value < 1000 else f"{value:,.0f} {unit}"
 
 
 def compute_name(summary: Mapping[str, Any]) -> str:
+    """"GPU compute" when the verdict read the GPU clock, else "CPU compute"."""
     return "GPU compute" if summary.get("clock") == "gpu" else "CPU compute"
 
 
 def badge(text: str, colour: str, background: str) -> str:
+    """A small rounded label (a checklist item's status) in its colours."""
     return (
         f'<span style="display:inline-block;min-width:38px;text-align:center;padding:1px 6px;'
         f"border-radius:10px;font-size:11px;font-weight:600;letter-spacing:0.02em;"
@@ -74,6 +78,7 @@ def badge(text: str, colour: str, background: str) -> str:
 
 
 def section_title(text: str) -> str:
+    """The small capitalised title above a part of the report."""
     return (
         f'<div style="margin:14px 0 6px 0;font-size:11px;font-weight:700;color:{MUTED};'
         f'text-transform:uppercase;letter-spacing:0.06em">{esc(text)}</div>'

@@ -23,6 +23,9 @@ MAX_POINTS = 400  # a plot draws at most this many points per line (evenly picke
 
 @dataclass(frozen=True)
 class Line:
+    """One line of a resource plot: its label, values (one per x), colour, an area under it, or
+    dashed (what frames the run's own line: memory reserved, all processes)."""
+
     label: str
     values: np.ndarray
     colour: str

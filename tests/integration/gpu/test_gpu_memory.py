@@ -150,9 +150,9 @@ def test_a_kept_graph_creeps_and_the_cell_line_is_named(ip: Any, gpu: FakeGpu, a
     assert (found["label"], found["severity"], found["line"]) == ("MEMORY CREEP", "warn", 5)
     assert "+64 MiB a step" in found["text"]
     assert "Likely cause: line 5 keeps every step's graph (`history.append(out)`): use `out.detach()`" in found["text"]
-    from traceml_jupyter.views.report import render_html
+    from traceml_jupyter.views.report import report_html
 
-    page = render_html(run)
+    page = report_html(run)
     assert "GPU memory per step" in page and 'title="line 5: change memory creep"' in page
     ends = run.steps["gpu_mem_allocated_mib"]
     ok = np.isfinite(ends)  # read every step, or every k-th where a read costs > 1 % of a step

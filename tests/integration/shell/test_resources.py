@@ -104,9 +104,9 @@ def test_workers_that_burn_every_core_saturate_the_cpu_and_get_no_more_workers(s
     assert item["to_try"] is None and item["status"] != "fix"
     assert "More workers won't help" in item["reason"]
     # The report's Resources part: the figures, the finding, CPU and memory plots, the workers.
-    from traceml_jupyter.views.report import render_html
+    from traceml_jupyter.views.report import report_html
 
-    page = render_html(got)
+    page = report_html(got)
     part = page[page.index('class="tml-resources"'):]
     assert "CPU SATURATED" in part and "usable cores busy (saturated)" in part
     assert part.count('<svg class="tml-resource-plot"') == 2  # CPU per second, host memory
@@ -189,12 +189,12 @@ def test_a_loss_kept_with_its_graph_grows_the_process_and_names_the_line(shell: 
     assert doc["summary"]["kept_graphs"][0]["line"] == 5
     # Read back (another kernel): the same findings, the Resources part with its plots.
     from traceml_jupyter.saved import SavedRun
-    from traceml_jupyter.views.report import render_html
+    from traceml_jupyter.views.report import report_html
 
     back = SavedRun(doc)
     assert "Also: HOST MEMORY" in back.text()
     assert back.host is not None and len(back.host["samples"]["time_s"]) == len(doc["resources"]["host"]["samples"]["time_s"])
-    assert render_html(back).count('<svg class="tml-resource-plot"') == 2
+    assert report_html(back).count('<svg class="tml-resource-plot"') == 2
     del got
     shell.user_ns.pop("total", None)  # free the kept graphs
 

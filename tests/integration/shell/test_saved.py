@@ -23,8 +23,8 @@ import traceml_jupyter
 from traceml_jupyter import history
 from traceml_jupyter.run import _RUNS, Run
 from traceml_jupyter.saved import LoadError, SavedRun
-from traceml_jupyter.views.report import render_html
-from traceml_jupyter.views.report_file import report_page
+from traceml_jupyter.views.report import report_html
+from traceml_jupyter.views.report_file import html_page
 
 DATA = TESTS / "data"
 V1 = DATA / "run_v1.json"  # saved by main's code before runs could be loaded (make_run_v1.py)
@@ -90,8 +90,8 @@ def test_a_loaded_run_shows_the_same_report_text_and_comparison(saved: tuple[Run
     # is the same page from the file as from the kernel.
     quoted = run.quoted_cells or {}
     assert any("DataLoader(" in t for t in quoted.values()) and any("def train" in t for t in quoted.values())
-    page = report_page(run)
-    assert report_page(loaded) == page
+    page = html_page(run)
+    assert html_page(loaded) == page
     assert "tml-elsewhere" in page and "def train():" in page and "<svg" in page
     for name in ("step_ms", "data_wait_ms"):
         assert loaded.steps[name].tolist() == run.steps[name].tolist()
@@ -137,10 +137,10 @@ def test_a_file_of_the_first_schema_version_loads_and_renders() -> None:
         assert run.cell_source is None and run.machine is None  # not in the file: None
         assert run.text().startswith("traceml: slow - 24 steps")
         assert "Step Time: INPUT-BOUND" in run.text()
-        page = render_html(run)
+        page = report_html(run)
         assert "INPUT-BOUND" in page and "num_workers" in page  # the checklist as saved
         assert "written by an older traceml_jupyter" in page  # no cell: said, not guessed
-        assert "<script" not in report_page(run)
+        assert "<script" not in html_page(run)
         c = traceml_jupyter.compare(run, str(V1))
         assert c.change == "NO CHANGE"
         assert c.caveats == [
@@ -170,7 +170,7 @@ def test_a_later_version_with_more_keys_and_unknown_ones_loads(tmp_path: Path) -
         assert run.steps["forward_ms"].tolist() == [1.0] * 24
         assert "memory_kind" not in run.steps and "backward_ms" not in run.steps
         assert run.to_dict()["steps"]["memory_kind"] == ["cuda"] * 24  # kept as read
-        assert "for x, y in loader:" in render_html(run)
+        assert "for x, y in loader:" in report_html(run)
         c = traceml_jupyter.compare(run, str(V1))
         assert "forward_ms" not in {ch.column for ch in c.per_step}  # only one of them has it
     finally:
@@ -235,7 +235,7 @@ def test_save_html_writes_one_standalone_page(ip: Any, saved: tuple[Run, Path], 
     # run.save("x.html") writes the same page; JSON for anything else.
     again = tmp_path / "again.HTML"
     assert run.save(str(again)) == str(again)
-    assert again.read_text() == report_page(run)
+    assert again.read_text() == html_page(run)
     assert json.loads(Path(run.save(str(tmp_path / "x.json"))).read_text())["name"] == "slow"
 
 

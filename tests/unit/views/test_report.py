@@ -20,7 +20,7 @@ from traceml_jupyter.analysis.number_text import ms_fine
 from traceml_jupyter.capture.host import usable_cpus
 from traceml_jupyter.kernel.code_facts import checklist_for, facts_for
 from traceml_jupyter.run import Run
-from traceml_jupyter.views.report import ROOT_CLASS, render_html
+from traceml_jupyter.views.report import ROOT_CLASS, report_html
 from traceml_jupyter.views.report_code import line_bars
 from traceml_jupyter.views.report_evidence import gpu_utilisation
 
@@ -206,7 +206,7 @@ for x in loader:
     assert len(lines) == 1 and "no step ran" in lines[0] and "PicklingError" in lines[0]
     assert "move CellData into a .py module" in lines[0]
     assert not [o for o in captured.outputs if "text/html" in o.data]
-    page = Page(render_html(run))  # the report is still there for those who ask (run.save, HTML)
+    page = Page(report_html(run))  # the report is still there for those who ask (run.save, HTML)
     assert "Stopped by:" in page.one("tml-error").text
     item = page.one("tml-item-start_method")
     assert "tml-fix" in item.classes
@@ -225,7 +225,7 @@ def test_python_314_forkserver_default_with_a_notebook_dataset(shell: Any) -> No
     fix = items["start_method"]
     assert (fix.status, fix.seen) == ("fix", "forkserver; SlowSamples defined in a notebook cell")
     assert fix.site is not None and fix.site.cell is not None  # the setup cell
-    html = render_html(run, checklist=list(items.values()))
+    html = report_html(run, checklist=list(items.values()))
     assert "move SlowSamples into a .py module and import it" in html
 
 
@@ -281,7 +281,7 @@ for x, y in DataLoader(SlowSamples(8), batch_size=2):
     loss_fn(model(x), y).backward()
 """
     run, page, _ = run_cell(shell, cell)
-    html = render_html(run)
+    html = report_html(run)
     assert "<script" not in html
     assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in html
     assert "label = \"<script>alert('x')</script>\"" in page.line(2).text
@@ -294,7 +294,7 @@ def test_unmeasured_values_show_n_a_never_zero(shell: Any) -> None:
         shell.run_cell(cell, store_history=True)
     run = traceml_jupyter.last()
     assert run is not None and run.verdict == "NO DATA"
-    page = Page(render_html(run))
+    page = Page(report_html(run))
     for tile in page.by_class("tml-number"):
         assert "n/a" in tile.text and "0.0" not in tile.text
     assert "n/a" in page.one("tml-evidence").text
@@ -303,7 +303,7 @@ def test_unmeasured_values_show_n_a_never_zero(shell: Any) -> None:
 
 def test_the_report_is_self_contained_and_scoped(shell: Any) -> None:
     run, page, _ = run_cell(shell, SLOW_CELL)
-    html = render_html(run)
+    html = report_html(run)
     assert html.startswith(f'<div class="{ROOT_CLASS}"')
     for banned in ("<script", "<style", "<link", "src=", "href=", "@import", "url("):
         assert banned not in html
@@ -317,7 +317,7 @@ def test_a_run_traced_from_code_has_no_cell_pane() -> None:
     with traceml_jupyter.trace("from code", show=False) as run:
         for _ in run.loop([1, 2, 3, 4]):
             pass
-    page = Page(render_html(run))
+    page = Page(report_html(run))
     assert "No cell source" in page.one("tml-code-pane").text
     # No DataLoader: the checklist speaks of what fed the steps (a list), not of loader settings.
     assert "tml-item-data_source" in {c for e in page.by_class("tml-item") for c in e.classes}
@@ -374,7 +374,7 @@ def test_a_gpu_clock_run_reports_gpu_compute_utilisation_and_the_blocking_copy()
         "gpu_mem_used_mib": np.full(5, 4096.0),
     }
     assert run.clock == "gpu"
-    page = Page(render_html(run))
+    page = Page(report_html(run))
     assert page.by_class("tml-number")[1].text.startswith("GPU compute 7.00 ms")
     facts = page.one("tml-facts").text
     assert "GPU (CUDA events)" in facts
