@@ -29,10 +29,6 @@ MAX_FUNCTION_LINES = 80
 # What is still over, at most its size today (it may shrink, not grow), and why it remains.
 # An entry that falls under the limit must leave the list.
 LONG_MODULES = {
-    # The capture: the hooks, the stamps' decisions and the watches' wiring, fresh from the
-    # hot-path rewrite (issue 22); its sections (the hooks, the loaders' bookkeeping, the
-    # watches) split with the recording interface of issue 24's result part.
-    "capture/recording.py": 1047,
     # Run, the mutable recording and the result at once: splits when the result is frozen
     # (issue 24's result part).
     "run.py": 676,
