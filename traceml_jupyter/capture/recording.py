@@ -84,7 +84,7 @@ class Capture(StepHooks):
         # forward, backward and optimizer of sampled steps; the steps where passes over a
         # DataLoader started (each epoch's start-up wait)
         self.parts = StepParts(model, self.thread, lambda: self.cuda, lambda: f"{run.cell_source}\n{run.loop_cell_source}")
-        model.on_sample = self.parts.sample_due
+        model.on_sample = self._sample_due
         self.pass_starts: list[tuple[Source, int]] = []
         self.loader_sites: dict[int, dict[str, Any]] = {}  # id(DataLoader) -> where it was built
         # Set by resources.py while the run's resources are watched: the GPU memory per step
@@ -107,6 +107,12 @@ class Capture(StepHooks):
         self.due = 0
         self._loop_room = 0
         self._live_loops = 0  # passes of located loops under way (stamped only when one)
+        # The located loop's looks while events are reported at once (`_look_again`): the
+        # sampler's calls and the listeners' changes counted, the iterations left before the
+        # loop must look again anyway, and the count when it last chose to report at once.
+        self._looks = 0
+        self._at_once_left = 0
+        self._at_once_looks = -1
         self._events_seen = False  # hooks other than the loop's stamped since the loop last looked
         # What a stamped event can end, from the model as it was when the hooks began stamping
         # (`_defer`): its level (steps only get stronger), whether the first event of that level

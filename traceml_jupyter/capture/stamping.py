@@ -13,12 +13,12 @@ from __future__ import annotations
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
-from .step_model import BACKWARD, NEVER, StepModel
+from .stamps import WINDOW, Stamps
+from .step_model import BACKWARD, ITERATION, NEVER, StepModel
 
 if TYPE_CHECKING:
     from ..run import Run
     from .cuda_clock import CudaSteps
-    from .stamps import Stamps
     from .step_parts import StepParts
 
 MAX_PENDING = 4096  # step ends (and other hooks' stamps) held before a replay: bounded memory
@@ -46,6 +46,9 @@ class Stamping:
     _level_pos: int
     _deciding: bool
     _broken: bool
+    _looks: int
+    _at_once_left: int
+    _at_once_looks: int
 
     def flush(self) -> None:
         """Report what the hooks stamped to the step model (stamps.py): before anything reports
@@ -77,7 +80,12 @@ class Stamping:
         if self._live_loops > 1:
             return 0
         # The step end that arms the sampler may be stamped only as the last one before a look.
-        budget = self.model.sample_in - (1 if self._events_seen else 0)
+        model = self.model
+        budget = model.sample_in - (1 if self._events_seen else 0)
+        if budget < WINDOW and model.level > ITERATION:
+            # Fewer training steps than pay for their bulk replay (stamps.py): replayed one
+            # transition at a time they would cost more than each event reported at once.
+            return 0
         return min(budget, MAX_PENDING)
 
     def _defer(self, room: int, loop: bool) -> None:
@@ -162,8 +170,16 @@ class Stamping:
         self.flush()
         return self.model.current_step
 
+    def _sample_due(self, start: int, end: int) -> None:
+        """The step model's sampler callback (step_parts.py): it sets the steps to the next
+        sampled one, so the located loop's next look may decide otherwise."""
+        self._looks += 1
+        self.parts.sample_due(start, end)
+
     def listen(self) -> None:
-        """The run's next tick changed (an observer came): the hooks and the model look at it."""
+        """The run's next tick changed (an observer came, the GPU clock changed): the hooks
+        and the model look at it."""
+        self._looks += 1
         self.due = self.run._next_tick
         if not self.deferred:
             self.model.notify_every_step = True

@@ -30,6 +30,7 @@ from .stamps import (
 from .step_model import BACKWARD, FETCH, OPTIMIZER, Pass, Source
 
 MAX_PASS_STARTS = 1 << 16
+AT_ONCE_LOOKS = 64  # iterations reported at once that may skip the loop's look in a row
 _CAPTURES = cuda_graphs._STATE  # CUDA graph captures under way (read on the training-event path)
 
 
@@ -68,8 +69,8 @@ class StepHooks(Stamping):
 
     def _loop(self, iterable: Iterable[Any], pass_: Pass, source: Source) -> Iterator[Any]:
         __tracebackhide__ = True  # noqa: F841  (IPython hides this frame in tracebacks)
-        model, clock = self.model, perf_counter_ns
-        push = self.stamps.loop.append
+        model, clock, stamps = self.model, perf_counter_ns, self.stamps
+        push, stack = stamps.loop.append, model._stack
         it: Iterator[Any] | None = None
         first = source.batch_kind is None  # the source's first batch is read once
         fetched = False  # a batch of this pass is in use: its iteration ends at the next fetch
@@ -97,14 +98,19 @@ class StepHooks(Stamping):
                     if t >= due or not k:
                         k, due = self._settle_loop(t, k, pass_)
                 else:
-                    # Reported now, one call each (the GPU path, sampled steps, the first steps).
-                    self.flush()
+                    # Reported now, one call each (the GPU path, sampled steps, the first steps),
+                    # after what the other hooks stamped, if anything.
+                    if stamps.loop or stamps.events:
+                        self.flush()
                     if fetched and self.active:  # (no grant at the step it ends: the loop looks after this fetch)
-                        self.stamps.writer = pass_
+                        stamps.writer = pass_
                         model.iteration_end(clock())
                     # On a GPU its events first: a full launch queue blocking the record is not
-                    # data wait.
-                    self._fetch_begin()
+                    # data wait. On the CPU `model.fetch_begin()`, without the call.
+                    if self.cuda is None:
+                        stack.append(0)
+                    else:
+                        self._fetch_begin()
                     t0 = clock()
                     try:
                         if it is None:  # the first fetch includes iter(): a loader's worker start-up
@@ -117,14 +123,32 @@ class StepHooks(Stamping):
                         self._fetch_end(t0, clock(), None, pass_, False)
                         raise
                     t = clock()
-                    self._fetch_end(t0, t, None, pass_, True)
+                    if self.cuda is None and not (stamps.loop or stamps.events):
+                        model.fetch_end(t0, t, None, pass_, True)  # `_fetch_end` on the CPU
+                    else:
+                        self._fetch_end(t0, t, None, pass_, True)
                     if first:
                         first = False
                         self._first_batch(source, item)
                         self.run.note_loop_iterable(iterable)
                     model.in_iteration = True
                     fetched = True
-                    k, due = self._settle_loop(t, 0, pass_)
+                    if self.deferred:
+                        k, due = self._settle_loop(t, 0, pass_)
+                    elif (
+                        self._at_once_looks == self._looks
+                        and self._at_once_left
+                        and not (stamps.loop or stamps.events)
+                    ):
+                        # Reported at once, and nothing it depends on changed since the loop
+                        # last looked (the sampler was not called, no listener changed): what
+                        # `_look_again` would do then, without its calls.
+                        self._at_once_left -= 1
+                        stamps.writer = None
+                        if (lines := self.lines) is not None:
+                            hooks.lines.on, _ = lines.take(1)
+                    else:  # (what `_settle_loop` does then)
+                        k, due = self._look_again(t, 0, pass_)
                 # The body: its lines timed or not (the flag `_settle_loop` set), then the
                 # iteration ends at the next fetch, or here when the loop is left.
                 try:
@@ -175,16 +199,21 @@ class StepHooks(Stamping):
         return self._look_again(t, left, pass_)
 
     def _look_again(self, t: int, left: int, pass_: Pass) -> tuple[int, int]:
-        """`_settle_loop` when the stamps are due: replay them, tick if due, grant again."""
-        lines, stamps = self.lines, self.stamps
+        """`_settle_loop` when the stamps are due: replay them, tick if due, grant again. (After
+        each fetch while events are reported at once: then nothing is pending, and each step's
+        end ticks, so this is the budget and the line flag.)"""
+        lines, stamps, model = self.lines, self.stamps, self.model
         if left and lines is not None:
             lines.untake(left)
-        began, kept_out = perf_counter_ns(), self.model.kept_out_ns
-        worked = stamps.pending()
-        self.flush()
-        if self._tick_due(t):
-            self._tick(t)
-            worked = True
+        worked = bool(stamps.loop or stamps.events)
+        began = kept_out = 0
+        if worked or not model.notify_every_step:  # (else no tick is due here: `_tick_due`)
+            began, kept_out = perf_counter_ns(), model.kept_out_ns
+            if worked:
+                self.flush()
+            if self._tick_due(t):
+                self._tick(t)
+                worked = True
         budget = self._budget()
         k = 0
         if budget >= MIN_BUDGET:
@@ -194,6 +223,9 @@ class StepHooks(Stamping):
             stamps.writer = pass_
         else:
             self._report_now()
+            # Until the sampler is called or a listener changes something, the loop's next
+            # looks would decide the same (at most AT_ONCE_LOOKS of them skipped in a row).
+            self._at_once_looks, self._at_once_left = self._looks, AT_ONCE_LOOKS
         self._events_seen = False
         self._loop_room = 0
         if lines is not None:
@@ -247,7 +279,9 @@ class StepHooks(Stamping):
 
     # -- fetches ------------------------------------------------------------------------------
     def _fetch_begin(self) -> None:
-        self.flush()
+        stamps = self.stamps
+        if stamps.loop or stamps.events:  # (`flush`'s own test, without its call: on every fetch)
+            self.flush()
         model = self.model
         if self.cuda is not None and not model._stack and not cuda_graphs.capturing():
             t_in = perf_counter_ns()
@@ -259,7 +293,9 @@ class StepHooks(Stamping):
         model.fetch_begin()
 
     def _fetch_end(self, t0: int, t1: int, source: Source | None, pass_: Pass | None, batch: bool) -> None:
-        self.flush()
+        stamps = self.stamps
+        if stamps.loop or stamps.events:
+            self.flush()
         model = self.model
         model.fetch_end(t0, t1, source, pass_, batch)
         if self.cuda is not None and not model._stack and not cuda_graphs.capturing():
@@ -375,7 +411,9 @@ class StepHooks(Stamping):
             if self.room < 0 or t1 >= self.due:
                 self._settle(t1)
             return item
-        self.flush()
+        stamps = self.stamps
+        if stamps.loop or stamps.events:
+            self.flush()
         model = self.model
         if pass_ is None:  # an iterator made before the capture started
             pass_ = self._iter_passes[id(it)] = Pass(self._iterator_source(it), grad_disabled=not _grad_enabled())
@@ -453,7 +491,10 @@ class StepHooks(Stamping):
             self.backward_seen = True
         if _CAPTURES.active and self.graphs.held(level, optimizer):
             return  # recorded into a CUDA graph, not run: it ends no step (its replays do)
-        self.flush()
+        stamps = self.stamps
+        if stamps.loop or stamps.events:
+            self.flush()
         if self._deciding:
             self.work.look("work queued when a training event ended")
-        self.model.training_event(level, t, optimizer)
+        model = self.model  # (`model.training_event`, without its call)
+        model.trained(level, t, level != OPTIMIZER or model._is_first_optimizer(optimizer))
