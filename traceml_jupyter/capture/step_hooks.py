@@ -142,11 +142,10 @@ class StepHooks(Stamping):
                     ):
                         # Reported at once, and nothing it depends on changed since the loop
                         # last looked (the sampler was not called, no listener changed): what
-                        # `_look_again` would do then, without its calls.
+                        # `_look_again` would do then, without its calls (the line flag was set
+                        # for these iterations then).
                         self._at_once_left -= 1
                         stamps.writer = None
-                        if (lines := self.lines) is not None:
-                            hooks.lines.on, _ = lines.take(1)
                     else:  # (what `_settle_loop` does then)
                         k, due = self._look_again(t, 0, pass_)
                 # The body: its lines timed or not (the flag `_settle_loop` set), then the
@@ -159,6 +158,7 @@ class StepHooks(Stamping):
                     raise
         finally:
             self._live_loops -= 1
+            self._untake_at_once()
             if self.active:
                 self.flush()
                 model.pass_ended(pass_)
@@ -205,6 +205,7 @@ class StepHooks(Stamping):
         lines, stamps, model = self.lines, self.stamps, self.model
         if left and lines is not None:
             lines.untake(left)
+        self._untake_at_once()
         worked = bool(stamps.loop or stamps.events)
         began = kept_out = 0
         if worked or not model.notify_every_step:  # (else no tick is due here: `_tick_due`)
@@ -216,24 +217,38 @@ class StepHooks(Stamping):
                 worked = True
         budget = self._budget()
         k = 0
-        if budget >= MIN_BUDGET:
+        at_once = budget < MIN_BUDGET
+        if not at_once:
             room = budget // 4 if self._events_seen else 0
             k = budget - room
             self._defer(room, loop=True)
             stamps.writer = pass_
         else:
             self._report_now()
-            # Until the sampler is called or a listener changes something, the loop's next
-            # looks would decide the same (at most AT_ONCE_LOOKS of them skipped in a row).
-            self._at_once_looks, self._at_once_left = self._looks, AT_ONCE_LOOKS
         self._events_seen = False
         self._loop_room = 0
-        if lines is not None:
-            hooks.lines.on, n = lines.take(k or 1)
-            k, self._loop_room = (n, k - n) if k else (0, 0)
+        if at_once:
+            # Until the sampler is called or a listener changes something, the loop's next
+            # looks would decide the same: the next iterations that share the line flag skip
+            # them (AT_ONCE_LOOKS at most).
+            self._at_once_looks, self._at_once_left = self._looks, AT_ONCE_LOOKS - 1
+            if lines is not None:
+                hooks.lines.on, n = lines.take(AT_ONCE_LOOKS)
+                self._at_once_left = n - 1
+        elif lines is not None:
+            hooks.lines.on, n = lines.take(k)
+            k, self._loop_room = n, k - n
         if worked:
             self._own_time(began, kept_out)
         return k, self.due
+
+    def _untake_at_once(self) -> None:
+        """The iterations the last look granted to be reported at once without looking, and
+        that did not run: their line flag is given back."""
+        if self._at_once_left:
+            if self.lines is not None:
+                self.lines.untake(self._at_once_left)
+            self._at_once_left = 0
 
     def aloop(self, iterable: AsyncIterable[Any]) -> AsyncIterator[Any]:
         """`async for x in aloop(it)`: the same, for an asynchronous iterator."""
@@ -423,7 +438,10 @@ class StepHooks(Stamping):
         clock = perf_counter_ns
         if model.level <= FETCH and not model._stack:
             model.fetch_started(source, clock())
-        self._fetch_begin()
+        if self.cuda is None:
+            model._stack.append(0)  # `_fetch_begin` on the CPU, without the calls
+        else:
+            self._fetch_begin()
         t0 = clock()
         try:
             item = original(it)
@@ -435,7 +453,11 @@ class StepHooks(Stamping):
         except BaseException:
             self._fetch_end(t0, clock(), None, pass_, False)
             raise
-        self._fetch_end(t0, clock(), None, pass_, True)
+        t1 = clock()
+        if self.cuda is None and not (stamps.loop or stamps.events):
+            model.fetch_end(t0, t1, None, pass_, True)  # `_fetch_end` on the CPU
+        else:
+            self._fetch_end(t0, t1, None, pass_, True)
         if source.batch_kind is None:
             self._first_batch(source, item)
         return item
