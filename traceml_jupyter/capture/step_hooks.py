@@ -86,11 +86,10 @@ class StepHooks(Stamping):
                     push(t)
                     try:
                         item = next(it)  # type: ignore[arg-type]
-                    except StopIteration:
+                    except BaseException as exc:
                         self._loop_fetch_failed(t, clock(), pass_)
-                        return
-                    except BaseException:
-                        self._loop_fetch_failed(t, clock(), pass_)
+                        if isinstance(exc, StopIteration):
+                            return
                         raise
                     t = clock()
                     push(t)
@@ -98,16 +97,14 @@ class StepHooks(Stamping):
                     if t >= due or not k:
                         k, due = self._settle_loop(t, k, pass_)
                 else:
-                    # Reported now, one call each (the GPU path, sampled steps, the first steps),
-                    # after what the other hooks stamped, if anything.
+                    # Reported now (the GPU path, sampled steps, the first steps), after what
+                    # the other hooks stamped. On the CPU no `_fetch_begin`/`_fetch_end` calls.
                     if stamps.loop or stamps.events:
                         self.flush()
                     if fetched and self.active:  # (no grant at the step it ends: the loop looks after this fetch)
                         stamps.writer = pass_
                         model.iteration_end(clock())
-                    # On a GPU its events first: a full launch queue blocking the record is not
-                    # data wait. On the CPU `model.fetch_begin()`, without the call.
-                    if self.cuda is None:
+                    if self.cuda is None:  # (on a GPU its events first: a full launch queue is no wait)
                         stack.append(0)
                     else:
                         self._fetch_begin()
@@ -116,34 +113,24 @@ class StepHooks(Stamping):
                         if it is None:  # the first fetch includes iter(): a loader's worker start-up
                             it = iter(iterable)
                         item = next(it)
-                    except StopIteration:
+                    except BaseException as exc:
                         self._fetch_end(t0, clock(), None, pass_, False)
-                        return
-                    except BaseException:
-                        self._fetch_end(t0, clock(), None, pass_, False)
+                        if isinstance(exc, StopIteration):
+                            return
                         raise
                     t = clock()
                     if self.cuda is None and not (stamps.loop or stamps.events):
-                        model.fetch_end(t0, t, None, pass_, True)  # `_fetch_end` on the CPU
+                        model.fetch_end(t0, t, None, pass_, True)
                     else:
                         self._fetch_end(t0, t, None, pass_, True)
                     if first:
-                        first = False
-                        self._first_batch(source, item)
-                        self.run.note_loop_iterable(iterable)
-                    model.in_iteration = True
-                    fetched = True
+                        first = self._first_loop_batch(source, item, iterable)
+                    model.in_iteration = fetched = True
                     if self.deferred:
                         k, due = self._settle_loop(t, 0, pass_)
-                    elif (
-                        self._at_once_looks == self._looks
-                        and self._at_once_left
-                        and not (stamps.loop or stamps.events)
-                    ):
-                        # Reported at once, and nothing it depends on changed since the loop
-                        # last looked (the sampler was not called, no listener changed): what
-                        # `_look_again` would do then, without its calls (the line flag was set
-                        # for these iterations then).
+                    elif self._at_once_looks == self._looks and self._at_once_left and not (stamps.loop or stamps.events):
+                        # Still at once: nothing the look depends on changed since it chose so
+                        # (no sampler call, no listener), and it set the line flag for these.
                         self._at_once_left -= 1
                         stamps.writer = None
                     else:  # (what `_settle_loop` does then)
@@ -157,13 +144,23 @@ class StepHooks(Stamping):
                         self._loop_left(clock())
                     raise
         finally:
-            self._live_loops -= 1
-            self._untake_at_once()
-            if self.active:
-                self.flush()
-                model.pass_ended(pass_)
-            if self.stamps.writer is pass_:
-                self.stamps.writer = None
+            self._loop_ended(pass_)
+
+    def _loop_ended(self, pass_: Pass) -> None:
+        """A pass of the located loop is over (its end, `break`, an exception, closed)."""
+        self._live_loops -= 1
+        self._untake_at_once()
+        if self.active:
+            self.flush()
+            self.model.pass_ended(pass_)
+        if self.stamps.writer is pass_:
+            self.stamps.writer = None
+
+    def _first_loop_batch(self, source: Source, item: Any, iterable: Any) -> bool:
+        """The located loop's first batch of its source: what it is (read once). False."""
+        self._first_batch(source, item)
+        self.run.note_loop_iterable(iterable)
+        return False
 
     def _loop_fetch_failed(self, t0: int, t1: int, pass_: Pass) -> None:
         """A stamped fetch of the located loop raised (StopIteration at the end of a pass)."""
