@@ -111,11 +111,16 @@ class Stamping:
         return True
 
     def _report_now(self) -> None:
-        """From now on each event is reported when it happens, and each step end is heard."""
+        """From now on each event is reported when it happens. Each step end is heard where
+        our bookkeeping needs every one (the GPU clock, the loop's device being decided); else
+        those at the run's ticks, and the one the sampler is called at (`_sample_due`): what
+        the hooks may stamp (`_budget`) changes only then."""
         self.deferred = False
         self.room = 0
         self.stamps.writer = None
-        self.model.notify_every_step = True
+        model = self.model
+        model.notify_every_step = self.cuda is not None or self._deciding
+        model.notify_from = self.run._next_tick
 
     def _grant(self) -> None:
         """The hooks alone (no located loop stamping): stamp while the budget allows."""
@@ -164,6 +169,8 @@ class Stamping:
         run = self.run
         run._tick(t)
         self.due = run._next_tick
+        if not self.deferred:  # (stamping, the model is silent: `_defer`)
+            self.model.notify_from = self.due
 
     def current_step(self) -> int | None:
         """Index of the open step (what is stamped replayed first)."""
@@ -171,10 +178,14 @@ class Stamping:
         return self.model.current_step
 
     def _sample_due(self, start: int, end: int) -> None:
-        """The step model's sampler callback (step_parts.py): it sets the steps to the next
-        sampled one, so the located loop's next look may decide otherwise."""
-        self._looks += 1
+        """The step model's sampler callback (step_parts.py): it arms the sampler or sets the
+        steps to the next sampled one. Where the hooks report at once and may now stamp, the
+        located loop looks again at its next fetch, and this step's end is heard (it grants
+        the other hooks); while stamping, a look or grant follows the replay anyway."""
         self.parts.sample_due(start, end)
+        if not self.deferred and self._budget() >= MIN_BUDGET:
+            self._looks += 1
+            self.model.notify_every_step = True
 
     def listen(self) -> None:
         """The run's next tick changed (an observer came, the GPU clock changed): the hooks

@@ -150,6 +150,8 @@ class StepHooks(Stamping):
         """A pass of the located loop is over (its end, `break`, an exception, closed)."""
         self._live_loops -= 1
         self._untake_at_once()
+        if not self.deferred:  # the next step end grants the hooks again (`_budget`)
+            self.model.notify_every_step = True
         if self.active:
             self.flush()
             self.model.pass_ended(pass_)
