@@ -107,12 +107,9 @@ class Capture(StepHooks):
         self.due = 0
         self._loop_room = 0
         self._live_loops = 0  # passes of located loops under way (stamped only when one)
-        # The located loop's looks while events are reported at once (`_look_again`): the
-        # sampler's calls and the listeners' changes counted, the iterations left before the
-        # loop must look again anyway, and the count when it last chose to report at once.
-        self._looks = 0
+        # Iterations of the located loop that may report at once without looking again
+        # (`_look_again` chose so; zeroed when the sampler or a listener changes its reasons).
         self._at_once_left = 0
-        self._at_once_looks = -1
         self._events_seen = False  # hooks other than the loop's stamped since the loop last looked
         # What a stamped event can end, from the model as it was when the hooks began stamping
         # (`_defer`): its level (steps only get stronger), whether the first event of that level

@@ -11,7 +11,7 @@ reports an event at once, before anyone reads the model, at the ticks and at the
 from __future__ import annotations
 
 from time import perf_counter_ns
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .stamps import WINDOW, Stamps
 from .step_model import BACKWARD, ITERATION, NEVER, StepModel
@@ -46,9 +46,8 @@ class Stamping:
     _level_pos: int
     _deciding: bool
     _broken: bool
-    _looks: int
     _at_once_left: int
-    _at_once_looks: int
+    lines: Any
 
     def flush(self) -> None:
         """Report what the hooks stamped to the step model (stamps.py): before anything reports
@@ -92,6 +91,7 @@ class Stamping:
         """From now on the hooks stamp, until they have stamped `room` step ends (`loop`: in
         the located loop's iterations, which the loop counts itself)."""
         model = self.model
+        self._untake_at_once()
         self.deferred = True
         self.room = room
         self._level = model.level
@@ -184,13 +184,21 @@ class Stamping:
         the other hooks); while stamping, a look or grant follows the replay anyway."""
         self.parts.sample_due(start, end)
         if not self.deferred and self._budget() >= MIN_BUDGET:
-            self._looks += 1
+            self._untake_at_once()
             self.model.notify_every_step = True
+
+    def _untake_at_once(self) -> None:
+        """The located loop looks again at its next fetch: the iterations its last look let
+        report at once without looking, not run yet, give their line flag back."""
+        if self._at_once_left:
+            if self.lines is not None:
+                self.lines.untake(self._at_once_left)
+            self._at_once_left = 0
 
     def listen(self) -> None:
         """The run's next tick changed (an observer came, the GPU clock changed): the hooks
         and the model look at it."""
-        self._looks += 1
+        self._untake_at_once()
         self.due = self.run._next_tick
         if not self.deferred:
             self.model.notify_every_step = True

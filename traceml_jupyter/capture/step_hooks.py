@@ -45,7 +45,6 @@ def _grad_enabled() -> bool:
 class StepHooks(Stamping):
     """The hooks (recording.Capture sets the attributes)."""
 
-    lines: Any
     call_labels: dict[int, str]
     optimizer_name: str | None
     backward_seen: bool
@@ -70,7 +69,7 @@ class StepHooks(Stamping):
     def _loop(self, iterable: Iterable[Any], pass_: Pass, source: Source) -> Iterator[Any]:
         __tracebackhide__ = True  # noqa: F841  (IPython hides this frame in tracebacks)
         model, clock, stamps = self.model, perf_counter_ns, self.stamps
-        push, stack = stamps.loop.append, model._stack
+        push, stack, iteration_end, fetch_end = stamps.loop.append, model._stack, model.iteration_end, model.fetch_end
         it: Iterator[Any] | None = None
         first = source.batch_kind is None  # the source's first batch is read once
         fetched = False  # a batch of this pass is in use: its iteration ends at the next fetch
@@ -103,7 +102,7 @@ class StepHooks(Stamping):
                         self.flush()
                     if fetched and self.active:  # (no grant at the step it ends: the loop looks after this fetch)
                         stamps.writer = pass_
-                        model.iteration_end(clock())
+                        iteration_end(clock())
                     if self.cuda is None:  # (on a GPU its events first: a full launch queue is no wait)
                         stack.append(0)
                     else:
@@ -120,7 +119,7 @@ class StepHooks(Stamping):
                         raise
                     t = clock()
                     if self.cuda is None and not (stamps.loop or stamps.events):
-                        model.fetch_end(t0, t, None, pass_, True)
+                        fetch_end(t0, t, None, pass_, True)
                     else:
                         self._fetch_end(t0, t, None, pass_, True)
                     if first:
@@ -128,9 +127,9 @@ class StepHooks(Stamping):
                     model.in_iteration = fetched = True
                     if self.deferred:
                         k, due = self._settle_loop(t, 0, pass_)
-                    elif self._at_once_looks == self._looks and self._at_once_left and not (stamps.loop or stamps.events):
+                    elif self._at_once_left:
                         # Still at once: nothing the look depends on changed since it chose so
-                        # (no sampler call, no listener), and it set the line flag for these.
+                        # (no sampler call, no listener, no grant), and it set the line flag.
                         self._at_once_left -= 1
                         stamps.writer = None
                     else:  # (what `_settle_loop` does then)
@@ -230,7 +229,7 @@ class StepHooks(Stamping):
             # Until the sampler is called or a listener changes something, the loop's next
             # looks would decide the same: the next iterations that share the line flag skip
             # them (AT_ONCE_LOOKS at most).
-            self._at_once_looks, self._at_once_left = self._looks, AT_ONCE_LOOKS - 1
+            self._at_once_left = AT_ONCE_LOOKS - 1
             if lines is not None:
                 hooks.lines.on, n = lines.take(AT_ONCE_LOOKS)
                 self._at_once_left = n - 1
@@ -240,14 +239,6 @@ class StepHooks(Stamping):
         if worked:
             self._own_time(began, kept_out)
         return k, self.due
-
-    def _untake_at_once(self) -> None:
-        """The iterations the last look granted to be reported at once without looking, and
-        that did not run: their line flag is given back."""
-        if self._at_once_left:
-            if self.lines is not None:
-                self.lines.untake(self._at_once_left)
-            self._at_once_left = 0
 
     def aloop(self, iterable: AsyncIterable[Any]) -> AsyncIterator[Any]:
         """`async for x in aloop(it)`: the same, for an asynchronous iterator."""
