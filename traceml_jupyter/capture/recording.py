@@ -113,7 +113,7 @@ class Capture(StepHooks):
         self._events_seen = False  # hooks other than the loop's stamped since the loop last looked
         # What a stamped event can end, from the model as it was when the hooks began stamping
         # (`_defer`): its level (steps only get stronger), whether the first event of that level
-        # in an iteration's body ends no step (`_ends_no_step`), and where the last one was.
+        # in an iteration's body ends no step (`training_event`), and where the last one was.
         self._level = 0
         self._level_free = False
         self._level_pos = -1

@@ -100,16 +100,6 @@ class Stamping:
         model.notify_every_step = False  # the ticks are the stamps' (no step end is heard)
         model.notify_from = NEVER
 
-    def _ends_no_step(self, pos: int) -> bool:
-        """A training event of the steps' own kind at `pos` among the loop's stamps: True when
-        it only marks its iteration's step, which the iteration's end ends (it is the first
-        such event in the body of an iteration of the located loop, and steps are iterations)."""
-        if not self._level_free or (pos + (self.stamps._open is not None)) & 1 or pos == self._level_pos:
-            self._level_free = False
-            return False
-        self._level_pos = pos
-        return True
-
     def _report_now(self) -> None:
         """From now on each event is reported when it happens. Each step end is heard where
         our bookkeeping needs every one (the GPU clock, the loop's device being decided); else

@@ -485,14 +485,22 @@ class StepHooks(Stamping):
                 if self.optimizer_name is None:
                     self.optimizer_name = type_name(optimizer)
                 # which optimizer is the first is known now (the first one alive now)
-                kind = FIRST_STEP if self.model._is_first_optimizer(optimizer) else OTHER_STEP
+                ref = self.model._first_optimizer  # (the first one again: no call)
+                first = (ref is not None and ref() is optimizer) or self.model._is_first_optimizer(optimizer)
+                kind = FIRST_STEP if first else OTHER_STEP
             stamps.events += (pos << 3 | kind, t)
             stamps.refs.append(None)
             if kind != OTHER_STEP and level >= self._level:  # it may end steps (another optimizer never)
                 if level > self._level:
                     self._level_free = False
                     self.room -= 2  # a stronger kind of step: merges, then ends two at most
-                elif not self._ends_no_step(pos):
+                elif self._level_free and not (pos + (stamps._open is not None)) & 1 and pos != self._level_pos:
+                    # The first event of the steps' own kind in the body of an iteration of the
+                    # located loop (steps are its iterations): it only marks the step that the
+                    # iteration's end ends.
+                    self._level_pos = pos
+                else:
+                    self._level_free = False
                     self.room -= 2  # a step ends here, two when it is the iteration's second
             if self.room < 0 or t >= self.due:
                 self._settle(t)
@@ -508,5 +516,8 @@ class StepHooks(Stamping):
             self.flush()
         if self._deciding:
             self.work.look("work queued when a training event ended")
-        model = self.model  # (`model.training_event`, without its call)
-        model.trained(level, t, level != OPTIMIZER or model._is_first_optimizer(optimizer))
+        model = self.model  # (`model.training_event`; the first optimizer again, without a call)
+        ref = model._first_optimizer
+        model.trained(
+            level, t, level != OPTIMIZER or (ref is not None and ref() is optimizer) or model._is_first_optimizer(optimizer)
+        )

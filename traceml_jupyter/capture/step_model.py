@@ -294,7 +294,8 @@ class StepModel:
             return False
         if level > self.level:
             self._upgrade(level)
-        self._classify_at_event()
+        if self.open_passes:  # (`_classify_at_event`'s own test, without its call: every event)
+            self._classify_at_event()
         if level < self.level:
             return False
         if self.in_iteration and self.iterations_are_steps:
