@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .step_model import BACKWARD, FETCH, ITERATION, NEVER, OPTIMIZER, Deferred, Pass, StepModel
+from .step_model import BACKWARD, FETCH, ITERATION, NEVER, OPTIMIZER, Pass, StepModel
 
 # Kinds of `events` (the order matters: fetch kinds first, a start just before its end). The
 # first optimizer's step and another one's are told apart when they happen (the first
@@ -210,7 +210,7 @@ class Stamps:
                         if in_iteration:
                             if held is not None:
                                 break  # two in one iteration: each ends a step
-                            held = Deferred(t, wait, excluded, serial)
+                            held = (t, wait, excluded, serial)
                         else:
                             if sample_in <= 1:
                                 break  # the sampler is called

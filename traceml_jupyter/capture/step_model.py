@@ -86,15 +86,10 @@ class Span:
     wait_after: int
 
 
-@dataclass
-class Deferred:
-    """A training event inside a loop iteration: the step ends with the iteration, unless the
-    iteration holds a second one (then it ends here, with these totals)."""
-
-    t: int
-    wait: int
-    excluded: int
-    fetch_serial: int
+# A training event inside a loop iteration: the step ends with the iteration, unless the
+# iteration holds a second one (then it ends here, with these totals): (t, wait, excluded,
+# fetch_serial). A plain tuple: one is made every step of a training loop.
+Deferred = tuple[int, int, int, int]
 
 
 @dataclass
@@ -300,11 +295,11 @@ class StepModel:
             return False
         if self.in_iteration and self.iterations_are_steps:
             if self.deferred is None:
-                self.deferred = Deferred(t, self.wait, self.excluded, self.fetch_serial)
+                self.deferred = (t, self.wait, self.excluded, self.fetch_serial)
                 return False
             self.iterations_are_steps = False  # two steps in one iteration: each ends here
             held, self.deferred = self.deferred, None
-            self._close(held.t, held.wait, held.excluded, held.fetch_serial)
+            self._close(*held)
         return self.boundary(t)
 
     def _is_first_optimizer(self, optimizer: Any) -> bool:
