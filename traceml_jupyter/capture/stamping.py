@@ -13,7 +13,7 @@ from __future__ import annotations
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
-from .stamps import WINDOW, Stamps
+from .stamps import Stamps
 from .step_model import BACKWARD, ITERATION, NEVER, StepModel
 
 if TYPE_CHECKING:
@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 MAX_PENDING = 4096  # step ends (and other hooks' stamps) held before a replay: bounded memory
 MIN_BUDGET = 2  # fewer step ends before a sampled step: report each event at once
+# Training steps (ending at `backward()` or an optimizer step) are stamped only when at least
+# this many remain before a sampled step: below WINDOW `_steady` replays them one transition at
+# a time (2-3 µs an iteration); above it a numpy window's fixed cost (about 0.1 ms) is shared.
+TRAINING_BUDGET = 256
 
 
 class Stamping:
@@ -81,9 +85,10 @@ class Stamping:
         # The step end that arms the sampler may be stamped only as the last one before a look.
         model = self.model
         budget = model.sample_in - (1 if self._events_seen else 0)
-        if budget < WINDOW and model.level > ITERATION:
+        if budget < TRAINING_BUDGET and model.level > ITERATION:
             # Fewer training steps than pay for their bulk replay (stamps.py): replayed one
-            # transition at a time they would cost more than each event reported at once.
+            # transition at a time, or in a numpy window whose fixed cost is shared by few
+            # steps, they would cost more than each event reported at once.
             return 0
         return min(budget, MAX_PENDING)
 
