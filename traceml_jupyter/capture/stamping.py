@@ -24,9 +24,13 @@ if TYPE_CHECKING:
 MAX_PENDING = 4096  # step ends (and other hooks' stamps) held before a replay: bounded memory
 MIN_BUDGET = 2  # fewer step ends before a sampled step: report each event at once
 # Training steps (ending at `backward()` or an optimizer step) are stamped only when at least
-# this many remain before a sampled step: below WINDOW `_steady` replays them one transition at
-# a time (2-3 µs an iteration); above it a numpy window's fixed cost (about 0.1 ms) is shared.
-TRAINING_BUDGET = 256
+# this many remain before a sampled step: below stamps.WINDOW `_steady` replays them one
+# transition at a time (2-3 µs an iteration, more than reporting at once); above it a numpy
+# window's fixed cost (0.1 ms or so) is shared, and under some 500 steps that share plus the
+# stamps cost as much as reporting at once (measured with bench_hooks_with_model.py). So with
+# the parts sampler on (one step in 16 to 256) a training loop reports at once, as 9fc1c6f did;
+# without it (no model found), its steps are stamped.
+TRAINING_BUDGET = 512
 
 
 class Stamping:
