@@ -517,6 +517,8 @@ class StepHooks(Stamping):
         if self._deciding:
             self.work.look("work queued when a training event ended")
         model = self.model  # (`model.training_event`; the first optimizer again, without a call)
+        if level < model.level and not model.open_passes:
+            return  # weaker than the steps' kind, no pass to classify: nothing for the model
         ref = model._first_optimizer
         model.trained(
             level, t, level != OPTIMIZER or (ref is not None and ref() is optimizer) or model._is_first_optimizer(optimizer)
