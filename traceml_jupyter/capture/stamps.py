@@ -15,8 +15,8 @@ when it happened. While the model is steady (every pass classified, no listener,
 due), iterations go in bulk with numpy: plain ones (`StepModel.iterations`), and training ones
 whose fetches and training events have the usual shape (`_training_window`); otherwise the
 model's transitions are run inline (`_steady`), or, where a pass must be classified or steps
-merged, by the model's own methods. The capture (recording.py) decides when the hooks may
-stamp and when the stamps are replayed (the run's ticks, a sampled step coming, the end).
+merged, by the model's own methods. The hooks (step_hooks.py) stamp; stamping.py decides when
+they may, and when the stamps are replayed (the run's ticks, a sampled step coming, the end).
 """
 
 from __future__ import annotations
