@@ -1,6 +1,7 @@
 """What the capture's hooks cost a training step when a model is in the namespace (the step-parts
-sampler then samples steps, and the stamps are replayed before each sampled step), at a chosen
-sampling rate, for this checkout or another tree of the package.
+sampler then samples steps; with fewer than 512 steps to the next sampled one the hooks report
+each event at once, capture/stamping.py), at a chosen sampling rate, for this checkout or
+another tree of the package.
 
     .venv/bin/python tests/benchmarks/bench_hooks_with_model.py [--every 16] [--repeats 5]
     PYTHONPATH=/tmp/old .venv/bin/python tests/benchmarks/bench_hooks_with_model.py   # another tree

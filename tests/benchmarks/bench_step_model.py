@@ -354,7 +354,9 @@ def tables(repeats: int = 5) -> list[Table]:
             f"optimizer hooks). {START}: the step model with every hook reporting each event to "
             "it when it happens. Now: the hooks stamp (two clock reads and two appends an "
             "iteration of the located loop) and the step model replays the stamps in bulk "
-            "(capture/stamps.py). The slope includes the report at the end (it reads every step).",
+            "(capture/stamps.py); a training loop reports each event at once while the parts "
+            "sampler samples a step in fewer than 512 (capture/stamping.py). The slope includes "
+            "the report at the end (it reads every step).",
             "Live chart: the real bqplot chart (TRACEML_LIVE=widget, as this shell has no "
             "front-end), every update serialised as a kernel would (live_view_cost.py).",
             "± noise: half the spread of the plain loop's per-repeat slopes (the largest of the "

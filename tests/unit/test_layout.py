@@ -33,18 +33,14 @@ NOT_YET_DOCUMENTED = (
     "capture/stamps.py",
     "capture/step_model.py",
     "capture/step_parts.py",
+    "capture/step_hooks.py",
 )
 
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 # What is still over, at most its size today (it may shrink, not grow), and why it remains.
 # An entry that falls under the limit must leave the list.
-LONG_MODULES = {
-    # The capture: the hooks, the stamps' decisions and the watches' wiring, fresh from the
-    # hot-path rewrite (issue 22); its sections (the hooks, the loaders' bookkeeping, the
-    # watches) split with the recording interface of issue 24's result part.
-    "capture/recording.py": 1047,
-}
+LONG_MODULES: dict[str, int] = {}
 LONG_FUNCTIONS = {
     # The step model's transitions written out on locals for the per-step replay (the hot path:
     # a call per transition would cost what the bulk replay saves); one loop, one state machine.
@@ -349,6 +345,8 @@ HAND_WRITTEN_EXCEPTS = {
     "capture/model_calls.py": 10,
     "capture/recording.py": 18,
     "capture/step_parts.py": 15,
+    "capture/step_hooks.py": 4,
+    "capture/stamping.py": 1,
 }
 
 

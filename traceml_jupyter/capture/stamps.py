@@ -15,8 +15,8 @@ when it happened. While the model is steady (every pass classified, no listener,
 due), iterations go in bulk with numpy: plain ones (`StepModel.iterations`), and training ones
 whose fetches and training events have the usual shape (`_training_window`); otherwise the
 model's transitions are run inline (`_steady`), or, where a pass must be classified or steps
-merged, by the model's own methods. The capture (recording.py) decides when the hooks may
-stamp and when the stamps are replayed (the run's ticks, a sampled step coming, the end).
+merged, by the model's own methods. The hooks (step_hooks.py) stamp; stamping.py decides when
+they may, and when the stamps are replayed (the run's ticks, a sampled step coming, the end).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .step_model import BACKWARD, FETCH, ITERATION, NEVER, OPTIMIZER, Deferred, Pass, StepModel
+from .step_model import BACKWARD, FETCH, ITERATION, NEVER, OPTIMIZER, Pass, StepModel
 
 # Kinds of `events` (the order matters: fetch kinds first, a start just before its end). The
 # first optimizer's step and another one's are told apart when they happen (the first
@@ -210,7 +210,7 @@ class Stamps:
                         if in_iteration:
                             if held is not None:
                                 break  # two in one iteration: each ends a step
-                            held = Deferred(t, wait, excluded, serial)
+                            held = (t, wait, excluded, serial)
                         else:
                             if sample_in <= 1:
                                 break  # the sampler is called

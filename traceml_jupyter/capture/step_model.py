@@ -86,15 +86,10 @@ class Span:
     wait_after: int
 
 
-@dataclass
-class Deferred:
-    """A training event inside a loop iteration: the step ends with the iteration, unless the
-    iteration holds a second one (then it ends here, with these totals)."""
-
-    t: int
-    wait: int
-    excluded: int
-    fetch_serial: int
+# A training event inside a loop iteration: the step ends with the iteration, unless the
+# iteration holds a second one (then it ends here, with these totals): (t, wait, excluded,
+# fetch_serial). A plain tuple: one is made every step of a training loop.
+Deferred = tuple[int, int, int, int]
 
 
 @dataclass
@@ -294,16 +289,17 @@ class StepModel:
             return False
         if level > self.level:
             self._upgrade(level)
-        self._classify_at_event()
+        if self.open_passes:  # (`_classify_at_event`'s own test, without its call: every event)
+            self._classify_at_event()
         if level < self.level:
             return False
         if self.in_iteration and self.iterations_are_steps:
             if self.deferred is None:
-                self.deferred = Deferred(t, self.wait, self.excluded, self.fetch_serial)
+                self.deferred = (t, self.wait, self.excluded, self.fetch_serial)
                 return False
             self.iterations_are_steps = False  # two steps in one iteration: each ends here
             held, self.deferred = self.deferred, None
-            self._close(held.t, held.wait, held.excluded, held.fetch_serial)
+            self._close(*held)
         return self.boundary(t)
 
     def _is_first_optimizer(self, optimizer: Any) -> bool:

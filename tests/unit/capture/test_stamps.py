@@ -17,7 +17,7 @@ from IPython.utils.capture import capture_output
 
 import traceml_jupyter
 from traceml_jupyter import ranks
-from traceml_jupyter.capture import recording
+from traceml_jupyter.capture import recording, stamping
 from traceml_jupyter.capture.recorder import Recorder
 from traceml_jupyter.capture.stamps import (
     BACKWARD_DONE,
@@ -288,13 +288,14 @@ def shape_of(run: Any) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("cell", list(CELLS))
-def test_a_traced_cell_gives_the_same_steps_stamped_or_reported(ip: Any, cell: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def stamped_and_reported(ip: Any, cell: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The cell traced as the hooks choose (stamped where they may), then with every event
+    reported when it happens (the GPU path's way): what each run says."""
     with capture_output():
         ip.run_cell(SETUP)
     seen = {}
     for how in ("stamped", "reported"):
-        if how == "reported":  # every event reported when it happens (the GPU path's way)
+        if how == "reported":
             monkeypatch.setattr(recording.Capture, "_budget", lambda self: 0)
         with capture_output():
             result = ip.run_cell(f"%%traceml --no-live\n{CELLS[cell]}")
@@ -304,8 +305,35 @@ def test_a_traced_cell_gives_the_same_steps_stamped_or_reported(ip: Any, cell: s
         seen[how] = shape_of(run)
         cols = run.steps
         assert np.all(cols["step_ms"] >= cols["data_wait_ms"]) and np.all(cols["data_wait_ms"] >= 0)
+    return seen
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_a_traced_cell_gives_the_same_steps_stamped_or_reported(ip: Any, cell: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = stamped_and_reported(ip, cell, monkeypatch)
     assert seen["stamped"] == seen["reported"]
     assert seen["stamped"]["n_steps"] == {"plain loop": 3000, "accumulation": 100}.get(cell, 400)
+
+
+@pytest.mark.parametrize("cell", [c for c in CELLS if c != "plain loop"])
+def test_training_steps_stamped_whenever_they_may_be_are_the_steps_reported(
+    ip: Any, cell: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training steps are stamped only when many of them remain before the next sampled step
+    (`stamping.TRAINING_BUDGET`: fewer cost more replayed than reported); stamped from two on,
+    as plain iterations are, their hooks' stamps still give the steps reported at once."""
+    stamped = []
+    real_defer = recording.Capture._defer
+
+    def defer(self: Any, room: int, loop: bool) -> None:
+        stamped.append(self.model.level)
+        real_defer(self, room, loop)
+
+    monkeypatch.setattr(stamping, "TRAINING_BUDGET", stamping.MIN_BUDGET)
+    monkeypatch.setattr(recording.Capture, "_defer", defer)
+    seen = stamped_and_reported(ip, cell, monkeypatch)
+    assert seen["stamped"] == seen["reported"]
+    assert any(level >= BACKWARD for level in stamped)  # training steps were stamped
 
 
 def test_a_stamped_run_records_every_step_of_a_long_fast_loop() -> None:
