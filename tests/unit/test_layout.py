@@ -29,7 +29,6 @@ BASE = ("failures",)
 NOT_YET_DOCUMENTED = (
     "capture/model_calls.py",
     "capture/recorder.py",
-    "capture/recording.py",
     "capture/stamps.py",
     "capture/step_model.py",
     "capture/step_parts.py",
