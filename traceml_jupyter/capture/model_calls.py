@@ -42,6 +42,7 @@ SEARCHING, FOUND, NOT_FOUND = "searching", "found", "not found"
 
 
 def module_class() -> type | None:
+    """torch.nn.Module when torch is imported, else None (torch is never imported here)."""
     torch = sys.modules.get("torch")
     try:
         return torch.nn.Module if torch is not None else None
@@ -57,6 +58,7 @@ def _is_instance(value: Any, cls: type) -> bool:
 
 
 def has_parameters(module: Any) -> bool:
+    """The module holds at least one parameter (False when they cannot be read)."""
     try:
         return next(iter(module.parameters()), None) is not None
     except Exception:
@@ -136,6 +138,7 @@ def roots_of(candidates: Iterable[Any]) -> list[Any]:
 
 
 def named_children(module: Any) -> list[tuple[str, Any]]:
+    """The module's (name, child) pairs; none when they cannot be read."""
     try:
         return list(module.named_children())
     except Exception:
@@ -249,6 +252,7 @@ class ModuleCalls:
             pass
 
     def install(self) -> None:
+        """Put our `__call__` on each root's class (while a sampled step runs)."""
         self.installed = True
         for cls, (_, patch) in self._classes.items():
             self._set(cls, patch)
@@ -289,6 +293,8 @@ class ModuleCalls:
         self._classes.clear()
 
     def found_labels(self, called: set[int], namespace: dict[str, Any] | None) -> list[str]:
+        """The roots called, as the summary names them: "model (Net)" when the notebook holds
+        them under a name, else their label (the class, or "Net.encoder (Encoder)" for a root's child)."""
         out = []
         for i in sorted(called):
             m = self.roots[i]() if i < len(self.roots) else None

@@ -391,6 +391,7 @@ class StepHooks(Stamping):
             pass
 
     def dataloader_next(self, it: Any, original: Callable[[Any], Any]) -> Any:
+        """`next()` on a DataLoader iterator: its time is data wait; StopIteration ends the pass."""
         __tracebackhide__ = True  # noqa: F841
         pass_ = self._iter_passes.get(id(it))
         if pass_ is not None and self.deferred and pass_.source.batch_kind is not None:  # stamped
@@ -474,6 +475,7 @@ class StepHooks(Stamping):
 
     # -- training events --------------------------------------------------------------------------
     def training_event(self, level: int, optimizer: Any = None) -> None:
+        """`backward()` or an optimizer's step ended (`level`): it may end a step."""
         t = perf_counter_ns()
         if self.deferred and not _CAPTURES.active:  # stamped (stamps.py)
             stamps = self.stamps

@@ -114,9 +114,11 @@ class CudaParts:
         return ev
 
     def enter(self) -> None:
+        """A part begins: its start event (none during a CUDA graph capture)."""
         self._open.append((None if capturing(True) else self._event(), []))
 
     def exit(self, stamp: int) -> None:
+        """The part opened last ends as `stamp`: its end event (poll() reads it once both completed)."""
         start, nested = self._open.pop()
         if start is not None and not capturing(True):
             self.pending.append((stamp, start, self._event(), nested))
@@ -124,6 +126,7 @@ class CudaParts:
             self._open[-1][1].append(stamp)
 
     def reset(self) -> None:
+        """A sampled step opens: no part is open."""
         self._open.clear()
 
     def poll(self) -> None:
