@@ -323,12 +323,17 @@ HAND_WRITTEN_EXCEPTS = {
     "views/live.py": 1,  # no bqplot (ImportError) is silent, another failure a note: two outcomes
     "views/live_svg.py": 1,  # a fallback (None: no parts in the window), on each refresh
     "views/loop_passes.py": 1,  # a guarded read of the user's value (None)
-    # Owned by another branch this round (the coordinator converts them after the merge).
-    "capture/model_calls.py": 10,
-    "capture/recording.py": 18,
-    "capture/step_parts.py": 15,
-    "capture/step_hooks.py": 4,
-    "capture/stamping.py": 1,
+    # Fallbacks (None, False, []); a class that cannot be patched is skipped; the patches are
+    # set and taken off at each sampled step (install/remove).
+    "capture/model_calls.py": 8,
+    # Per step: the GPU clock's events and the GPU watch (the clock turns itself off); the GPU
+    # clock off at its start and end too; the probe stops; no patch without torch's hooks.
+    "capture/recording.py": 10,
+    # Per sampled step (timing a part, the sampler, the optimizer's hooks, merges): the parts or
+    # their GPU time turn themselves off; fallbacks (no torch.optim, `on` off); GPU parts off.
+    "capture/step_parts.py": 12,
+    "capture/step_hooks.py": 3,  # per fetch: the GPU clock turns itself off; a fallback (True)
+    "capture/stamping.py": 1,  # the stamps' replay (per-step path): stamping off for the run
 }
 
 

@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable
 from types import FrameType, ModuleType
 from typing import Any
 
+from ..failures import never_raise
+
 MAX_FRAMES = 64  # frames read above the first sampled backward() or optimizer step
 MAX_SCAN = 4096  # values looked at per place (a namespace, a frame, an object)
 # Roots taken from the notebook's namespace (a long session holds many models, most of them
@@ -109,15 +111,13 @@ def frame_values(frame: FrameType | None, cls: type | None = None) -> list[Any]:
     for _ in range(MAX_FRAMES):
         if frame is None:
             break
-        try:
+        with never_raise():
             if not frame.f_code.co_filename.startswith(OURS):
                 local = frame.f_locals
                 values.extend(list(local.values())[:MAX_SCAN])
                 me = local.get("self")
                 if me is not None and cls is not None and not _is_instance(me, cls):
                     values.extend(own_attributes(me))
-        except Exception:
-            pass
         frame = frame.f_back
     return values
 
@@ -130,10 +130,8 @@ def roots_of(candidates: Iterable[Any]) -> list[Any]:
             unique[id(m)] = m
     inner: set[int] = set()
     for m in unique.values():
-        try:
+        with never_raise():
             inner.update(id(sub) for sub in m.modules() if sub is not m)
-        except Exception:
-            continue
     return [m for key, m in unique.items() if key not in inner]
 
 

@@ -24,6 +24,7 @@ from threading import get_ident
 from time import perf_counter_ns, process_time_ns
 from typing import TYPE_CHECKING, Any
 
+from ..failures import never_raise
 from . import cuda_graphs, gpu_activity, hooks
 from .cuda_clock import (
     CudaSteps,
@@ -294,10 +295,8 @@ class Capture(StepHooks):
         if self.memory is not None:
             self.memory.loop_started(device)
         if run.gpu_watch is not None:
-            try:
+            with never_raise(run.notes, "Copies and syncs were not watched"):
                 run.gpu_watch.loop_started(device)
-            except Exception as exc:
-                run.notes.append(f"Copies and syncs were not watched: {type(exc).__name__}: {exc}")
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -314,10 +313,8 @@ class Capture(StepHooks):
                 self.cuda.close()
             except Exception as exc:
                 self._gpu_failed(exc)
-        try:
+        with never_raise(self.run.notes, "The parts of the step were not read"):
             self.parts.close()
-        except Exception as exc:
-            self.run.notes.append(f"The parts of the step were not read: {type(exc).__name__}: {exc}")
         if self.parts.note:
             self.run.notes.append(self.parts.note)
         self._iter_passes.clear()
@@ -453,10 +450,8 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
 
 
 def _guarded(run: Run, what: str, step: Callable[[], Any]) -> None:
-    try:
+    with never_raise(run.notes, f"traceml failed {what}"):
         step()
-    except Exception as exc:
-        run.notes.append(f"traceml failed {what}: {type(exc).__name__}: {exc}")
 
 
 @contextmanager

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, It
 from time import perf_counter_ns
 from typing import Any
 
+from ..failures import never_raise
 from . import cuda_graphs, hooks
 from .gpu_activity import WorkSeen
 from .probes import batch_size_of, type_name
@@ -383,12 +384,10 @@ class StepHooks(Stamping):
 
     def _workers_of(self, it: Any, loader: Any) -> None:
         """The worker processes of a DataLoader iterator, for the host sampler (once a pass)."""
-        try:
+        with never_raise():  # an iterator of another kind, a worker not started: nothing to watch
             pids = [int(w.pid) for w in getattr(it, "_workers", None) or () if w.pid is not None]
             if pids and self.on_workers is not None:
                 self.on_workers(pids, id(loader))
-        except Exception:  # an iterator of another kind, a worker not started: nothing to watch
-            pass
 
     def dataloader_next(self, it: Any, original: Callable[[Any], Any]) -> Any:
         """`next()` on a DataLoader iterator: its time is data wait; StopIteration ends the pass."""
