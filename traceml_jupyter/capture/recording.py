@@ -76,7 +76,6 @@ class Capture(StepHooks):
         self.gpu_note: str | None = None
         self.optimizer_name: str | None = None
         self.backward_seen = False
-        self.loop_passes = 0  # passes of the located loop
         self._marks = marks or torch_marks
         self._iter_passes: dict[int, Pass] = {}  # id(DataLoader iterator) -> its pass
         self._deciding = True
@@ -137,7 +136,7 @@ class Capture(StepHooks):
         if self.cuda is not None or self._deciding:
             self._gpu_step_closed(self.run.recorder.n_steps - 1, t, next_serial)
         run = self.run
-        if t >= run._next_tick:
+        if t >= run.next_tick:
             self._tick(t)
             # The view's own time is nobody's step (what the sampler kept out of it is its own).
             ns = perf_counter_ns() - t - self.model.excluded
@@ -290,8 +289,7 @@ class Capture(StepHooks):
 
     def _gpu_confirmed(self, device: int) -> None:
         run = self.run
-        run.cuda_device = device
-        run._gpu_used = True
+        run.loop_on_gpu(device)
         if self.memory is not None:
             self.memory.loop_started(device)
         if run.gpu_watch is not None:
@@ -465,7 +463,7 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
         run.recorder.origin_ns = began  # the run's time 0: its code starts now, not when it was set up
     hooks.install()
     previous = hooks.active
-    run._capture = capture
+    run.recorded_by(capture)
     run.capture_thread = capture.thread
     with ExitStack() as stack:
         _dataloader_patches(capture, stack)
@@ -485,7 +483,7 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
         finally:
             hooks.active = previous
             hooks.lines.use(*lines_before)
-            run._capture = None
+            run.recorded_by(None)
             # Each step of the wrap-up is guarded: this runs while the user's error (if any)
             # goes up, and nothing of ours may replace it.
             _guarded(run, "closing the capture", capture.close)

@@ -49,7 +49,6 @@ class StepHooks(Stamping):
     call_labels: dict[int, str]
     optimizer_name: str | None
     backward_seen: bool
-    loop_passes: int
     pass_starts: list[tuple[Source, int]]
     on_workers: Callable[[list[int], int], None] | None
     graphs: cuda_graphs.GraphWatch
@@ -62,8 +61,7 @@ class StepHooks(Stamping):
     def loop(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """`for x in loop(it)`: each fetch is data wait, each iteration ends a step or not (see
         step_model.py)."""
-        self.loop_passes += 1
-        self.run._loops_started = self.loop_passes
+        self.run.loop_started()
         source = self.model.source("loop", "loop", "the loop's iterator", None)
         return self._loop(iterable, Pass(source), source)
 
@@ -243,8 +241,7 @@ class StepHooks(Stamping):
 
     def aloop(self, iterable: AsyncIterable[Any]) -> AsyncIterator[Any]:
         """`async for x in aloop(it)`: the same, for an asynchronous iterator."""
-        self.loop_passes += 1
-        self.run._loops_started = self.loop_passes
+        self.run.loop_started()
         source = self.model.source("loop", "loop", "the loop's iterator", None)
         return self._aloop(iterable, Pass(source), source)
 
