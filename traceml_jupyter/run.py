@@ -64,10 +64,7 @@ def last() -> Run | None:
 
 def find_run(name: str) -> Run | None:
     """The latest run of this kernel with that name, or None."""
-    for run in reversed(_RUNS):
-        if run.name == name:
-            return run
-    return None
+    return next((run for run in reversed(_RUNS) if run.name == name), None)
 
 
 def compare(a: Run | str | None = None, b: Run | str | None = None) -> Comparison:
@@ -92,18 +89,10 @@ def compare(a: Run | str | None = None, b: Run | str | None = None) -> Compariso
     workers = (run_b.loader_info or {}).get("num_workers")
     cpus = (run_b.machine or {}).get("cpus")
     return compare_summaries(
-        run_a.name,
-        run_a.summary,
-        run_a.verdict,
-        run_b.name,
-        run_b.summary,
-        run_b.verdict,
+        run_a.name, run_a.summary, run_a.verdict, run_b.name, run_b.summary, run_b.verdict,
         workers_b=workers if isinstance(workers, int) else None,
         cpus=cpus if isinstance(cpus, int) else usable_cpus(),
-        steps_a=run_a.steps,
-        steps_b=run_b.steps,
-        machine_a=run_a.machine,
-        machine_b=run_b.machine,
+        steps_a=run_a.steps, steps_b=run_b.steps, machine_a=run_a.machine, machine_b=run_b.machine,
     )
 
 
@@ -141,9 +130,8 @@ def tuned_for(loader: Any) -> dict[str, Any] | None:
         return None
     same = _LAST_TUNE["loader"] is not None and _LAST_TUNE["loader"]() is loader
     if not same and _LAST_TUNE["dataset"] is not None:
-        same = _LAST_TUNE["dataset"]() is getattr(loader, "dataset", object()) and _LAST_TUNE[
-            "batch_size"
-        ] == getattr(loader, "batch_size", None)
+        same = _LAST_TUNE["dataset"]() is getattr(loader, "dataset", object())
+        same = same and _LAST_TUNE["batch_size"] == getattr(loader, "batch_size", None)
     return dict(_LAST_TUNE["result"]) if same else None
 
 
@@ -196,7 +184,8 @@ class Run:
         columns aligned on demand, facts the verdict quotes); gpu_watch, resource_watch,
         step_parts, pass_starts (the steps where each pass over the training loader began);
         rank_collector (the forked ranks' steps, ranks.Collector, or this torchrun rank's own,
-        ranks.LocalRank); capture_thread; error_before_first_step; finished.
+        ranks.LocalRank); capture_thread; error_before_first_step; finished. The capture reads
+        next_tick (perf_counter_ns when the observers are next due; tick() moves it).
     """
 
     frozen = False  # a run read back from its saved JSON (saved.py): nothing of it is live
@@ -263,7 +252,7 @@ class Run:
         self._capture: Any = None  # capture.Capture while recording
         self._gpu_used = False
         self._observers: list[Observer] = []
-        self._next_tick = 0
+        self.next_tick = 0
         self._loops_started = 0
         self._loader_infos: dict[Any, dict[str, Any]] = {}
         self._loader_twins: dict[Any, Any] = {}  # stand-ins of its DataLoaders (keep_training_loader)
@@ -302,24 +291,38 @@ class Run:
 
     def note_dataloader(self, source: Any, loader: Any) -> None:
         """A DataLoader's first iter() in the run: keep its settings (read once, guarded)."""
-        from .capture.dataloaders import describe_loader
+        from .capture.dataloaders import describe_loader, stand_in
 
         try:
             self._loader_infos[source.key] = describe_loader(loader)
         except Exception:
             self._loader_infos[source.key] = {}
-        from .capture.dataloaders import stand_in
-
         while len(self._loader_twins) >= TWINS_KEPT:
             self._loader_twins.pop(next(iter(self._loader_twins)))
         self._loader_twins[source.key] = stand_in(loader)
+
+    def loader_settings(self, key: Any) -> dict[str, Any]:
+        """The settings note_dataloader() kept of the DataLoader of that source key ({}: none)."""
+        return self._loader_infos.get(key) or {}
+
+    def recorded_by(self, capture: Any) -> None:
+        """The capture (capture.Capture) that records the run from now on; None: none does."""
+        self._capture = capture
+
+    def loop_started(self) -> None:
+        """A pass over the located loop began (loops_started counts them)."""
+        self._loops_started += 1
+
+    def loop_on_gpu(self, device: int) -> None:
+        """The loop runs on CUDA device `device`: its steps are timed with CUDA events too."""
+        self.cuda_device, self._gpu_used = device, True
 
     # -- observers (the live view) ---------------------------------------------------------
     def observe(self, observer: Observer) -> None:
         """Call `observer` with the run at its ticks from the next step on, and once when the
         run finishes (a raise removes it, with a note)."""
         self._observers.append(observer)
-        self._next_tick = 0
+        self.next_tick = 0
         if self._capture is not None:
             self._capture.listen()
 
@@ -336,14 +339,11 @@ class Run:
 
     def tick_due(self, now: int) -> bool:
         """The observers are due at `now` (perf_counter_ns): at most 4 ticks a second."""
-        return now >= self._next_tick
+        return now >= self.next_tick
 
     def tick(self, now: int) -> None:
         """Call the observers now; the next tick is due REFRESH_NS later."""
-        self._tick(now)
-
-    def _tick(self, now: int) -> None:
-        self._next_tick = now + REFRESH_NS
+        self.next_tick = now + REFRESH_NS
         for observer in list(self._observers):
             guard = never_raise(self.notes, "The live view stopped")  # never stop the training
             with guard:

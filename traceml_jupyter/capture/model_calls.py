@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable
 from types import FrameType, ModuleType
 from typing import Any
 
+from ..failures import never_raise
+
 MAX_FRAMES = 64  # frames read above the first sampled backward() or optimizer step
 MAX_SCAN = 4096  # values looked at per place (a namespace, a frame, an object)
 # Roots taken from the notebook's namespace (a long session holds many models, most of them
@@ -42,6 +44,7 @@ SEARCHING, FOUND, NOT_FOUND = "searching", "found", "not found"
 
 
 def module_class() -> type | None:
+    """torch.nn.Module when torch is imported, else None (torch is never imported here)."""
     torch = sys.modules.get("torch")
     try:
         return torch.nn.Module if torch is not None else None
@@ -57,6 +60,7 @@ def _is_instance(value: Any, cls: type) -> bool:
 
 
 def has_parameters(module: Any) -> bool:
+    """The module holds at least one parameter (False when they cannot be read)."""
     try:
         return next(iter(module.parameters()), None) is not None
     except Exception:
@@ -107,15 +111,13 @@ def frame_values(frame: FrameType | None, cls: type | None = None) -> list[Any]:
     for _ in range(MAX_FRAMES):
         if frame is None:
             break
-        try:
+        with never_raise():
             if not frame.f_code.co_filename.startswith(OURS):
                 local = frame.f_locals
                 values.extend(list(local.values())[:MAX_SCAN])
                 me = local.get("self")
                 if me is not None and cls is not None and not _is_instance(me, cls):
                     values.extend(own_attributes(me))
-        except Exception:
-            pass
         frame = frame.f_back
     return values
 
@@ -128,14 +130,13 @@ def roots_of(candidates: Iterable[Any]) -> list[Any]:
             unique[id(m)] = m
     inner: set[int] = set()
     for m in unique.values():
-        try:
+        with never_raise():
             inner.update(id(sub) for sub in m.modules() if sub is not m)
-        except Exception:
-            continue
     return [m for key, m in unique.items() if key not in inner]
 
 
 def named_children(module: Any) -> list[tuple[str, Any]]:
+    """The module's (name, child) pairs; none when they cannot be read."""
     try:
         return list(module.named_children())
     except Exception:
@@ -249,6 +250,7 @@ class ModuleCalls:
             pass
 
     def install(self) -> None:
+        """Put our `__call__` on each root's class (while a sampled step runs)."""
         self.installed = True
         for cls, (_, patch) in self._classes.items():
             self._set(cls, patch)
@@ -289,6 +291,8 @@ class ModuleCalls:
         self._classes.clear()
 
     def found_labels(self, called: set[int], namespace: dict[str, Any] | None) -> list[str]:
+        """The roots called, as the summary names them: "model (Net)" when the notebook holds
+        them under a name, else their label (the class, or "Net.encoder (Encoder)" for a root's child)."""
         out = []
         for i in sorted(called):
             m = self.roots[i]() if i < len(self.roots) else None

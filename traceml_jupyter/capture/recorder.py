@@ -117,6 +117,7 @@ class Recorder:
     # -- reading --------------------------------------------------------------------------
     @property
     def n_steps(self) -> int:
+        """The steps recorded so far (kept or folded into the history)."""
         return self._base + len(self._t0)
 
     @property
@@ -214,6 +215,9 @@ class Recorder:
 
     # -- folding --------------------------------------------------------------------------
     def fold(self) -> None:
+        """Move the steps recorded since the last fold into the totals and the kept history
+        (one in `stride`; the stride doubles when the history is full); the raw buffers start
+        empty again."""
         n = len(self._t0)
         if not n:
             return
@@ -264,10 +268,12 @@ class Recorder:
         self._stride *= 2
 
     def nbytes(self) -> int:
+        """The memory the recorder's buffers hold, in bytes."""
         arrays: list[array[Any]] = [self._t0, self._t1, self._t2, self._gpu_wait, self._gpu_compute]
         raw = sum(a.buffer_info()[1] * a.itemsize for a in arrays)
         kept = sum(a.nbytes for a in (self._kept_t, self._kept_gpu) if a is not None)
         return raw + kept
 
     def describe(self) -> dict[str, Any]:
+        """Its size: {"n_steps", "stride", "nbytes"}."""
         return {"n_steps": self.n_steps, "stride": self._stride, "nbytes": self.nbytes()}

@@ -24,6 +24,7 @@ from threading import get_ident
 from time import perf_counter_ns, process_time_ns
 from typing import TYPE_CHECKING, Any
 
+from ..failures import never_raise
 from . import cuda_graphs, gpu_activity, hooks
 from .cuda_clock import (
     CudaSteps,
@@ -75,7 +76,6 @@ class Capture(StepHooks):
         self.gpu_note: str | None = None
         self.optimizer_name: str | None = None
         self.backward_seen = False
-        self.loop_passes = 0  # passes of the located loop
         self._marks = marks or torch_marks
         self._iter_passes: dict[int, Pass] = {}  # id(DataLoader iterator) -> its pass
         self._deciding = True
@@ -136,7 +136,7 @@ class Capture(StepHooks):
         if self.cuda is not None or self._deciding:
             self._gpu_step_closed(self.run.recorder.n_steps - 1, t, next_serial)
         run = self.run
-        if t >= run._next_tick:
+        if t >= run.next_tick:
             self._tick(t)
             # The view's own time is nobody's step (what the sampler kept out of it is its own).
             ns = perf_counter_ns() - t - self.model.excluded
@@ -289,15 +289,12 @@ class Capture(StepHooks):
 
     def _gpu_confirmed(self, device: int) -> None:
         run = self.run
-        run.cuda_device = device
-        run._gpu_used = True
+        run.loop_on_gpu(device)
         if self.memory is not None:
             self.memory.loop_started(device)
         if run.gpu_watch is not None:
-            try:
+            with never_raise(run.notes, "Copies and syncs were not watched"):
                 run.gpu_watch.loop_started(device)
-            except Exception as exc:
-                run.notes.append(f"Copies and syncs were not watched: {type(exc).__name__}: {exc}")
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -314,10 +311,8 @@ class Capture(StepHooks):
                 self.cuda.close()
             except Exception as exc:
                 self._gpu_failed(exc)
-        try:
+        with never_raise(self.run.notes, "The parts of the step were not read"):
             self.parts.close()
-        except Exception as exc:
-            self.run.notes.append(f"The parts of the step were not read: {type(exc).__name__}: {exc}")
         if self.parts.note:
             self.run.notes.append(self.parts.note)
         self._iter_passes.clear()
@@ -453,10 +448,8 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
 
 
 def _guarded(run: Run, what: str, step: Callable[[], Any]) -> None:
-    try:
+    with never_raise(run.notes, f"traceml failed {what}"):
         step()
-    except Exception as exc:
-        run.notes.append(f"traceml failed {what}: {type(exc).__name__}: {exc}")
 
 
 @contextmanager
@@ -470,7 +463,7 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
         run.recorder.origin_ns = began  # the run's time 0: its code starts now, not when it was set up
     hooks.install()
     previous = hooks.active
-    run._capture = capture
+    run.recorded_by(capture)
     run.capture_thread = capture.thread
     with ExitStack() as stack:
         _dataloader_patches(capture, stack)
@@ -490,7 +483,7 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
         finally:
             hooks.active = previous
             hooks.lines.use(*lines_before)
-            run._capture = None
+            run.recorded_by(None)
             # Each step of the wrap-up is guarded: this runs while the user's error (if any)
             # goes up, and nothing of ours may replace it.
             _guarded(run, "closing the capture", capture.close)

@@ -219,7 +219,7 @@ def describe_run_sources(run: Any, capture: Any) -> SourceFacts:
     for src in sources:
         obj = src.ref() if src.ref is not None else None
         name = bound_name(obj, namespace)
-        info = run._loader_infos.get(src.key) or {}
+        info = run.loader_settings(src.key)
         feeder = describe_feeder(run, src, namespace)
         row = {
             "label": _label(src, name, feeder),

@@ -119,7 +119,7 @@ class Stamping:
         self.stamps.writer = None
         model = self.model
         model.notify_every_step = self.cuda is not None or self._deciding
-        model.notify_from = self.run._next_tick
+        model.notify_from = self.run.next_tick
 
     def _grant(self) -> None:
         """The hooks alone (no located loop stamping): stamp while the budget allows."""
@@ -162,12 +162,12 @@ class Stamping:
         """The run's views are due and no step end tells them (the model is silent while the
         hooks stamp: its steps close in a replay). They start with a step."""
         model = self.model
-        return t >= self.run._next_tick and not model.notify_every_step and model.recorder.n_steps > 0
+        return t >= self.run.next_tick and not model.notify_every_step and model.recorder.n_steps > 0
 
     def _tick(self, t: int) -> None:
         run = self.run
-        run._tick(t)
-        self.due = run._next_tick
+        run.tick(t)
+        self.due = run.next_tick
         if not self.deferred:  # (stamping, the model is silent: `_defer`)
             self.model.notify_from = self.due
 
@@ -198,7 +198,7 @@ class Stamping:
         """The run's next tick changed (an observer came, the GPU clock changed): the hooks
         and the model look at it."""
         self._untake_at_once()
-        self.due = self.run._next_tick
+        self.due = self.run.next_tick
         if not self.deferred:
             self.model.notify_every_step = True
 

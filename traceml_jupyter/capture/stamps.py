@@ -82,9 +82,11 @@ class Stamps:
         self.refs.append(ref)
 
     def pending(self) -> bool:
+        """Something is stamped and not replayed yet."""
         return bool(self.loop or self.events)
 
     def discard(self) -> None:
+        """Forget what is stamped, unreplayed (the run ended, or a replay failed)."""
         self.loop.clear()
         self.events.clear()
         self.refs.clear()

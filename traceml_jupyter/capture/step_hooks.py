@@ -14,6 +14,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, It
 from time import perf_counter_ns
 from typing import Any
 
+from ..failures import never_raise
 from . import cuda_graphs, hooks
 from .gpu_activity import WorkSeen
 from .probes import batch_size_of, type_name
@@ -48,7 +49,6 @@ class StepHooks(Stamping):
     call_labels: dict[int, str]
     optimizer_name: str | None
     backward_seen: bool
-    loop_passes: int
     pass_starts: list[tuple[Source, int]]
     on_workers: Callable[[list[int], int], None] | None
     graphs: cuda_graphs.GraphWatch
@@ -61,8 +61,7 @@ class StepHooks(Stamping):
     def loop(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """`for x in loop(it)`: each fetch is data wait, each iteration ends a step or not (see
         step_model.py)."""
-        self.loop_passes += 1
-        self.run._loops_started = self.loop_passes
+        self.run.loop_started()
         source = self.model.source("loop", "loop", "the loop's iterator", None)
         return self._loop(iterable, Pass(source), source)
 
@@ -242,8 +241,7 @@ class StepHooks(Stamping):
 
     def aloop(self, iterable: AsyncIterable[Any]) -> AsyncIterator[Any]:
         """`async for x in aloop(it)`: the same, for an asynchronous iterator."""
-        self.loop_passes += 1
-        self.run._loops_started = self.loop_passes
+        self.run.loop_started()
         source = self.model.source("loop", "loop", "the loop's iterator", None)
         return self._aloop(iterable, Pass(source), source)
 
@@ -383,14 +381,13 @@ class StepHooks(Stamping):
 
     def _workers_of(self, it: Any, loader: Any) -> None:
         """The worker processes of a DataLoader iterator, for the host sampler (once a pass)."""
-        try:
+        with never_raise():  # an iterator of another kind, a worker not started: nothing to watch
             pids = [int(w.pid) for w in getattr(it, "_workers", None) or () if w.pid is not None]
             if pids and self.on_workers is not None:
                 self.on_workers(pids, id(loader))
-        except Exception:  # an iterator of another kind, a worker not started: nothing to watch
-            pass
 
     def dataloader_next(self, it: Any, original: Callable[[Any], Any]) -> Any:
+        """`next()` on a DataLoader iterator: its time is data wait; StopIteration ends the pass."""
         __tracebackhide__ = True  # noqa: F841
         pass_ = self._iter_passes.get(id(it))
         if pass_ is not None and self.deferred and pass_.source.batch_kind is not None:  # stamped
@@ -474,6 +471,7 @@ class StepHooks(Stamping):
 
     # -- training events --------------------------------------------------------------------------
     def training_event(self, level: int, optimizer: Any = None) -> None:
+        """`backward()` or an optimizer's step ended (`level`): it may end a step."""
         t = perf_counter_ns()
         if self.deferred and not _CAPTURES.active:  # stamped (stamps.py)
             stamps = self.stamps

@@ -133,6 +133,8 @@ class StepModel:
 
     # -- sources ------------------------------------------------------------------------------
     def source(self, key: Hashable, kind: str, label: str, obj: Any = None) -> Source:
+        """The source with that key, made on first use (`obj`, the DataLoader or iterator, is
+        held by a weak reference when it takes one)."""
         found = self.sources.get(key)
         if found is None:
             ref = None
@@ -146,6 +148,7 @@ class StepModel:
 
     # -- fetches ----------------------------------------------------------------------------
     def fetch_begin(self) -> None:
+        """A fetch begins (fetch_end() ends it): fetches nested in it are its own time."""
         self._stack.append(0)
 
     def fetch_end(self, t0: int, t1: int, source: Source | None, pass_: Pass | None, batch: bool) -> None:
@@ -314,6 +317,7 @@ class StepModel:
         return first is optimizer
 
     def iteration_begin(self) -> None:
+        """An iteration of the located loop begins (its body runs)."""
         self.in_iteration = True
 
     def iteration_end(self, t: int) -> bool:

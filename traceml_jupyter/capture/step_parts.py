@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from ..failures import failure_text, never_raise
 from .cuda_graphs import capturing
 from .line_costs import FULL_STEPS, LINE_EVERY
 from .model_calls import (
@@ -81,15 +82,13 @@ SEED = 0x7ACE
 def _optimizer_facts(optimizer: Any) -> dict[str, Any]:
     """What the optimizer advice reads: its class, foreach/fused, parameter groups, tensors."""
     facts: dict[str, Any] = {"name": type_name(optimizer)}
-    try:
+    with never_raise():  # what could be read is kept
         defaults = dict(getattr(optimizer, "defaults", {}) or {})
         facts["foreach"] = defaults.get("foreach")
         facts["fused"] = defaults.get("fused")
         groups = list(optimizer.param_groups)
         facts["param_groups"] = len(groups)
         facts["tensors"] = sum(len(g.get("params", ())) for g in groups)
-    except Exception:
-        pass
     return facts
 
 
@@ -114,9 +113,11 @@ class CudaParts:
         return ev
 
     def enter(self) -> None:
+        """A part begins: its start event (none during a CUDA graph capture)."""
         self._open.append((None if capturing(True) else self._event(), []))
 
     def exit(self, stamp: int) -> None:
+        """The part opened last ends as `stamp`: its end event (poll() reads it once both completed)."""
         start, nested = self._open.pop()
         if start is not None and not capturing(True):
             self.pending.append((stamp, start, self._event(), nested))
@@ -124,6 +125,7 @@ class CudaParts:
             self._open[-1][1].append(stamp)
 
     def reset(self) -> None:
+        """A sampled step opens: no part is open."""
         self._open.clear()
 
     def poll(self) -> None:
@@ -374,13 +376,14 @@ class StepParts:
         cls = module_class()
         if cls is None or self.calls.state != SEARCHING:
             return
-        try:
+        guard = never_raise()  # once a run
+        with guard:
             values = frame_values(frame, cls)
             if self.calls.add(modules_in(values, cls)):
                 self._flags &= ~FORWARD_OK  # a root new in this step: its forward was missed
             self._hook_optimizers_in(values)
-        except Exception as exc:
-            self.note = f"The model's calls could not be looked for: {type(exc).__name__}: {exc}"
+        if guard.error is not None:
+            self.note = f"The model's calls could not be looked for: {failure_text(guard.error)}"
 
     # -- optimizers -----------------------------------------------------------------------------
     def _hook_optimizers_in(self, values: list[Any]) -> None:
@@ -391,11 +394,9 @@ class StepParts:
             return
         for value in values:
             for v in [value, *inner_values(value)]:
-                try:
+                with never_raise():
                     if isinstance(v, base):
                         self._hook_optimizer(v)
-                except Exception:
-                    continue
 
     def _hook_optimizer(self, optimizer: Any) -> bool:
         """Our pre hook on this optimizer (in its own dict of pre hooks, there while armed).
