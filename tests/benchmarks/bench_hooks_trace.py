@@ -3,9 +3,10 @@ rewriting: the steadiest of the hook benchmarks), with a model in the namespace 
 sampler samples one step in `--every`.
 
 Each iteration of the loop is a DataLoader-style fetch through the capture's `dataloader_next`,
-then a backward() and an optimizer step reported as torch's patches report them. The figure is
-the thread CPU time per step of the traced loop minus that of the same fetches without it,
-fastest of `--repeats`. `--at-once` makes every event be reported to the step model when it
+then a backward() and an optimizer step reported as torch's patches report them
+(bench_step_model.hooks_alone_us, its "our work in a training step" row). The figure is the
+process CPU time per step of the traced loop minus that of the same fetches without it, each
+the fastest of `--repeats` (interleaved). `--at-once` makes every event be reported to the step model when it
 happens (the GPU path's way, timed on the CPU clock).
 
 For this checkout or another tree of the package (the A/B in docs/benchmarks.md):
@@ -19,68 +20,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import time
-from typing import Any
 
+from bench_step_model import hooks_alone_us  # the same loop, driven the same way (this folder)
 from torch import nn
 
 import traceml_jupyter
-from traceml_jupyter.capture import hooks, step_parts
-from traceml_jupyter.capture.step_model import BACKWARD, OPTIMIZER
+from traceml_jupyter.capture import step_parts
 
 model = nn.Linear(2, 2)  # found in __main__ by the step-parts sampler
 
 
-class Batches:
-    """n items, then StopIteration, as a DataLoader iterator's `__next__` would."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def next(self) -> int:
-        if self.n == 0:
-            raise StopIteration
-        self.n -= 1
-        return self.n
-
-
-class Optimizer:
-    """Stands in for a torch optimizer: the hooks only keep it as a key."""
-
-
-def traced(steps: int) -> float:
-    """Thread CPU seconds of `steps` traced training iterations."""
-    batches, optimizer = Batches(steps), Optimizer()
-    with traceml_jupyter.trace(show=False) as run:
-        capture: Any = hooks.active
-
-        class Loader:
-            def __iter__(self) -> Loader:
-                return self
-
-            def __next__(self) -> int:
-                return capture.dataloader_next(batches, Batches.next)  # type: ignore[no-any-return]
-
-        t = time.thread_time()
-        for _ in run.loop(Loader()):
-            capture.training_event(BACKWARD)
-            capture.training_event(OPTIMIZER, optimizer)
-        return time.thread_time() - t
-
-
-def plain(steps: int) -> float:
-    """Thread CPU seconds of the same fetches untraced."""
-    batches = Batches(steps)
-    t = time.thread_time()
-    while True:
-        try:
-            batches.next()
-        except StopIteration:
-            return time.thread_time() - t
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--every", type=int, default=16, help="sample one step in this many (after the first 64)")
     parser.add_argument("--steps", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=15)
@@ -95,10 +46,9 @@ def main() -> None:
                 continue
             if hasattr(module, "MIN_BUDGET"):
                 module.MIN_BUDGET = 10**9  # type: ignore[attr-defined]
-    traced(args.steps)  # warm up
-    best = min(traced(args.steps) - plain(args.steps) for _ in range(args.repeats))
+    us = hooks_alone_us(args.steps, args.repeats)
     how = "every event reported at once" if args.at_once else f"one sampled step in {args.every}"
-    print(f"{traceml_jupyter.__file__}: {how}: {best / args.steps * 1e6:.2f} µs/step (fastest of {args.repeats})")
+    print(f"{traceml_jupyter.__file__}: {how}: {us:.2f} µs/step (fastest of {args.repeats})")
 
 
 if __name__ == "__main__":
