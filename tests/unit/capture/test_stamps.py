@@ -308,6 +308,7 @@ def stamped_and_reported(ip: Any, cell: str, monkeypatch: pytest.MonkeyPatch) ->
     return seen
 
 
+@pytest.mark.slow  # a real traced cell run twice, 1-2 s each: the full suite runs it
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_a_traced_cell_gives_the_same_steps_stamped_or_reported(ip: Any, cell: str, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = stamped_and_reported(ip, cell, monkeypatch)
@@ -315,6 +316,7 @@ def test_a_traced_cell_gives_the_same_steps_stamped_or_reported(ip: Any, cell: s
     assert seen["stamped"]["n_steps"] == {"plain loop": 3000, "accumulation": 100}.get(cell, 400)
 
 
+@pytest.mark.slow  # as above
 @pytest.mark.parametrize("cell", [c for c in CELLS if c != "plain loop"])
 def test_training_steps_stamped_whenever_they_may_be_are_the_steps_reported(
     ip: Any, cell: str, monkeypatch: pytest.MonkeyPatch
