@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from .failures import never_raise
+from .failures import failure_text, never_raise
 from .views.environment import live_mode
 
 
@@ -263,7 +263,7 @@ class TraceMLMagics(Magics):
                 loader = self.shell.ev(expression)
             except Exception as exc:
                 raise UsageError(
-                    f"%traceml tune: {expression}: {type(exc).__name__}: {exc}"
+                    f"%traceml tune: {expression}: {failure_text(exc)}"
                 ) from None
         try:
             counts = parse_workers(workers) if workers is not None else None

@@ -22,7 +22,7 @@ from .capture.host import usable_cpus
 from .capture.machine import describe_machine
 from .capture.probes import safe_len
 from .capture.recorder import Recorder
-from .failures import never_raise
+from .failures import failure_text, never_raise
 from .result import SCHEMA_VERSION, Result
 from .run_summary import analyse
 
@@ -385,7 +385,7 @@ class Run:
         if self.finished:
             return self
         if error is not None:
-            self.error = f"{type(error).__name__}: {error}".rstrip(": ")
+            self.error = failure_text(error).rstrip(": ")
             self.error_before_first_step = self.recorder.n_steps == 0
         self.finished = True
         self.ended_at = time.time()

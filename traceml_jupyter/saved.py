@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .analysis.verdict import Verdict
+from .failures import failure_text
 from .run import _RUNS, SCHEMA_VERSION, Run
 
 # The schema versions this package has written: 1, and 2 (its added keys all nullable).
@@ -311,7 +312,7 @@ def read_run(path: str | Path) -> SavedRun:
     except LoadError:
         raise
     except Exception as exc:  # a field of an unexpected type: the file, not our code
-        raise LoadError(f"{shown}: not a readable traceml run ({type(exc).__name__}: {exc})") from None
+        raise LoadError(f"{shown}: not a readable traceml run ({failure_text(exc)})") from None
 
 
 def load(path: str | Path) -> SavedRun:

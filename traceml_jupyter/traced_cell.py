@@ -40,7 +40,7 @@ from .capture.locate import (
 )
 from .capture.recording import Capture
 from .capture.rewrite import instrument_loop
-from .failures import never_raise
+from .failures import failure_text, never_raise
 from .processes import children
 from .run import _RUNS, Observer, Run
 
@@ -412,13 +412,13 @@ def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Live
             return
         show_report(run, view)
     except Exception as exc:  # the report must never hide what the cell did
-        print(f"traceml: could not build the report: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"traceml: could not build the report: {failure_text(exc)}", file=sys.stderr)
     if opts.save:
         try:
             run.save(opts.save)
             print(f"traceml: saved {run.name} to {opts.save}")
         except Exception as exc:
-            print(f"traceml: could not save {run.name} to {opts.save}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(f"traceml: could not save {run.name} to {opts.save}: {failure_text(exc)}", file=sys.stderr)
     from .history import record
 
     record(run)  # into TRACEML_HISTORY when set (never raises)

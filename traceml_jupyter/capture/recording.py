@@ -24,7 +24,7 @@ from threading import get_ident
 from time import perf_counter_ns, process_time_ns
 from typing import TYPE_CHECKING, Any
 
-from ..failures import never_raise
+from ..failures import failure_text, never_raise
 from . import cuda_graphs, gpu_activity, hooks
 from .cuda_clock import (
     CudaSteps,
@@ -183,7 +183,7 @@ class Capture(StepHooks):
             try:
                 run.gpu_watch.step_ended(t)
             except Exception as exc:
-                run.notes.append(f"GPU watch stopped: {type(exc).__name__}: {exc}")
+                run.notes.append(f"GPU watch stopped: {failure_text(exc)}")
                 run.gpu_watch = None
 
     def _steps_merged(self, n: int) -> None:

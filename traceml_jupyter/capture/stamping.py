@@ -13,6 +13,7 @@ from __future__ import annotations
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
+from ..failures import failure_text
 from .stamps import Stamps
 from .step_model import BACKWARD, ITERATION, NEVER, StepModel
 
@@ -74,7 +75,7 @@ class Stamping:
             self._level_pos = 0 if self.model.deferred is not None else -1
         except Exception as exc:  # ours: never raised into the user's loop
             stamps.discard()
-            self.run.notes.append(f"traceml failed replaying the steps' stamps: {type(exc).__name__}: {exc}")
+            self.run.notes.append(f"traceml failed replaying the steps' stamps: {failure_text(exc)}")
             self._broken = True
             self._report_now()
 
@@ -206,5 +207,5 @@ class Stamping:
         """Any error in the GPU bookkeeping: the run goes on the CPU clock, with a note."""
         self.cuda = None
         self._deciding = False
-        self.gpu_note = f"GPU timings turned off: {type(exc).__name__}: {exc}"
+        self.gpu_note = f"GPU timings turned off: {failure_text(exc)}"
         self.listen()

@@ -226,7 +226,7 @@ class StepParts:
 
     def failed(self, exc: BaseException) -> None:
         """Any error in our bookkeeping: the parts are off for the rest of the run, with a note."""
-        self.note = f"The parts of the step were turned off: {type(exc).__name__}: {exc}"
+        self.note = f"The parts of the step were turned off: {failure_text(exc)}"
         self.active = False
         self.model.sample_in = NEVER
         try:
@@ -325,7 +325,7 @@ class StepParts:
                 self._gpu_failed(exc)
 
     def _gpu_failed(self, exc: BaseException) -> None:
-        self.note = f"GPU time of the step's parts turned off: {type(exc).__name__}: {exc}"
+        self.note = f"GPU time of the step's parts turned off: {failure_text(exc)}"
         self._gpu = self._gpu_parts = None
         self._gpu_broken = True
         self.store.has_gpu = False

@@ -20,7 +20,7 @@ from ..analysis.summary import summarize
 from ..analysis.verdict import WARN_SHARE
 from ..capture.probes import plain_count
 from ..capture.recorder import Recorder
-from ..failures import never_raise
+from ..failures import failure_text, never_raise
 from .backward import RankParts, StepSample, shows_parts_of
 from .wire import END, HELLO, STEPS, read_frames
 
@@ -254,7 +254,7 @@ class Collector:
                 self._selector.unregister(stream.sock)
             except (KeyError, ValueError):
                 pass
-            self.notes.append(f"{self.describe(stream)} sent what could not be read: {type(exc).__name__}: {exc}")
+            self.notes.append(f"{self.describe(stream)} sent what could not be read: {failure_text(exc)}")
 
     def describe(self, stream: Stream) -> str:
         """A stream in the notes: "Process 4242 (rank 1)"."""

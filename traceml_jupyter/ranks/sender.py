@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..failures import never_raise
+from ..failures import failure_text, never_raise
 from .backward import StepTap
 from .identity import dist_rank, loader_facts
 from .wire import END, HELLO, STEPS, STEPS_PER_FRAME, frame
@@ -108,7 +108,7 @@ class Sender:
                 pass_steps=list(facts.pass_steps),
             )
         except Exception as exc:
-            end["note"] = f"its loader could not be read: {type(exc).__name__}: {exc}"
+            end["note"] = f"its loader could not be read: {failure_text(exc)}"
         return end
 
     def _put_steps(self, who: dict[str, Any], rows: np.ndarray | None) -> None:
