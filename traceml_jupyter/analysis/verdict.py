@@ -372,11 +372,16 @@ def _no_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> 
 
 def _input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> Verdict | None:
     """The loop waits for data in a typical step (INPUT-BOUND), or a few fetches stall long
-    enough to cost a share of the time (INPUT STRAGGLER)."""
+    enough to cost a share of the time (INPUT STRAGGLER). When both hold, the larger loss names
+    the verdict: stalls that cost most of the run (workers restarting each epoch) are the finding
+    even where taking each ready batch from the workers also costs a tenth of a loaded machine's
+    step, and the straggler's `why` quotes that typical wait too."""
     n = int(summary["n_analysed"])
     wait, compute, step = summary["data_wait_ms"], summary["compute_ms"], summary["step_ms"]
     wait_share = summary["data_wait_share"]
-    if wait_share is not None and wait_share >= WARN_SHARE:
+    typical = wait_share is not None and wait_share >= WARN_SHARE
+    lost = summary.get("straggler_share") or 0.0
+    if typical and not lost > (wait_share or 0.0):
         return Verdict(
             VerdictLabel.INPUT_BOUND,
             severity_for(wait_share, n),
@@ -386,14 +391,14 @@ def _input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) 
             input_next(summary),
             evidence,
         )
-    lost = summary.get("straggler_share") or 0.0
     if lost >= WARN_SHARE:
+        besides = f"; besides, a typical step waits {_pct(wait_share)} of its time" if typical else ""
         return Verdict(
             VerdictLabel.INPUT_STRAGGLER,
             severity_for(lost, n),
             f"{summary['straggler_steps']} of {n} fetches stall (p99 wait "
             f"{_ms(summary['stats']['data_wait_ms']['p99'])}, median {_ms(wait)}) and cost "
-            f"{_pct(lost)} of the total time.",
+            f"{_pct(lost)} of the total time{besides}.",
             straggler_next(summary),
             evidence + [("Time lost to stalls", _pct(lost))],
         )

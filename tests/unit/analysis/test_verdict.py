@@ -66,6 +66,22 @@ def test_spiky_data_wait_is_an_input_straggler() -> None:
     assert "4 of 100 fetches stall" in v.why
 
 
+def test_when_the_loop_both_waits_and_stalls_the_larger_loss_names_the_verdict() -> None:
+    # Workers restart each epoch (a 1 s stall every 10 steps) while taking each ready batch
+    # from them costs a loaded machine 6 of a 50 ms step: the stalls are the finding.
+    wait = [1000.0 if i % 10 == 0 else 6.0 for i in range(40)]
+    s = summarize(columns(wait, [44.0] * 40), 40, warmup=0)
+    assert s["data_wait_share"] > 0.10 and s["straggler_share"] > s["data_wait_share"]
+    v = diagnose(s)
+    assert v.label == "INPUT STRAGGLER"
+    assert v.why.endswith("besides, a typical step waits 12.0 % of its time."), v.why
+    # Most of every step waits and a few fetches stall a little more: INPUT-BOUND.
+    wait = [300.0 if i % 10 == 0 else 60.0 for i in range(40)]
+    s = summarize(columns(wait, [40.0] * 40), 40, warmup=0)
+    assert 0.10 <= s["straggler_share"] < s["data_wait_share"]
+    assert diagnose(s).label == "INPUT-BOUND"
+
+
 def test_straggler_share_threshold() -> None:
     base = [1.0] * 99
     # one spike whose excess over the median wait is 9.9 % vs 10 % of the total time
