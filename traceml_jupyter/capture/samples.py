@@ -1,5 +1,6 @@
 """A bounded buffer of timed samples (NVML's, psutil's): written by a sampler thread, read
-(copied) by the main thread; when full, every other sample goes."""
+(copied) by the main thread; when full, every other sample goes. Its storage grows with the
+samples (a short run, or a sampler that never samples, holds next to nothing)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import threading
 from collections.abc import Sequence
 
 import numpy as np
+
+FIRST_ROWS = 64  # rows allocated at the first sample; the storage doubles up to the capacity
 
 
 class SampleBuffer:
@@ -16,14 +19,19 @@ class SampleBuffer:
 
     def __init__(self, columns: Sequence[str], capacity: int) -> None:
         self.names = tuple(columns)
+        self.capacity = int(capacity)
         self._lock = threading.Lock()
-        self._data = np.full((len(self.names), capacity), np.nan)
+        self._data = np.empty((len(self.names), 0))
         self._n = 0
         self.decimations = 0  # each one halved the kept samples (and the sampling rate)
 
     def add_row(self, values: Sequence[float]) -> None:
         """One sample (a value per column); when the buffer is full, every other sample goes first."""
         with self._lock:
+            if self._n == self._data.shape[1] < self.capacity:
+                grown = np.full((len(self.names), min(self.capacity, max(FIRST_ROWS, 2 * self._n))), np.nan)
+                grown[:, : self._n] = self._data[:, : self._n]
+                self._data = grown
             if self._n == self._data.shape[1]:
                 half = self._data[:, ::2].copy()
                 self._data[:] = np.nan
