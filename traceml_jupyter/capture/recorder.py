@@ -62,7 +62,7 @@ class Recorder:
         while done < n:
             take = min(n - done, CHUNK - len(self._t0))
             for col, values in ((self._t0, t0), (self._t1, t1), (self._t2, t2)):
-                col.frombytes(memoryview(np.ascontiguousarray(values[done : done + take], dtype=np.int64)).cast("B"))
+                col.frombytes(np.ascontiguousarray(values[done : done + take], dtype=np.int64).data.cast("B"))
             if self.has_gpu:
                 nans = array("d", [NAN]) * take
                 self._gpu_wait.extend(nans)
