@@ -28,7 +28,8 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from itertools import islice
 from types import FrameType, ModuleType
 from typing import Any
 
@@ -36,6 +37,7 @@ from ..failures import never_raise
 
 MAX_FRAMES = 64  # frames read above the first sampled backward() or optimizer step
 MAX_SCAN = 4096  # values looked at per place (a namespace, a frame, an object)
+MAX_INNER = 4 * MAX_SCAN  # values looked at inside containers, per scan (a session's lists add up)
 # Roots taken from the notebook's namespace (a long session holds many models, most of them
 # not this cell's); the frames of the training event and the roots' children are always taken.
 MAX_NAMESPACE_ROOTS = 32
@@ -52,7 +54,8 @@ def module_class() -> type | None:
         return None
 
 
-def _is_instance(value: Any, cls: type) -> bool:
+def is_instance(value: Any, cls: type | tuple[type, ...]) -> bool:
+    """isinstance, False where it raises (a proxy whose __class__ raises)."""
     try:
         return isinstance(value, cls)
     except Exception:  # a proxy whose __class__ raises
@@ -68,6 +71,9 @@ def has_parameters(module: Any) -> bool:
 
 
 OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's directory
+
+
+CONTAINERS = (dict, list, tuple)  # looked into, one level
 
 
 def inner_values(value: Any) -> list[Any]:
@@ -91,33 +97,57 @@ def own_attributes(value: Any) -> list[Any]:
     return list(own.values())[:MAX_SCAN] if isinstance(own, dict) else []
 
 
-def modules_in(values: Iterable[Any], cls: type) -> list[Any]:
-    """The modules among `values`, and one level inside the containers among them."""
+def instances_in(values: Iterable[Any], classes: type | tuple[type, ...]) -> list[Any]:
+    """The instances of `classes` among `values` (the first MAX_SCAN of them), and one level
+    inside the containers among them (MAX_INNER values in all): one pass, however many kinds are looked for (a long
+    session's namespace holds thousands of values, looked at once a run)."""
     found: list[Any] = []
-    for value in list(values)[:MAX_SCAN]:
-        if _is_instance(value, cls):
+    inner_left = MAX_INNER
+    for value in islice(values, MAX_SCAN):  # in order: the cell's own names come first
+        if type(value) in CONTAINERS:  # (a dict, list or tuple is neither a module nor an optimizer)
+            if inner_left > 0:
+                inner = inner_values(value)[:inner_left]
+                inner_left -= len(inner)
+                found += _instances(inner, classes)
+        elif is_instance(value, classes):
             found.append(value)
-            continue
-        for inner in inner_values(value):
-            if _is_instance(inner, cls):
-                found.append(inner)
     return found
 
 
-def frame_values(frame: FrameType | None, cls: type | None = None) -> list[Any]:
+def _instances(values: list[Any], classes: type | tuple[type, ...]) -> list[Any]:
+    try:
+        return [v for v in values if isinstance(v, classes)]
+    except Exception:  # a proxy whose __class__ raises: the values one by one
+        return [v for v in values if is_instance(v, classes)]
+
+
+def frame_values(
+    frame: FrameType | None, cls: type | None = None, seen: Mapping[str, Any] | None = None
+) -> list[Any]:
     """The local variables of `frame` and of the frames that called it (MAX_FRAMES of them, ours
-    skipped), with the attributes of each frame's `self` when it is no module (`cls`)."""
+    skipped, up to the first module-level one: the cell or script that runs the training, not
+    the shell's and kernel's frames above it), with the attributes of each frame's `self` when
+    it is no module (`cls`). Of a namespace looked at before (`seen`: its names and values then,
+    e.g. the notebook's at the run's start) only what is new or rebound since: a long session's
+    globals are looked at once."""
     values: list[Any] = []
     for _ in range(MAX_FRAMES):
         if frame is None:
             break
+        module_level = False
         with never_raise():
             if not frame.f_code.co_filename.startswith(OURS):
                 local = frame.f_locals
-                values.extend(list(local.values())[:MAX_SCAN])
+                module_level = frame.f_globals is local
+                if seen is not None and module_level:
+                    values.extend([v for k, v in islice(local.items(), MAX_SCAN) if seen.get(k, seen) is not v])
+                else:
+                    values.extend(list(local.values())[:MAX_SCAN])
                 me = local.get("self")
-                if me is not None and cls is not None and not _is_instance(me, cls):
+                if me is not None and cls is not None and not is_instance(me, cls):
                     values.extend(own_attributes(me))
+        if module_level:
+            break
         frame = frame.f_back
     return values
 

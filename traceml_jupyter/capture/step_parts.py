@@ -50,14 +50,15 @@ from .cuda_graphs import capturing
 from .line_costs import FULL_STEPS, LINE_EVERY
 from .model_calls import (
     FOUND,
+    MAX_SCAN,
     NOT_FOUND,
     SEARCHING,
     ModuleCalls,
     describe,
     frame_values,
-    inner_values,
+    instances_in,
+    is_instance,
     module_class,
-    modules_in,
 )
 from .part_store import (
     BACKWARD,
@@ -192,6 +193,7 @@ class StepParts:
         self._gpu: CudaParts | None = None
         self._gpu_parts: CudaParts | None = None
         self._gpu_broken = False  # an error in our GPU bookkeeping: no GPU parts for the run
+        self._namespace_seen: dict[str, Any] | None = None  # what begin() looked at: the walk skips it
 
     # -- the schedule ---------------------------------------------------------------------------
     def begin(self) -> None:
@@ -205,9 +207,8 @@ class StepParts:
         if namespace:
             named = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", self.code_of()))
             items = sorted(list(namespace.items()), key=lambda kv: kv[0] not in named)  # the cell's names first
-            values = [v for _, v in items]
-            self.calls.add(modules_in(values, cls), from_namespace=True)
-            self._hook_optimizers_in(values)
+            self._namespace_seen = dict(items[:MAX_SCAN])
+            self.calls.add(self._modules_and_optimizers_in([v for _, v in items], cls), from_namespace=True)
         self._arm()
         self.model.sample_in = 1
 
@@ -378,25 +379,27 @@ class StepParts:
             return
         guard = never_raise()  # once a run
         with guard:
-            values = frame_values(frame, cls)
-            if self.calls.add(modules_in(values, cls)):
+            values = frame_values(frame, cls, self._namespace_seen)
+            if self.calls.add(self._modules_and_optimizers_in(values, cls)):
                 self._flags &= ~FORWARD_OK  # a root new in this step: its forward was missed
-            self._hook_optimizers_in(values)
         if guard.error is not None:
             self.note = f"The model's calls could not be looked for: {failure_text(guard.error)}"
 
     # -- optimizers -----------------------------------------------------------------------------
-    def _hook_optimizers_in(self, values: list[Any]) -> None:
+    def _modules_and_optimizers_in(self, values: list[Any], cls: type) -> list[Any]:
+        """Hook the optimizers among `values` (and one level inside their containers); return
+        the modules there. One pass over the values for both."""
         torch = sys.modules.get("torch")
-        try:
-            base = torch.optim.Optimizer  # type: ignore[union-attr]
-        except Exception:
-            return
-        for value in values:
-            for v in [value, *inner_values(value)]:
+        base = getattr(getattr(torch, "optim", None), "Optimizer", None)
+        kinds = (cls, base) if isinstance(base, type) else (cls,)
+        modules = []
+        for v in instances_in(values, kinds):
+            if is_instance(v, cls):
+                modules.append(v)
+            else:
                 with never_raise():
-                    if isinstance(v, base):
-                        self._hook_optimizer(v)
+                    self._hook_optimizer(v)
+        return modules
 
     def _hook_optimizer(self, optimizer: Any) -> bool:
         """Our pre hook on this optimizer (in its own dict of pre hooks, there while armed).
@@ -578,6 +581,7 @@ class StepParts:
             self._disarm()
         self.active = False
         self.model.sample_in = NEVER
+        self._namespace_seen = None
         self.calls.forget()
         for _, pre_hooks, key, _, _ in self._optimizers.values():
             pre_hooks.pop(key, None)

@@ -370,3 +370,53 @@ def holder_run(ip: Any) -> Run:
                     opt.step()
             '''))
     return traced(ip, "fit()\n")
+
+
+def test_the_walk_looks_again_only_at_the_names_bound_since_the_run_began() -> None:
+    """The notebook's namespace is looked at once, when the run begins; the walk at the first
+    backward() takes from it only what is new or rebound since (a long session's globals are
+    thousands of values)."""
+    from traceml_jupyter.capture.model_calls import frame_values
+
+    ns: dict[str, Any] = {"kept": [object()], "rebound": [object()]}
+    seen = dict(ns)
+    exec("import sys\nthe_frame = sys._getframe()\n", ns)  # a module-level frame, as a cell's
+    old_rebound = id(ns["rebound"])  # (an id: a local holding the list would be looked at)
+    ns["rebound"], ns["new"] = [object()], [object()]
+    values = frame_values(ns["the_frame"], None, seen)
+    ids = {id(v) for v in values}
+    assert id(ns["rebound"]) in ids and id(ns["new"]) in ids and id(ns["the_frame"]) in ids
+    assert id(ns["kept"]) not in ids and old_rebound not in ids
+    assert id(ns["kept"]) in {id(v) for v in frame_values(ns["the_frame"], None)}  # without `seen`: all
+    marker = [object()]  # a local of this test's frame, above the module-level one: not looked at
+    assert id(marker) not in {id(v) for v in frame_values(ns["the_frame"], None)}
+
+
+def test_a_scan_looks_inside_containers_up_to_a_budget_the_first_values_first() -> None:
+    from traceml_jupyter.capture.model_calls import MAX_INNER, MAX_SCAN, instances_in
+
+    model = nn.Linear(1, 1)
+    big = [list(range(MAX_SCAN)) for _ in range(MAX_INNER // MAX_SCAN)]  # a long session's lists
+    assert instances_in([[model], *big], nn.Module) == [model]  # the cell's names come first
+    assert instances_in([*big, [model]], nn.Module) == []  # past the budget
+    assert instances_in([{"m": model}, (model,), model, 3], (nn.Module, torch.optim.Optimizer)) == [model] * 3
+
+
+def test_a_model_and_optimizer_made_in_the_traced_cell_are_found_beside_forty_earlier_ones(ip: Any) -> None:
+    old = {f"old_model_{i}": nn.Linear(3, 3) for i in range(40)}
+    old["old_opts"] = [torch.optim.SGD(m.parameters(), lr=0.1) for m in old.values()]
+    ip.user_ns.update(old, Sleepy=Sleepy, torch=torch)
+    try:
+        run = traced(ip, """\
+            old_model_3 = Sleepy()
+            opt = torch.optim.Adam(old_model_3.parameters(), lr=0.1)
+            for i in range(8):
+                opt.zero_grad()
+                old_model_3(torch.ones(1, 4)).sum().backward()
+                opt.step()
+            """)
+    finally:
+        for name in [*old, "opt"]:
+            ip.user_ns.pop(name, None)
+    assert run.summary["forward_modules"] == ["old_model_3 (Sleepy)"]
+    assert [o["name"] for o in run.summary["optimizers"]] == ["Adam"]
