@@ -429,7 +429,8 @@ def _likely_cause(run: Run) -> str:
     import a Dataset defined in a notebook cell), as the end of the one-line note."""
     from .kernel.code_facts import keep_checklist
 
-    for item in keep_checklist(run) or []:
+    reading = keep_checklist(run)
+    for item in reading.checklist if reading is not None else []:
         if item.key == "start_method" and item.status == "fix":
             where = f" ({item.site.label()})" if item.site is not None else ""
             return f" Likely cause: {item.seen}: {item.to_try}{where}."

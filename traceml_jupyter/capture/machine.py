@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import platform
 import sys
+from functools import cache
 from typing import Any
 
 from ..failures import never_raise
@@ -54,8 +55,10 @@ def describe_machine(
     }
 
 
+@cache
 def package_version() -> str | None:
-    """traceml-jupyter's installed version; None when run from a source tree that was not installed."""
+    """traceml-jupyter's installed version; None when run from a source tree that was not
+    installed. Read once a process (the package metadata search costs about a millisecond)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -37,7 +37,7 @@ from ..failures import never_raise
 
 MAX_FRAMES = 64  # frames read above the first sampled backward() or optimizer step
 MAX_SCAN = 4096  # values looked at per place (a namespace, a frame, an object)
-MAX_INNER = 4 * MAX_SCAN  # values looked at inside containers, per scan (a session's lists add up)
+MAX_INNER = MAX_SCAN  # values looked at inside containers, per scan (a session's lists add up)
 # Roots taken from the notebook's namespace (a long session holds many models, most of them
 # not this cell's); the frames of the training event and the roots' children are always taken.
 MAX_NAMESPACE_ROOTS = 32

@@ -466,16 +466,17 @@ def checklist_for(run: Run) -> list[dict[str, Any]]:
     return [item.to_dict() for item in checklist_items(run, ipython_shell())]
 
 
-def keep_checklist(run: Run) -> list[Item] | None:
-    """Evaluate the checklist once, leave it on the run (`run.checklist`, what `to_dict` and
-    `--save` write) and return it for the report. Never raises: a failure is a note."""
+def keep_checklist(run: Run) -> KernelReading | None:
+    """Read the code around the run and evaluate the checklist once, leave the checklist on the
+    run (`run.checklist`, what `to_dict` and `--save` write) and return both for the report (the
+    kernel's history is read once a run). Never raises: a failure is a note (and None)."""
     with never_raise(run.notes, "The checklist could not be evaluated"):
         shell = ipython_shell()
         ctx = CodeContext.of(run, shell)
         items = checklist_items(run, shell, ctx)
         run.quoted_cells = quoted_cells(ctx, items)
         run.checklist = [item.to_dict() for item in items]
-        return items
+        return KernelReading(ctx, items)
     return None
 
 
@@ -490,11 +491,13 @@ class KernelReading:
     problem: str | None = None
 
 
-def kernel_reading(run: Run, checklist: Sequence[Item] | None = None) -> KernelReading:
+def kernel_reading(run: Run, checklist: Sequence[Item] | KernelReading | None = None) -> KernelReading:
     """What the report of `run` reads from the kernel: the code around it and the checklist
     (`checklist` when given; for a run read back from its file, the one it saved; else
     evaluated now). Never raises: a failure leaves the code unread, the checklist as given,
-    and says why."""
+    and says why. A KernelReading given (keep_checklist's) is the answer already."""
+    if isinstance(checklist, KernelReading):
+        return checklist
     shell = ipython_shell()
     if checklist is None and run.frozen:  # read back from its file: the checklist as evaluated
         checklist = [Item.from_dict(item) for item in run.checklist or []]

@@ -10,6 +10,7 @@ from ..kernel.shell import ipython_shell
 from . import report_file  # noqa: F401  (Run.save writes .html through it)
 
 if TYPE_CHECKING:
+    from ..kernel.code_facts import KernelReading
     from ..run import Run
 
 
@@ -31,15 +32,15 @@ class ReportDisplay:
     """The final report as a display object: static HTML for notebooks, the box for terminals
     (renderers of the run's result: report.report_html, result.text)."""
 
-    def __init__(self, run: Run, checklist: Any = None) -> None:
+    def __init__(self, run: Run, reading: KernelReading | None = None) -> None:
         self.run = run
-        self.checklist = checklist
+        self.reading = reading  # the code around the run and its checklist, read once (keep_checklist)
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         from ..result import text
         from .report import report_html
 
-        return {"text/plain": text(self.run.result), "text/html": report_html(self.run, self.checklist)}
+        return {"text/plain": text(self.run.result), "text/html": report_html(self.run, self.reading)}
 
 
 def show_report(run: Run, view: LiveView | None = None) -> None:
@@ -50,13 +51,13 @@ def show_report(run: Run, view: LiveView | None = None) -> None:
     if view is not None:
         with never_raise():
             view.close()
-    items = keep_checklist(run)
+    reading = keep_checklist(run)
     if ipython_shell() is None:
         print_whole(run.text())
         return
     from IPython.display import display
 
-    display(ReportDisplay(run, items))
+    display(ReportDisplay(run, reading))
 
 
 def print_whole(text: str) -> None:
