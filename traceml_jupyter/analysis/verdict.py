@@ -381,7 +381,7 @@ def _input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) 
     wait_share = summary["data_wait_share"]
     typical = wait_share is not None and wait_share >= WARN_SHARE
     lost = summary.get("straggler_share") or 0.0
-    if typical and not lost > (wait_share or 0.0):
+    if typical and lost <= wait_share:
         return Verdict(
             VerdictLabel.INPUT_BOUND,
             severity_for(wait_share, n),

@@ -99,12 +99,12 @@ def own_attributes(value: Any) -> list[Any]:
 
 def instances_in(values: Iterable[Any], classes: type | tuple[type, ...]) -> list[Any]:
     """The instances of `classes` among `values` (the first MAX_SCAN of them), and one level
-    inside the containers among them (MAX_INNER values in all): one pass, however many kinds are looked for (a long
-    session's namespace holds thousands of values, looked at once a run)."""
+    inside the containers among them (MAX_INNER values in all): one pass, however many kinds
+    are looked for (a long session's namespace holds thousands of values)."""
     found: list[Any] = []
     inner_left = MAX_INNER
     for value in islice(values, MAX_SCAN):  # in order: the cell's own names come first
-        if type(value) in CONTAINERS:  # (a dict, list or tuple is neither a module nor an optimizer)
+        if type(value) in CONTAINERS:  # (a plain dict, list or tuple is none of the classes looked for)
             if inner_left > 0:
                 inner = inner_values(value)[:inner_left]
                 inner_left -= len(inner)
@@ -140,7 +140,7 @@ def frame_values(
                 local = frame.f_locals
                 module_level = frame.f_globals is local
                 if seen is not None and module_level:
-                    values.extend([v for k, v in islice(local.items(), MAX_SCAN) if seen.get(k, seen) is not v])
+                    values.extend([v for k, v in islice(local.items(), MAX_SCAN) if k not in seen or seen[k] is not v])
                 else:
                     values.extend(list(local.values())[:MAX_SCAN])
                 me = local.get("self")

@@ -491,13 +491,11 @@ class KernelReading:
     problem: str | None = None
 
 
-def kernel_reading(run: Run, checklist: Sequence[Item] | KernelReading | None = None) -> KernelReading:
+def kernel_reading(run: Run, checklist: Sequence[Item] | None = None) -> KernelReading:
     """What the report of `run` reads from the kernel: the code around it and the checklist
     (`checklist` when given; for a run read back from its file, the one it saved; else
     evaluated now). Never raises: a failure leaves the code unread, the checklist as given,
-    and says why. A KernelReading given (keep_checklist's) is the answer already."""
-    if isinstance(checklist, KernelReading):
-        return checklist
+    and says why."""
     shell = ipython_shell()
     if checklist is None and run.frozen:  # read back from its file: the checklist as evaluated
         checklist = [Item.from_dict(item) for item in run.checklist or []]

@@ -38,9 +38,11 @@ class ReportDisplay:
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         from ..result import text
-        from .report import report_html
+        from .report import render_html, report_html
 
-        return {"text/plain": text(self.run.result), "text/html": report_html(self.run, self.reading)}
+        reading = self.reading
+        html = render_html(self.run.result, reading) if reading is not None else report_html(self.run)
+        return {"text/plain": text(self.run.result), "text/html": html}
 
 
 def show_report(run: Run, view: LiveView | None = None) -> None:

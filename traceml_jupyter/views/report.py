@@ -282,11 +282,10 @@ def _phases(result: Result) -> str:
     return out
 
 
-def report_html(run: Run, checklist: Sequence[Item] | KernelReading | None = None) -> str:
+def report_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
     """The report of a finished run, of this kernel or read back from its file: its result
     rendered with what the kernel reads for it (the code around it; the checklist, `checklist`
-    when given, else the one the file saved, else evaluated now; a KernelReading already read
-    by keep_checklist is used as it is)."""
+    when given, else the one the file saved, else evaluated now)."""
     return render_html(run.result, kernel_reading(run, checklist))
 
 
