@@ -9,9 +9,10 @@ Thresholds, and why:
 - GPU memory RISING: allocated-at-step-end (median of the last third of the steps against the
   first third) grew by >= 1 MiB and >= 0.5 % of its level. A steady loop ends every step holding
   the same tensors (the allocator counts them exactly), so any rise is something kept; the floor
-  keeps variable-length batches out. CREEP: the growth is large enough that a run 10x as long
-  (a traced cell is often a slice of the training) would use up the memory the peak leaves free
-  (critical: one more run as long would).
+  keeps variable-length batches out. CREEP: at the rate seen (MiB a step times the run's steps,
+  warm-up included; not the thirds' growth, which shrinks with the warm-up and the unread steps) a
+  run 10x as long (often a traced cell is a slice of the training) would use up the memory the
+  peak leaves free (critical: one more run as long would).
 - CPU SATURATED: the process and its workers keep >= 90 % of the usable cores busy; or the
   machine leaves less CPU idle (usable cores minus busy cores, other processes counted) than one
   of the workers uses, while the process and its workers use >= 10 % of the cores and its workers
@@ -150,8 +151,9 @@ def _rising(first: float, last: float, floor: float, share: float) -> bool:
     return growth >= floor and growth >= share * max(first, 0.0)
 
 
-def _creep(growth: float, free: float | None, runs: float = CREEP_RUNS) -> bool:
-    return free is not None and free > 0 and growth * runs >= free
+def _creep(run_growth: float, free: float | None, runs: float = CREEP_RUNS) -> bool:
+    """Whether `runs` runs as long, each growing `run_growth` (the rate times the run's length), use up `free`."""
+    return free is not None and free > 0 and run_growth * runs >= free
 
 
 def kept_sentence(kept: Sequence[Mapping[str, Any]]) -> str:
@@ -216,8 +218,10 @@ def gpu_memory_summary(facts: ResourceFacts) -> tuple[dict[str, Any], list[Findi
         out["gpu_mem_growth_per_step_mib"] = growth / span_steps
         if _rising(first, last, RISE_MIB, RISE_SHARE):
             free = capacity - top if capacity else None
-            creep = _creep(growth, free) if free is not None else growth >= 0.10 * max(first, 1.0)
-            severity = "critical" if free is not None and growth >= free else ("warn" if creep else "info")
+            all_steps = np.asarray(cols["step"], dtype=np.float64)
+            run_growth = growth / span_steps * float(all_steps.max() - all_steps.min() + 1)
+            creep = _creep(run_growth, free) if free is not None else run_growth >= 0.10 * max(first, 1.0)
+            severity = "critical" if free is not None and run_growth >= free else ("warn" if creep else "info")
             text = (
                 f"allocated memory at the end of each step grew from {mib(first)} (first third of the "
                 f"steps) to {mib(last)} (last third): {_signed(growth)}, {_signed(growth / span_steps)} a step"
@@ -366,7 +370,8 @@ def host_memory_summary(facts: ResourceFacts) -> tuple[dict[str, Any], list[Find
                 seconds = float(np.median(when[-k:]) - np.median(when[:k])) or 1.0
                 steps = _steps_between(facts.columns, float(np.median(when[:k])), float(np.median(when[-k:])))
                 available = host.get("available_mib")
-                creep = _creep(growth, available) if available else growth >= 0.25 * first
+                start, end = loop_span(facts.columns, 0) or span  # the whole run, its warm-up too
+                creep = _creep(growth / seconds * (end - start), available) if available else growth >= 0.25 * first
                 rate = f", {_signed(growth / steps)} a step" if steps else f", {_signed(growth / seconds)} a second"
                 text = (
                     f"the training process's memory (RSS) grew from {mib(first)} to {mib(last)} over "
@@ -499,17 +504,8 @@ def oom_finding(facts: ResourceFacts) -> Finding | None:
     if oom.get("requested_mib") is not None:
         text += f": it tried to allocate {mib(oom['requested_mib'])}"
         text += f" on GPU {device}" if device is not None else ""
-    parts = []
-    if oom.get("capacity_mib") is not None:
-        parts.append(f"capacity {mib(oom['capacity_mib'])}")
-    if oom.get("free_mib") is not None:
-        parts.append(f"{mib(oom['free_mib'])} free")
-    if oom.get("allocated_mib") is not None:
-        parts.append(f"{mib(oom['allocated_mib'])} allocated by tensors")
-    if oom.get("reserved_mib") is not None:
-        parts.append(f"{mib(oom['reserved_mib'])} reserved by PyTorch")
-    if oom.get("peak_mib") is not None:
-        parts.append(f"peak {mib(oom['peak_mib'])}")
+    said = ("capacity {}", "capacity_mib"), ("{} free", "free_mib"), ("{} allocated by tensors", "allocated_mib"), ("{} reserved by PyTorch", "reserved_mib"), ("peak {}", "peak_mib")
+    parts = [words.format(mib(oom[key])) for words, key in said if oom.get(key) is not None]
     if parts:
         text += " (" + ", ".join(parts) + ")"
     text += "."

@@ -295,6 +295,23 @@ def test_memory_rising_then_creep_by_what_the_free_memory_allows() -> None:
     assert found["line"] == 7 and "Likely cause: line 7 keeps every step's graph" in found["text"]
 
 
+def test_creep_is_judged_on_the_whole_run_whatever_the_warm_up_and_the_steps_read() -> None:
+    """+30 MiB a step over a 30-step run: 10 runs as long grow 9,000 MiB, more than the 8,030 MiB
+    the peak leaves free: CREEP, whether 0 or 12 steps are warm-up and whether every step's memory
+    was read or every third (the growth between the thirds' medians is 360 to 630 MiB)."""
+    gpu = {"capacity_mib": 10_000}
+    alloc = [1000.0 + 30 * i for i in range(30)]
+    sparse = [a if i % 3 == 0 else float("nan") for i, a in enumerate(alloc)]
+    for warmup in (0, 12):
+        for read in (alloc, sparse):
+            s = resource_summary(ResourceFacts(columns(read), warmup, gpu))
+            assert s["gpu_mem_growth_per_step_mib"] == pytest.approx(30.0)
+            assert labels(s) == [("MEMORY CREEP", "warn")], (warmup, read is sparse)
+    # A third of the rate stays RISING: 10 runs as long grow 3,000 MiB of the 8,690 free.
+    slow = resource_summary(ResourceFacts(columns([1000.0 + 10 * i for i in range(30)]), 15, gpu))
+    assert labels(slow) == [("MEMORY RISING", "info")]
+
+
 def test_a_kept_graph_without_measured_growth_is_still_said_once() -> None:
     kept = [{"line": 7, "sentence": "line 7 keeps every step's graph (`x`): use `y`"}]
     s = resource_summary(ResourceFacts(columns([1000.0] * 30), 0, {"capacity_mib": 10_000}, kept=kept))
@@ -482,3 +499,20 @@ def test_host_samples_are_bounded_for_any_run_length() -> None:
     assert len(buffer) <= CAPACITY and buffer.decimations >= 3
     t = buffer.columns()["time_s"]
     assert t[0] == 0.0 and np.all(np.diff(t) > 0)
+
+
+def test_host_memory_creep_is_judged_on_the_whole_run() -> None:
+    """The process grows 200 MiB a second over a 1-second loop: 10 loops as long need about 2,000
+    MiB. With 1,500 available: CREEP (the growth between the thirds' medians, ~130 MiB, would not
+    say so); with 2,500: RISING."""
+    cols = columns([1.0] * 100, step_ms=10.0)
+
+    def found(available: float) -> list[tuple[str, str]]:
+        h = host((0.5, 0.0), 0.5, 0.0, workers=0, n=20)
+        h["samples"]["time_s"] = t = np.arange(20) * 0.05 + 0.025
+        h["samples"]["process_rss_mib"] = 500.0 + 200.0 * t
+        h["available_mib"] = available
+        return [x for x in labels(resource_summary(ResourceFacts(cols, 0, None, h))) if x[0].startswith("HOST MEMORY")]
+
+    assert found(1500.0) == [("HOST MEMORY CREEP", "warn")]
+    assert found(2500.0) == [("HOST MEMORY RISING", "info")]
