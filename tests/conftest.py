@@ -3,6 +3,7 @@ test leaving a patch, a hook name or a thread behind (like tqdm's leaked-bar che
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -12,6 +13,13 @@ from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from traceml_jupyter.capture.rewrite import HOOK
+
+# The stop button is a SIGINT, which a kernel (and an interactive python) turns into
+# KeyboardInterrupt. A test run started in the background of a shell without job control
+# (`cmd &` in a script, nohup) inherits SIGINT ignored, and Python then installs no handler:
+# the tests that press stop would wait forever. Install the handler a kernel has.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -376,8 +376,10 @@ def test_the_stop_button_ends_the_child_as_without_the_magic(ip: Any, untouched:
             feed = getattr(run, "rank_collector", None)
             return run is not before and feed is not None and any(s.recorder.n_steps for s in feed.streams)
 
-        until(stepped, 60)
-        os.kill(os.getpid(), signal.SIGINT)
+        try:
+            until(stepped, 60)
+        finally:  # pressed in any case: a child that never reports must not keep the cell running
+            os.kill(os.getpid(), signal.SIGINT)
 
     stopper = threading.Thread(target=press_stop)
     stopper.start()
