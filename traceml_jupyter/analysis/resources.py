@@ -504,7 +504,8 @@ def oom_finding(facts: ResourceFacts) -> Finding | None:
     if oom.get("requested_mib") is not None:
         text += f": it tried to allocate {mib(oom['requested_mib'])}"
         text += f" on GPU {device}" if device is not None else ""
-    said = ("capacity {}", "capacity_mib"), ("{} free", "free_mib"), ("{} allocated by tensors", "allocated_mib"), ("{} reserved by PyTorch", "reserved_mib"), ("peak {}", "peak_mib")
+    said = (("capacity {}", "capacity_mib"), ("{} free", "free_mib"), ("{} allocated by tensors", "allocated_mib"),
+            ("{} reserved by PyTorch", "reserved_mib"), ("peak {}", "peak_mib"))  # the figures the error gave
     parts = [words.format(mib(oom[key])) for words, key in said if oom.get(key) is not None]
     if parts:
         text += " (" + ", ".join(parts) + ")"

@@ -28,11 +28,13 @@ class SampleBuffer:
     def add_row(self, values: Sequence[float]) -> None:
         """One sample (a value per column); when the buffer is full, every other sample goes first."""
         with self._lock:
-            if self._n == self._data.shape[1] < self.capacity:  # room to grow: double (at most the capacity)
-                grown = np.full((len(self.names), min(self.capacity, max(FIRST_ROWS, 2 * self._n))), np.nan)
-                grown[:, : self._n] = self._data[:, : self._n]
+            rows = self._data.shape[1]
+            full = self._n == rows
+            if full and rows < self.capacity:  # room to grow: double (at most the capacity)
+                grown = np.full((len(self.names), min(self.capacity, max(FIRST_ROWS, 2 * rows))), np.nan)
+                grown[:, :rows] = self._data
                 self._data = grown
-            elif self._n == self._data.shape[1]:  # at the capacity
+            elif full:  # at the capacity: every other sample goes
                 half = self._data[:, ::2].copy()
                 self._data[:] = np.nan
                 self._data[:, : half.shape[1]] = half
