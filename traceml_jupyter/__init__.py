@@ -61,16 +61,18 @@ def unload_ipython_extension(ipython: Any) -> None:
 def last() -> Run | None:
     """The most recent run of this kernel, or None."""
     from .run import last as _last
-    from .views import report_file  # noqa: F401  (run.save("x.html"))
+    from .views.display import register_views
 
+    register_views()  # run.save("x.html"); a loaded run shown as its report
     return _last()
 
 
 def runs() -> list[Run]:
     """Every run of this kernel (and those `load` read), oldest first."""
     from .run import runs as _runs
-    from .views import report_file  # noqa: F401  (run.save("x.html"))
+    from .views.display import register_views
 
+    register_views()  # run.save("x.html"); a loaded run shown as its report
     return _runs()
 
 
@@ -81,8 +83,9 @@ def load(path: str) -> Run:
     finds it by name. A file that is not a saved run: ValueError, one line saying why."""
     __tracebackhide__ = True  # noqa: F841
     from .saved import load as _load
-    from .views import report_file  # noqa: F401  (run.save("x.html"))
+    from .views.display import register_views
 
+    register_views()  # run.save("x.html"); a loaded run shown as its report
     return _load(path)
 
 

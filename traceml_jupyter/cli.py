@@ -27,8 +27,9 @@ USAGE = "traceml-jupyter run [--name NAME] [--warmup N] [--loop FILE:LINE] [--sa
 
 def save(run: Run, path: str) -> None:
     """Save the run to `path` (.json, or a standalone .html report)."""
-    from .views import report_file  # noqa: F401  (Run.save writes .html through it)
+    from .views.display import register_views
 
+    register_views()  # Run.save writes .html through the report page
     run.save(path)
 
 
@@ -155,7 +156,7 @@ def report(run: Run, command: Sequence[str]) -> None:
         print(line or "traceml: no step ran.", flush=True)
         return
     show_report(run)  # the text box; the checklist is kept on the run
-    for line in checklist_lines(run.checklist or []):
+    for line in checklist_lines(run.result.reading.checklist or []):
         print(line)
     sys.stdout.flush()
 

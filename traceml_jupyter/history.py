@@ -12,11 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from .analysis.compare import Comparison
+from .analysis.compare import Comparison, compare_summaries
+from .capture.host import usable_cpus
 from .failures import failure_text
 from .run import Run, find_run, runs
-from .run import compare as compare_runs
-from .saved import LoadError, SavedRun, read_run, run_key
+from .saved import LoadError, read_run, run_key
 
 ENV = "TRACEML_HISTORY"
 GLOB = re.compile(r"[*?\[]")
@@ -81,7 +81,7 @@ def record(run: Run) -> Path | None:
     """At the end of a run: save it into the history directory if there is one. Never raises;
     a failure is one line on stderr (the run and its report are unaffected)."""
     directory = history_dir()
-    if directory is None or run.frozen:
+    if directory is None or run.read_back:
         return None
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -100,9 +100,9 @@ def saved_runs(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob("*.json") if FILE.match(p.name))
 
 
-def named_in_history(name: str, directory: Path) -> SavedRun | None:
+def named_in_history(name: str, directory: Path) -> Run | None:
     """The latest run named `name` in the history (the files whose name can hold it are read)."""
-    found: list[SavedRun] = []
+    found: list[Run] = []
     for path in saved_runs(directory):
         match = FILE.match(path.name)
         if match is None or match.group("slug") != slug(name):
@@ -123,7 +123,7 @@ def _when(run: Run) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.started_at))
 
 
-def _by_glob(pattern: str) -> SavedRun:
+def _by_glob(pattern: str) -> Run:
     matches = sorted(glob.glob(os.path.expanduser(pattern)))
     directory = history_dir()
     if not matches and directory is not None and not os.path.isabs(pattern):
@@ -186,14 +186,31 @@ def resolve(which: Run | str) -> Run:
 
 
 def compare(a: Run | str | None = None, b: Run | str | None = None) -> Comparison:
-    """`compare` for runs given by name, JSON path or glob (see `resolve`): no argument, the
-    last two runs of this kernel; one, that run against the latest."""
+    """Compare two runs given as Run objects, names, JSON paths or globs (see `resolve`): no
+    argument, the last two runs of this kernel; one, that run against the latest."""
     __tracebackhide__ = True  # noqa: F841
+    all_runs = runs()
     if a is None and b is None:
-        return compare_runs()
-    if a is None or b is None:
-        return compare_runs(resolve(a if a is not None else b))  # type: ignore[arg-type]
-    return compare_runs(resolve(a), resolve(b))
+        if len(all_runs) < 2:
+            raise ValueError(f"compare needs two runs; this kernel has {len(all_runs)}")
+        run_a, run_b = all_runs[-2], all_runs[-1]
+    elif a is None or b is None:
+        run_a = resolve(a if a is not None else b)  # type: ignore[arg-type]
+        if not all_runs:
+            raise ValueError(f"compare {run_a.name!r} with what? This kernel has no run: name two")
+        run_b = all_runs[-1]
+        if run_a is run_b:
+            raise ValueError(f"{run_a.name!r} is the latest run: name a second run to compare")
+    else:
+        run_a, run_b = resolve(a), resolve(b)
+    workers = (run_b.result.data.loader or {}).get("num_workers")
+    cpus = (run_b.machine or {}).get("cpus")
+    return compare_summaries(
+        run_a.name, run_a.summary, run_a.verdict, run_b.name, run_b.summary, run_b.verdict,
+        workers_b=workers if isinstance(workers, int) else None,
+        cpus=cpus if isinstance(cpus, int) else usable_cpus(),
+        steps_a=run_a.steps, steps_b=run_b.steps, machine_a=run_a.machine, machine_b=run_b.machine,
+    )
 
 
 def describe(directory: Path | None) -> str:

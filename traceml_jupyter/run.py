@@ -1,6 +1,7 @@
 """A traced run: the recording its capture writes into while the cell runs, the handle users
-read, and this kernel's runs (runs, last, compare, clear). `finish()` freezes the run's result
-(result.py: the Result and its renderers); the capture does the measuring; views read the run."""
+read, and this kernel's runs (runs, last, find_run, clear). `finish()` freezes the run's result
+(result/: the RunResult value, its codec and text renderers); the capture does the measuring;
+views render the result."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from time import perf_counter_ns
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import result as render
-from .analysis.compare import Comparison, compare_summaries
 from .analysis.phases import step_definition
 from .analysis.verdict import Verdict
 from .capture.host import usable_cpus
@@ -23,7 +23,8 @@ from .capture.machine import describe_machine
 from .capture.probes import safe_len
 from .capture.recorder import Recorder
 from .failures import failure_text, never_raise
-from .result import SCHEMA_VERSION, Result
+from .result import SCHEMA_VERSION, DataFeed, Gpu, Loop, Resources, RunResult, Steps
+from .result.value import Columns, Facts, frozen_facts, frozen_rows, read_only
 from .run_summary import analyse
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
     from .ranks import Collector, LocalRank
 
-__all__ = ["SCHEMA_VERSION", "Observer", "Result", "Run", "clear", "compare", "last", "runs"]
+__all__ = ["SCHEMA_VERSION", "Observer", "Run", "RunResult", "clear", "last", "runs"]
 REFRESH_NS = 250_000_000  # observers (the live view) run at most 4 times a second
 
 
@@ -44,10 +45,13 @@ class Observer(Protocol):
     def __call__(self, run: Run, /) -> None: ...
 
 
-# Formats other than JSON that `Run.save` writes, by file suffix: a view registers its writer
-# (views/report_file.py: ".html", the report as one standalone page); the run knows no view.
+# Formats other than JSON that `Run.save` writes, by file suffix, and how a run read back from
+# its file shows as a cell's value: the views register them (views.display.register_views,
+# called by the public API); the run knows no view.
 FileWriter = Callable[["Run", str], None]
 FILE_WRITERS: dict[str, FileWriter] = {}
+ReportBundle = Callable[["Run", Any, Any], dict[str, str]]
+REPORT_BUNDLES: list[ReportBundle] = []
 
 _RUNS: list[Run] = []
 
@@ -65,46 +69,6 @@ def last() -> Run | None:
 def find_run(name: str) -> Run | None:
     """The latest run of this kernel with that name, or None."""
     return next((run for run in reversed(_RUNS) if run.name == name), None)
-
-
-def compare(a: Run | str | None = None, b: Run | str | None = None) -> Comparison:
-    """Compare two runs (Run objects or names given with --name).
-
-    With no argument: the last two runs. With one: that run against the latest run.
-    """
-    all_runs = runs()
-    if a is None and b is None:
-        if len(all_runs) < 2:
-            raise ValueError(f"compare needs two runs; this kernel has {len(all_runs)}")
-        run_a, run_b = all_runs[-2], all_runs[-1]
-    elif a is None or b is None:
-        run_a = resolve_run(a if a is not None else b)  # type: ignore[arg-type]
-        if not all_runs:
-            raise ValueError(f"compare {run_a.name!r} with what? This kernel has no run: name two")
-        run_b = all_runs[-1]
-        if run_a is run_b:
-            raise ValueError(f"{run_a.name!r} is the latest run: name a second run to compare")
-    else:
-        run_a, run_b = resolve_run(a), resolve_run(b)
-    workers = (run_b.loader_info or {}).get("num_workers")
-    cpus = (run_b.machine or {}).get("cpus")
-    return compare_summaries(
-        run_a.name, run_a.summary, run_a.verdict, run_b.name, run_b.summary, run_b.verdict,
-        workers_b=workers if isinstance(workers, int) else None,
-        cpus=cpus if isinstance(cpus, int) else usable_cpus(),
-        steps_a=run_a.steps, steps_b=run_b.steps, machine_a=run_a.machine, machine_b=run_b.machine,
-    )
-
-
-def resolve_run(which: Run | str) -> Run:
-    """A run itself, or the latest run with that name; ValueError names the known runs."""
-    if not isinstance(which, str):
-        return which
-    found = find_run(which)
-    if found is None:
-        known = ", ".join(repr(r.name) for r in runs()) or "none yet"
-        raise ValueError(f"no run named {which!r}; known runs: {known}")
-    return found
 
 
 # The last `%traceml tune` (tuning/) and the loader it measured: the checklist quotes it.
@@ -167,15 +131,19 @@ def keep_training_loader(run: Run, twin: Any) -> None:
 
 class Run:
     """One traced run: the recording its capture writes into while the cell runs, and the
-    handle users read. `finish()` freezes its result (`run.result`, result.Result: summary,
+    handle users read. `finish()` freezes its result (`run.result`, a RunResult: summary,
     verdict, per-step columns, what ran and on what); `summary`, `verdict`, `steps`, `text()`,
     `to_dict()`, `save()` read that result, and the views render it.
 
     Steps are what the training does (step_model.py): one optimizer step, else one backward(),
     else one iteration of the located loop, else the interval between two batches.
 
-    What the capture writes while the run records (besides the fields of result.Result, which
-    it copies from here when the run finishes):
+    A run read back from its file (`traceml_jupyter.load`, `Run(result=..., path=...)`) holds
+    its result alone: `read_back` is True, `path` the file it came from, and its recording is
+    empty.
+
+    What the capture writes while the run records (the result's sections copy most of it
+    when the run finishes):
         recorder (per-step columns, capture/recorder.py); loop_is_range (the located loop
         iterates range(...)); loop_iter_text, loop_iterable_type (the loop's iterable as
         written and as it ran); fetch_calls (the loop body's fetch calls by line);
@@ -188,12 +156,14 @@ class Run:
         next_tick (perf_counter_ns when the observers are next due; tick() moves it).
     """
 
-    frozen = False  # a run read back from its saved JSON (saved.py): nothing of it is live
-
-    def __init__(self, name: str | None = None, warmup: int | None = None) -> None:
-        self.name = name or f"run {len(_RUNS) + 1}"
+    def __init__(
+        self, name: str | None = None, warmup: int | None = None, *, result: RunResult | None = None, path: str = ""
+    ) -> None:
+        self.name = result.name if result is not None else name or f"run {len(_RUNS) + 1}"
         self.warmup = warmup
-        self.started_at = time.time()
+        self.started_at = result.started_at if result is not None else time.time()
+        self.read_back = result is not None  # from its file: nothing of it is live
+        self.path = path
         self.ended_at: float | None = None
         self.recorder = Recorder()
         self.recorder.origin_ns = perf_counter_ns()
@@ -249,6 +219,9 @@ class Run:
         self.processes: list[dict[str, Any]] | None = None
         self.loader_site: dict[str, Any] | None = None
         self.dataset_site: dict[str, Any] | None = None
+        # NVML samples of the run's GPU (time_s, gpu_util_pct, gpu_mem_used_mib), left by the
+        # resource watch when it stops, before the run finishes.
+        self.gpu_samples: dict[str, Any] | None = None
         self._capture: Any = None  # capture.Capture while recording
         self._gpu_used = False
         self._observers: list[Observer] = []
@@ -256,12 +229,11 @@ class Run:
         self._loops_started = 0
         self._loader_infos: dict[Any, dict[str, Any]] = {}
         self._loader_twins: dict[Any, Any] = {}  # stand-ins of its DataLoaders (keep_training_loader)
-        self._gpu_samples: dict[str, Any] | None = None
         self._machine: dict[str, Any] | None = None
-        self._checklist: list[dict[str, Any]] | None = None
-        self._quoted_cells: dict[str, str] | None = None
-        self._result: Result | None = None
-        _RUNS.append(self)
+        self._result: RunResult | None = result
+        self.finished = result is not None
+        if result is None:
+            _RUNS.append(self)
 
     # -- while it runs ----------------------------------------------------------------------
     def loop(self, iterable: Iterable[Any]) -> Iterable[Any]:
@@ -398,8 +370,8 @@ class Run:
 
     # -- the result --------------------------------------------------------------------------
     @property
-    def result(self) -> Result:
-        """What the run measured and concluded (result.Result), frozen when the run finished;
+    def result(self) -> RunResult:
+        """What the run measured and concluded (a RunResult), frozen when the run finished;
         before, what the recording holds so far (computed again at each read)."""
         if self._result is not None:
             return self._result
@@ -408,28 +380,43 @@ class Run:
         self._result = self._freeze()
         return self._result
 
-    def _freeze(self) -> Result:
+    def _freeze(self) -> RunResult:
         cols = self._read_columns()
-        summary, verdict = self._analysis(cols)
-        return Result(
-            name=self.name, started_at=self.started_at, ended_at=self.ended_at, warmup=self.warmup,
-            summary=summary, verdict=verdict, columns=cols, n_steps=self.n_steps,
-            stride=self.recorder.stride, wall_ms=self.wall_ms, loop_line=self.loop_line,
-            loop_where=self.loop_where, cell_source=self.cell_source,
-            loop_cell_source=self.loop_cell_source, step_kind=self.step_kind,
-            step_definition=self.step_definition, loader_info=self.loader_info,
-            sources=self.sources, phases=self.phases, expected_steps=self.expected_steps,
-            batch_size=self.batch_size, batch_kind=self.batch_kind,
-            batches_per_step=self.batches_per_step, process_cpu_ms=self.process_cpu_ms,
-            thread_cpu_ms=self.thread_cpu_ms, thread_wait_ms=self.thread_wait_ms,
-            machine=self._describe_machine(), gpu_used=self.gpu_used, cuda_device=self.cuda_device,
-            gpu_device=self.gpu_device, gpu_note=self.gpu_note, gpu_samples=self._gpu_samples,
-            h2d=self.h2d, sync_stalls=self.sync_stalls, line_costs=self.line_costs,
-            cuda_graphs=self.cuda_graphs, ranks=self.ranks, processes=self.processes,
-            loader_site=self.loader_site, dataset_site=self.dataset_site, host=self.host,
-            gpu_memory=self.gpu_memory, held_before=self.held_before, oom=self.oom,
-            checklist=self._checklist, quoted_cells=self._quoted_cells, notes=self.notes,
-            error=self.error,
+        summary, verdict = analyse(self, cols)
+        samples = self.gpu_samples
+        return RunResult(
+            name=self.name, started_at=self.started_at, ended_at=self.ended_at,
+            summary=MappingProxyType(summary), verdict=verdict,
+            steps=Steps(
+                columns=read_only(cols), n_steps=self.n_steps, stride=self.recorder.stride,
+                kind=self.step_kind, definition=self.step_definition, warmup=self.warmup,
+                expected=self.expected_steps, batch_size=self.batch_size, batch_kind=self.batch_kind,
+                batches_per_step=self.batches_per_step,
+            ),
+            loop=Loop(
+                line=self.loop_line, where=self.loop_where, cell_source=self.cell_source,
+                cell_filename=self.cell_filename, loop_cell_source=self.loop_cell_source,
+                wall_ms=self.wall_ms, process_cpu_ms=self.process_cpu_ms,
+                thread_cpu_ms=self.thread_cpu_ms, thread_wait_ms=self.thread_wait_ms,
+            ),
+            data=DataFeed(
+                loader=frozen_facts(self.loader_info), sources=frozen_rows(self.sources) or (),
+                phases=frozen_rows(self.phases) or (), loader_site=frozen_facts(self.loader_site),
+                dataset_site=frozen_facts(self.dataset_site),
+            ),
+            gpu=Gpu(
+                used=self.gpu_used, cuda_device=self.cuda_device, device=self.gpu_device,
+                note=self.gpu_note, samples=read_only(samples) if samples is not None else None,
+                h2d=frozen_facts(self.h2d), sync_stalls=frozen_facts(self.sync_stalls),
+                cuda_graphs=frozen_facts(self.cuda_graphs),
+            ),
+            resources=Resources(
+                host=frozen_facts(self.host), gpu_memory=frozen_facts(self.gpu_memory),
+                held_before=frozen_facts(self.held_before), oom=frozen_facts(self.oom),
+            ),
+            line_costs=frozen_facts(self.line_costs), ranks=frozen_rows(self.ranks),
+            processes=frozen_rows(self.processes), machine=frozen_facts(self._describe_machine()),
+            notes=tuple(self.notes), error=self.error,
         )
 
     def _describe_machine(self) -> dict[str, Any] | None:
@@ -446,57 +433,22 @@ class Run:
             cols[name] = column(cols["step"])
         if self.step_parts is not None:
             cols.update(self.step_parts.columns(cols))
-        samples = self._gpu_samples
+        samples = self.gpu_samples
         if samples is not None and len(samples.get("time_s", ())):
             from .capture.nvml import at_steps
 
             cols.update(at_steps(samples, cols["time_s"], cols.get("gpu_backlog_ms")))
         return cols
 
-    @property
-    def gpu_samples(self) -> dict[str, Any] | None:
-        """NVML samples of the run's GPU (time_s, gpu_util_pct, gpu_mem_used_mib), left by the
-        resource watch when it stops; setting them after the run finished freezes its result
-        again with them."""
-        return self._gpu_samples
-
-    @gpu_samples.setter
-    def gpu_samples(self, samples: dict[str, Any] | None) -> None:
-        """Keep the NVML samples (the resource watch, when it stops)."""
-        self._gpu_samples = samples
-        self._result = None
-
-    @property
-    def checklist(self) -> list[dict[str, Any]] | None:
-        """The checklist as evaluated (its items as dicts), set by the kernel's reader once the
-        run has finished (kernel/code_facts.keep_checklist); part of the result."""
-        return self._checklist
-
-    @checklist.setter
-    def checklist(self, items: list[dict[str, Any]] | None) -> None:
-        """Keep the checklist as evaluated (it goes into the result)."""
-        self._checklist = items
-        if self._result is not None:
-            self._result = replace(self._result, checklist=items)
-
-    @property
-    def quoted_cells(self) -> dict[str, str] | None:
-        """The earlier cells the report quotes ({"In [2]": text}), kept with the checklist."""
-        return self._quoted_cells
-
-    @quoted_cells.setter
-    def quoted_cells(self, cells: dict[str, str] | None) -> None:
-        """Keep the cells the report quotes (they go into the result)."""
-        self._quoted_cells = cells
-        if self._result is not None:
-            self._result = replace(self._result, quoted_cells=cells)
-
-    def _analysis(self, cols: dict[str, np.ndarray]) -> tuple[dict[str, Any], Verdict]:
-        return analyse(self, cols)
+    def keep_reading(self, checklist: list[dict[str, Any]] | None, quoted_cells: dict[str, str] | None) -> None:
+        """What the kernel read once the run finished (kernel/code_facts.keep_checklist): the
+        checklist as evaluated and the cells the report quotes. The result becomes a new value
+        that holds them (the one before is left as it was)."""
+        self._result = self.result.with_reading(checklist, quoted_cells)
 
     # -- the result API: what `result` holds ------------------------------------------------
     @property
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> Facts:
         """The medians, shares and counts the verdict read (every key: docs/api.md)."""
         return self.result.summary
 
@@ -523,12 +475,12 @@ class Run:
     @property
     def n_steps(self) -> int:
         """The steps recorded."""
-        return self.recorder.n_steps
+        return self._result.n_steps if self._result is not None else self.recorder.n_steps
 
     @property
     def gpu_used(self) -> bool:
         """The loop ran on a CUDA device: its steps are timed with CUDA events too."""
-        return bool(self._gpu_used)
+        return self._result.gpu.used if self._result is not None else bool(self._gpu_used)
 
     @property
     def loops_started(self) -> int:
@@ -536,27 +488,38 @@ class Run:
         return int(self._loops_started)
 
     @property
-    def machine(self) -> dict[str, Any] | None:
+    def machine(self) -> Facts | None:
         """What the run ran on (python, torch, cuda, platform, cpu, cpus, gpu), read once the
         run has finished; None before."""
         return self.result.machine
 
     @property
-    def straggler(self) -> dict[str, Any] | None:
+    def straggler(self) -> Facts | None:
         """Several ranks: {"rank", "cause": input|h2d|compute|unknown, "score"} of the rank that
         holds the others back (RANK STRAGGLER), else None."""
         return self.result.straggler
 
     @property
-    def steps(self) -> dict[str, Any]:
+    def steps(self) -> Columns:
         """Per-step columns (numpy arrays): step, time_s, data_wait_ms, compute_ms, step_ms,
         and the GPU columns (NaN where not measured)."""
         return self.columns()
 
-    def columns(self) -> dict[str, np.ndarray]:
+    def columns(self) -> Columns:
         """The recorder's kept steps, with the columns of the optional watches and the NVML
-        samples (gpu_util_pct, gpu_mem_used_mib) placed on the same steps."""
-        return dict(self.result.columns) if self.finished else self._read_columns()
+        samples (gpu_util_pct, gpu_mem_used_mib) placed on the same steps (read-only)."""
+        return self.result.columns if self.finished else read_only(self._read_columns())
+
+    @property
+    def unsaved(self) -> frozenset[str]:
+        """Read back from a file: the result's fields its file did not hold (an older version
+        wrote fewer keys); empty for a run of this kernel."""
+        return self.result.unsaved
+
+    @property
+    def schema_version(self) -> int | None:
+        """Read back from a file: the file's schema version; None for a run of this kernel."""
+        return self.result.schema_version
 
     def box(self) -> str:
         """The verdict box alone."""
@@ -571,13 +534,22 @@ class Run:
         return render.text(self.result)
 
     def __repr__(self) -> str:
-        return f"<traceml run {self.name!r}: {self.verdict}, {self.n_steps} steps>"
+        where = f" from {self.path}" if self.path else ""
+        return f"<traceml run {self.name!r}{where}: {self.verdict}, {self.n_steps} steps>"
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(self.text())
 
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        """Read back from its file, in a notebook: the report as the cell showed it; else the
+        text box."""
+        if not self.read_back or not REPORT_BUNDLES:
+            return {"text/plain": self.text()}
+        return REPORT_BUNDLES[0](self, include, exclude)
+
     def to_dict(self) -> dict[str, Any]:
-        """What --save writes: JSON-ready, unmeasured values as null (result.to_dict)."""
+        """What --save writes: JSON-ready, unmeasured values as null (result.to_dict); a run read
+        back writes what it read (keys of a later version included)."""
         return render.to_dict(self.result)
 
     def resources_dict(self) -> dict[str, Any]:
@@ -593,7 +565,7 @@ class Run:
             writer(self, path)
             return path
         if path.lower().endswith((".html", ".htm")):
-            raise ValueError(f"{path}: no HTML writer (import traceml_jupyter.views.report_file)")
+            raise ValueError(f"{path}: no HTML writer (traceml_jupyter.views.display.register_views())")
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(self.to_dict(), fh, indent=1, allow_nan=False)
         return path

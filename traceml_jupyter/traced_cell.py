@@ -388,8 +388,9 @@ def _live_view_starter(run: Run, opts: CellOptions, views: list[LiveView]) -> Ob
 
 def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: LiveView | None, commands: list[str] | None = None) -> None:
     """Show the report, or one line when there is nothing to report; never mask the user's error."""
-    from .views.display import show_report
+    from .views.display import register_views, show_report
 
+    register_views()  # --save x.html writes the report page
     try:
         run.finish(error)
         if run.n_steps == 0:

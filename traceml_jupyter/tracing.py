@@ -11,7 +11,7 @@ from .history import record
 from .kernel.code_facts import keep_checklist
 from .ranks import gather, shows_report
 from .run import Run
-from .views.display import show_report
+from .views.display import register_views, show_report
 
 
 @contextmanager
@@ -30,6 +30,7 @@ def trace(name: str | None = None, warmup: int | None = None, show: bool = True)
     the ranks' summaries are gathered at the end: `run.ranks` on every rank, `run.straggler`,
     and rank 0 alone prints the report, with the per-rank table.
     """
+    register_views()  # run.save("x.html")
     run = Run(name, warmup)
     error: BaseException | None = None
     try:

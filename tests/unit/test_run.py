@@ -14,7 +14,7 @@ from traceml_jupyter import result as render
 from traceml_jupyter import run as run_module
 from traceml_jupyter.analysis.rank_verdict import with_ranks
 from traceml_jupyter.capture.gpu_watch import watch_summary
-from traceml_jupyter.result import Result
+from traceml_jupyter.result import RunResult
 from traceml_jupyter.run import REFRESH_NS, Run
 
 
@@ -84,16 +84,20 @@ def test_finish_freezes_the_result_that_the_renderers_read(run: Run) -> None:
     assert live["n_steps"] == 30 and run.result is not run.result  # computed at each read
     run.finish()
     frozen = run.result
-    assert isinstance(frozen, Result) and frozen is run.result
+    assert isinstance(frozen, RunResult) and frozen is run.result
     with pytest.raises(dataclasses.FrozenInstanceError):
         frozen.summary = {}  # type: ignore[misc]
+    with pytest.raises(ValueError, match="read-only"):
+        frozen.columns["step_ms"][0] = 0.0
+    assert isinstance(frozen.notes, tuple)
     recorded(run, 5)  # nothing the recording does later changes the result
     assert run.summary is frozen.summary and frozen.summary["n_steps"] == 30
     assert run.verdict == frozen.verdict.label and len(run.steps["step_ms"]) == 30
     assert run.text() == render.text(frozen) and run.to_dict() == render.to_dict(frozen)
     assert run.to_dict()["steps"]["step_ms"] == frozen.columns["step_ms"].tolist()
-    run.checklist = [{"key": "workers"}]  # the kernel's reading joins the result
-    assert frozen is not run.result and run.result.checklist == [{"key": "workers"}]
+    run.keep_reading([{"key": "workers"}], None)  # the kernel's reading: a new value
+    assert frozen is not run.result and run.result.reading.checklist == ({"key": "workers"},)
+    assert frozen.reading.checklist is None  # the value before is left as it was
 
 
 def documented_summary_keys() -> set[str]:

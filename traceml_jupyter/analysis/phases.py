@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .data_sources import phase_remedy
@@ -55,7 +55,7 @@ def phase_sentence(phase: Mapping[str, Any]) -> str:
 PHASE_SLOW_SHARE = 0.30  # a phase this share of the cell makes the cell slow on its own
 
 
-def phase_verdict(phases: list[dict[str, Any]]) -> str | None:
+def phase_verdict(phases: Sequence[Mapping[str, Any]]) -> str | None:
     """A line of its own for the phase that makes the cell slow (>= 30 % of it), else None."""
     slow = [p for p in phases if (p.get("share_of_cell") or 0.0) >= PHASE_SLOW_SHARE]
     if not slow:

@@ -68,8 +68,20 @@ class Verdict:
     next: str
     evidence: list[tuple[str, str]] = field(default_factory=list)
 
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any]) -> Verdict:
+        """The verdict its to_dict() wrote (a saved run's; a missing part reads empty)."""
+        rows = saved.get("evidence") or []
+        return cls(
+            str(saved["label"]),
+            str(saved.get("severity") or "info"),
+            str(saved.get("why") or ""),
+            str(saved.get("next") or ""),
+            [(str(r[0]), str(r[1])) for r in rows if isinstance(r, (list, tuple)) and len(r) == 2],
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        """The verdict as JSON-ready values."""
+        """The verdict as JSON-ready values (from_dict reads them back)."""
         return {
             "label": str(self.label),
             "severity": self.severity,

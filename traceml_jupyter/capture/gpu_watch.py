@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from time import perf_counter_ns
@@ -450,7 +450,7 @@ class GpuWatch:
         return self.hidden + hidden_waits.at_loop_end(self._frees_before, after, emptied)
 
 
-def costliest_host_line(costs: dict[str, Any] | None) -> dict[str, Any] | None:
+def costliest_host_line(costs: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The body line that takes the host most time per step (line_costs), for HOST-BOUND's why:
     often a fetch or Python work in the body, not the kernels' launches."""
     rows = [r for r in (costs or {}).get("statements") or [] if r.get("ms_per_step") is not None]

@@ -44,11 +44,11 @@ CELL_LABEL = re.compile(r"In \[(\d+)\]$")
 
 def run_cells(run: Run, shell: Any) -> list[str]:
     """The cells a run's report reads: the kernel's history; for a run read back from its file,
-    the cells it quoted (`run.quoted_cells`), at their numbers (the others empty)."""
-    if not run.frozen:
+    the cells it quoted (`run.result.reading.quoted_cells`), at their numbers (the others empty)."""
+    if not run.read_back:
         return history_cells(shell)
     numbers = {}
-    for label, text in (run.quoted_cells or {}).items():
+    for label, text in (run.result.reading.quoted_cells or {}).items():
         match = CELL_LABEL.match(str(label))
         if match is not None:
             numbers[int(match.group(1))] = str(text)

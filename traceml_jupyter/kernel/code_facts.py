@@ -88,8 +88,8 @@ def _loader_object(run: Run) -> Any:
 
 def loader_settings(run: Run) -> dict[str, Any] | None:
     """The run's loader settings, read from the loader object when the run has none."""
-    if run.loader_info is not None:
-        return run.loader_info
+    if run.result.data.loader is not None:
+        return dict(run.result.data.loader)
     loader = _loader_object(run)
     if loader is None:
         return None
@@ -112,7 +112,7 @@ def _loop_in_other_cell(
 ) -> tuple[ast.For | ast.AsyncFor, str, ast.AST] | None:
     """The step loop when it lives in a function defined in an earlier cell: the loop, the
     cell's label and the function."""
-    where, line = run.loop_where or "", run.loop_line
+    where, line = run.result.loop.where or "", run.result.loop.line
     func = FUNCTION.match(where)
     if func is None or line is None:
         return None
@@ -170,7 +170,7 @@ def _loader_site(
 
 def source_label(run: Run, shell: Any, filename: str) -> str | None:
     """None for the traced cell itself, "In [3]" for another cell, the file name else."""
-    return file_label(run.cell_filename, shell, filename)
+    return file_label(run.result.loop.cell_filename, shell, filename)
 
 
 def file_label(cell_filename: str | None, shell: Any, filename: str) -> str | None:
@@ -235,7 +235,7 @@ def _sample_code_at(
 
 
 def _sample_code(run: Run, shell: Any, ctx: CodeContext) -> SampleCode | None:
-    site = getattr(run, "dataset_site", None)
+    site = run.result.data.dataset_site
     if site:  # a child process's dataset: read from its file
         return _sample_code_at(run, shell, site["file"], site["line"], site.get("class") or "")
     dataset = _dataset_of(_loader_object(run))
@@ -265,7 +265,7 @@ def _feeder_code(run: Run, shell: Any) -> SampleCode | None:
     """The code behind a source that is no DataLoader: the generator function (`slow` of
     `slow()`), the `get_batch` function, or an iterator's `__next__`, looked up in the
     namespace after the cell; None when it cannot be found or read."""
-    row = next((r for r in run.sources if r.get("training")), None)
+    row = next((r for r in run.result.data.sources if r.get("training")), None)
     if row is None or row.get("kind") == "dataloader":
         return None
     node = fed_expression(row.get("expression"))
@@ -316,13 +316,13 @@ class CodeContext:
     @classmethod
     def of(cls, run: Run, shell: Any) -> CodeContext:
         """Read the run's cells once: the history, the traced cell's tree, the loop and its cell."""
-        ctx = cls(run_cells(run, shell), cell_filename=run.cell_filename, shell=shell)
-        ctx.current = current_cell_index(ctx.cells, run.cell_source)
+        ctx = cls(run_cells(run, shell), cell_filename=run.result.loop.cell_filename, shell=shell)
+        ctx.current = current_cell_index(ctx.cells, run.result.loop.cell_source)
         ctx.earlier = EarlierCells(shell, ctx.cells, ctx.current)
-        ctx.tree = parse_cell(run.cell_source, cell_transform(shell)) if run.cell_source else None
-        in_cell = "(" not in (run.loop_where or "")
-        if run.loop_line is not None and ctx.tree is not None and in_cell:
-            ctx.loop, ctx.loop_tree = loop_at(ctx.tree, run.loop_line), ctx.tree
+        ctx.tree = parse_cell(run.result.loop.cell_source, cell_transform(shell)) if run.result.loop.cell_source else None
+        in_cell = "(" not in (run.result.loop.where or "")
+        if run.result.loop.line is not None and ctx.tree is not None and in_cell:
+            ctx.loop, ctx.loop_tree = loop_at(ctx.tree, run.result.loop.line), ctx.tree
         if ctx.loop is None:
             other = _loop_in_other_cell(run, ctx.earlier)
             if other is not None:
@@ -331,7 +331,7 @@ class CodeContext:
         names |= _names_bound_to(_loader_object(run), getattr(shell, "user_ns", {}) or {})
         names -= {"enumerate", "zip", "tqdm", "iter", "range", "len"}
         ctx.loader_site = script_site(run, shell)
-        if ctx.loader_site is None and not getattr(run, "processes", None):
+        if ctx.loader_site is None and not run.result.processes:
             ctx.loader_site = _loader_site(ctx.earlier, ctx.tree, names)
         return ctx
 
@@ -351,7 +351,7 @@ class CodeContext:
 def script_site(run: Run, shell: Any) -> CodeSite | None:
     """Where the run's loader was built when that is a file (`train.py, line 54`: a script run
     as a child process or with `%run`); None in a notebook cell (the cells are read for it)."""
-    site = getattr(run, "loader_site", None)
+    site = run.result.data.loader_site
     if not site:
         return None
     label = source_label(run, shell, str(site["file"]))
@@ -364,13 +364,13 @@ def _site_text(run: Run, filename: str, line: int) -> str:
     """The call on a line of the traced cell (`x.to("cuda")`), else the line's text."""
     from ..capture.syncs import call_text
 
-    text = call_text(run.cell_source, line) if filename == run.cell_filename else None
+    text = call_text(run.result.loop.cell_source, line) if filename == run.result.loop.cell_filename else None
     return text or linecache.getline(filename, line).strip() or f"line {line}"
 
 
 def copies_seen(run: Run, shell: Any = None) -> tuple[CopySeen, ...] | None:
-    """The measured copies to the GPU by line (run.h2d), costliest first; None if not watched."""
-    h2d = getattr(run, "h2d", None)
+    """The measured copies to the GPU by line (run.result.gpu.h2d), costliest first; None if not watched."""
+    h2d = run.result.gpu.h2d
     if not h2d:
         return None
     out = []
@@ -395,7 +395,7 @@ def busiest_line(run: Run) -> LineSeen | None:
     """The loop body's statement with the most host time per step (run.line_costs)."""
     from ..capture.gpu_watch import costliest_host_line
 
-    top = costliest_host_line(getattr(run, "line_costs", None))
+    top = costliest_host_line(run.result.line_costs)
     if top is None:
         return None
     return LineSeen(CodeSite(int(top["line"])), str(top["text"]), float(top["ms_per_step"]))
@@ -410,9 +410,9 @@ def facts_for(
     summary = run.summary
     passes = run.loops_started
     several = passes >= 2
-    if ctx.loop is not None and ctx.loop_tree is not None and run.loop_line is not None:
-        several = several or nested_in_loop(ctx.loop_tree, run.loop_line)
-    if run.expected_steps and run.n_steps > run.expected_steps:
+    if ctx.loop is not None and ctx.loop_tree is not None and run.result.loop.line is not None:
+        several = several or nested_in_loop(ctx.loop_tree, run.result.loop.line)
+    if run.result.steps.expected and run.n_steps > run.result.steps.expected:
         several = True
     method = (loader or {}).get("multiprocessing_context") or start_method
     wait = (summary.get("stats") or {}).get("data_wait_ms") or {}
@@ -420,7 +420,7 @@ def facts_for(
         verdict=checklist_verdict(run.verdict, run.straggler),  # a rank straggler: its cause
         loader=loader,
         cpu_count=usable_cpus(),
-        on_gpu=run.gpu_used or summary.get("clock") == "gpu",
+        on_gpu=run.result.gpu.used or summary.get("clock") == "gpu",
         several_passes=several,
         loader_site=ctx.loader_site,
         transfers=tuple(transfers_in(ctx.loop, ctx.loop_cell)) if ctx.loop is not None else None,
@@ -433,7 +433,7 @@ def facts_for(
         non_blocking_share=summary.get("h2d_non_blocking_share"),
         copies=copies_seen(run, shell),
         sync_top=summary.get("sync_top"),
-        batch_size=run.batch_size or (loader or {}).get("batch_size"),
+        batch_size=run.result.steps.batch_size or (loader or {}).get("batch_size"),
         step_ms=summary.get("step_ms"),
         host_issue_ms=summary.get("host_issue_ms"),
         gpu_idle_share=summary.get("host_share"),
@@ -468,14 +468,13 @@ def checklist_for(run: Run) -> list[dict[str, Any]]:
 
 def keep_checklist(run: Run) -> KernelReading | None:
     """Read the code around the run and evaluate the checklist once, leave the checklist on the
-    run (`run.checklist`, what `to_dict` and `--save` write) and return both for the report (the
+    run (`run.result.reading.checklist`, what `to_dict` and `--save` write) and return both for the report (the
     kernel's history is read once a run). Never raises: a failure is a note (and None)."""
     with never_raise(run.notes, "The checklist could not be evaluated"):
         shell = ipython_shell()
         ctx = CodeContext.of(run, shell)
         items = checklist_items(run, shell, ctx)
-        run.quoted_cells = quoted_cells(ctx, items)
-        run.checklist = [item.to_dict() for item in items]
+        run.keep_reading([item.to_dict() for item in items], quoted_cells(ctx, items))
         return KernelReading(ctx, items)
     return None
 
@@ -497,12 +496,12 @@ def kernel_reading(run: Run, checklist: Sequence[Item] | None = None) -> KernelR
     evaluated now). Never raises: a failure leaves the code unread, the checklist as given,
     and says why."""
     shell = ipython_shell()
-    if checklist is None and run.frozen:  # read back from its file: the checklist as evaluated
-        checklist = [Item.from_dict(item) for item in run.checklist or []]
+    if checklist is None and run.read_back:  # read back from its file: the checklist as evaluated
+        checklist = [Item.from_dict(item) for item in run.result.reading.checklist or []]
     guard = never_raise()
     with guard:  # the checklist reads live objects and history: never let it cost the report
         ctx = CodeContext.of(run, shell)
         items = list(checklist) if checklist is not None else checklist_items(run, shell, ctx)
         return KernelReading(ctx, items)
     problem = f"The checklist could not be evaluated: {failure_text(guard.error)}" if guard.error else None
-    return KernelReading(CodeContext(cell_filename=run.cell_filename, shell=shell), list(checklist or []), problem)
+    return KernelReading(CodeContext(cell_filename=run.result.loop.cell_filename, shell=shell), list(checklist or []), problem)

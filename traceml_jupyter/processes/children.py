@@ -39,7 +39,7 @@ from .. import ranks
 from ..analysis.rank_verdict import compare_ranks
 from ..analysis.verdict import WARN_SHARE
 from ..capture.probes import plain_count
-from ..saved import host_from_json
+from ..result.codec import host_from_json
 from . import startup_hook
 from .startup_hook import CHANNEL, LOOP, NOTE, PACKAGE, TOKEN
 
@@ -406,7 +406,8 @@ def become(run: Run, stream: ChildStream, ranked: bool) -> None:
     run.dataset_site = _site(end.get("dataset_site"))
     found = end.get("resources")
     resources: dict[str, Any] = found if isinstance(found, dict) else {}
-    run.host = host_from_json(resources.get("host"))  # the child's CPU and memory, not the kernel's
+    host = host_from_json(resources.get("host"))  # the child's CPU and memory, not the kernel's
+    run.host = dict(host) if host is not None else None
     gpu_memory, oom = resources.get("gpu_memory"), resources.get("oom")
     run.gpu_memory = dict(gpu_memory) if isinstance(gpu_memory, dict) else None
     run.oom = dict(oom) if isinstance(oom, dict) else None

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..failures import never_raise
 from ..kernel.shell import ipython_shell
-from . import report_file  # noqa: F401  (Run.save writes .html through it)
 
 if TYPE_CHECKING:
     from ..kernel.code_facts import KernelReading
@@ -43,6 +42,17 @@ class ReportDisplay:
         reading = self.reading
         html = render_html(self.run.result, reading) if reading is not None else report_html(self.run)
         return {"text/plain": text(self.run.result), "text/html": html}
+
+
+def register_views() -> None:
+    """Tell the run how the views show and write it: `run.save("x.html")` writes the report
+    page (report_file.write_report_file), and a run read back from its file, as a cell's value,
+    is its report (ReportDisplay). Called by the public API before it hands out a run."""
+    from ..run import FILE_WRITERS, REPORT_BUNDLES
+    from .report_file import write_report_file
+
+    FILE_WRITERS[".html"] = FILE_WRITERS[".htm"] = write_report_file
+    REPORT_BUNDLES[:] = [lambda run, include, exclude: ReportDisplay(run)._repr_mimebundle_(include, exclude)]
 
 
 def show_report(run: Run, view: LiveView | None = None) -> None:

@@ -16,7 +16,7 @@ from ..analysis.verdict import VerdictLabel
 from .live_svg import LEGEND_HTML, WINDOW
 
 if TYPE_CHECKING:
-    from ..result import Result
+    from ..result import RunResult
     from ..run import Run
 
 
@@ -130,7 +130,7 @@ def live_numbers(
     finished, eta, elapsed = run.finished, None, None
     if finished:  # the final state: the run's result
         result = run.result
-        step, batch, error = result.n_steps, result.batch_size, result.error
+        step, batch, error = result.n_steps, result.steps.batch_size, result.error
         summary, verdict = result.summary, result.verdict
         steps_per_s, elapsed = summary.get("steps_per_s"), loop_seconds(result)
     else:
@@ -160,7 +160,7 @@ def live_numbers(
     }
 
 
-def loop_seconds(result: Result) -> float:
+def loop_seconds(result: RunResult) -> float:
     """Time inside the loop (every step, fetch and body), in seconds."""
     return float((result.summary.get("totals_ms") or {}).get("step_ms", 0.0)) / 1e3
 
@@ -206,8 +206,10 @@ def gpu_text(run: Run) -> str:
     there is no GPU figure."""
     watch = run.resource_watch
     if watch is None:  # once finished: what the result kept
-        kept = run.result if run.finished else run
-        return kept_gpu_text(kept.gpu_samples, kept.gpu_note, kept.gpu_used)
+        if run.finished:
+            gpu = run.result.gpu
+            return kept_gpu_text(gpu.samples, gpu.note, gpu.used)
+        return kept_gpu_text(run.gpu_samples, run.gpu_note, run.gpu_used)
     sampler, memory = watch.gpu, watch.memory
     latest = sampler.samples.latest()
     mem = None

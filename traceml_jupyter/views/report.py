@@ -1,4 +1,4 @@
-"""The final report as static HTML, a renderer of the run's result (result.Result): the cell's
+"""The final report as static HTML, a renderer of the run's result (result.RunResult): the cell's
 code (each loop-body line with its ms per step) beside the verdict, the evidence and the evaluated
 checklist; what the result does not hold (the code around the run, the checklist) is the kernel's
 reading (kernel/code_facts.KernelReading). A run of this kernel and one read back from its file
@@ -50,14 +50,14 @@ from .report_style import (
 )
 
 if TYPE_CHECKING:
-    from ..result import Result
+    from ..result import RunResult
     from ..run import Run
 
 
 ROOT_CLASS = "traceml-report"
 
 
-def _banner(result: Result) -> str:
+def _banner(result: RunResult) -> str:
     verdict = result.verdict
     colour, background = SEVERITY.get(verdict.severity, SEVERITY["info"])
     return (
@@ -160,7 +160,7 @@ def _step_bar(summary: Mapping[str, Any]) -> str:
     )
 
 
-def _also(result: Result) -> str:
+def _also(result: RunResult) -> str:
     """The lines after the verdict: the rest of the step (its own verdict line), advice by the
     part that dominates, each epoch's start-up, the trend over the run (or that there is none)."""
     lines = render.also(result)
@@ -219,7 +219,7 @@ def _checklist(items: Sequence[Item]) -> str:
     return out
 
 
-def _notes(result: Result, problem: str | None = None) -> str:
+def _notes(result: RunResult, problem: str | None = None) -> str:
     out = ""
     if result.error:
         colour, background = SEVERITY["critical"]
@@ -235,7 +235,7 @@ def _notes(result: Result, problem: str | None = None) -> str:
     return out
 
 
-def _text_box(result: Result) -> str:
+def _text_box(result: RunResult) -> str:
     return (
         f'<details class="tml-text" style="margin-top:12px"><summary style="cursor:pointer;'
         f'color:{MUTED};font-size:12px">Text report</summary>'
@@ -245,34 +245,34 @@ def _text_box(result: Result) -> str:
     )
 
 
-def _header(result: Result) -> str:
+def _header(result: RunResult) -> str:
     bits = [f"{result.n_steps} steps"]
-    if result.loop_line is not None:
-        bits.append(f"loop on line {result.loop_line}")
-    if result.loop_where and result.loop_where != "this cell":
-        bits.append(result.loop_where)
+    if result.loop.line is not None:
+        bits.append(f"loop on line {result.loop.line}")
+    if result.loop.where and result.loop.where != "this cell":
+        bits.append(result.loop.where)
     return (
         f'<div style="display:flex;flex-wrap:wrap;align-items:baseline;margin-bottom:8px">'
         f'<span style="font-weight:700;font-size:14px;margin-right:10px">traceml</span>'
         f'<span style="color:{MUTED}">{esc(result.name)} &middot; {esc(" · ".join(bits))}</span>'
         f'<span class="tml-step-definition" style="color:{MUTED};margin-left:10px">'
-        f"({with_code(result.step_definition)})</span></div>"
+        f"({with_code(result.steps.definition)})</span></div>"
     )
 
 
-def _phases(result: Result) -> str:
+def _phases(result: RunResult) -> str:
     """The passes kept out of the steps (validation, test, eval): their share of the cell and
     their own data wait, and a line of their own when they are what makes the cell slow."""
-    if not result.phases:
+    if not result.data.phases:
         return ""
     rows = "".join(
         f'<li class="tml-phase" style="margin:2px 0">{with_code(phase_sentence(p))}</li>'
-        for p in result.phases
+        for p in result.data.phases
     )
     out = section_title("Kept out of the steps") + (
         f'<ul class="tml-phases" style="margin:0;padding-left:18px">{rows}</ul>'
     )
-    slow = phase_verdict(result.phases)
+    slow = phase_verdict(result.data.phases)
     if slow:
         colour, background = SEVERITY["warn"]
         out += (
@@ -289,13 +289,13 @@ def report_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
     return render_html(run.result, kernel_reading(run, checklist))
 
 
-def render_html(result: Result, reading: KernelReading | None = None) -> str:
+def render_html(result: RunResult, reading: KernelReading | None = None) -> str:
     """The report of `result` as one self-contained HTML fragment: inline styles only, no
     script, no external asset, so it reads the same after a reload, on nbviewer, GitHub and
     Kaggle. `reading` is what the kernel read for it (kernel_reading); without it, the
     checklist the result holds and no code beyond the result's."""
     if reading is None:
-        reading = KernelReading(CodeContext(), [Item.from_dict(item) for item in result.checklist or []])
+        reading = KernelReading(CodeContext(), [Item.from_dict(item) for item in result.reading.checklist or []])
     items = reading.checklist
     left = code_pane(result, reading.code, items)
     right = (
@@ -327,7 +327,7 @@ def render_html(result: Result, reading: KernelReading | None = None) -> str:
     )
 
 
-def _resource_figures(result: Result) -> str:
+def _resource_figures(result: RunResult) -> str:
     """One line of the run's resource figures: GPU memory peak, CPU cores busy, RSS, workers."""
     s = result.summary
     bits = []
@@ -347,8 +347,8 @@ def _resource_figures(result: Result) -> str:
     return " · ".join(bits)
 
 
-def _worker_rows(result: Result) -> str:
-    workers = (result.host or {}).get("workers") or []
+def _worker_rows(result: RunResult) -> str:
+    workers = (result.resources.host or {}).get("workers") or []
     if not workers:
         return ""
     num = CELL + ";text-align:right;white-space:nowrap"
@@ -389,13 +389,13 @@ def _finding_row(f: Mapping[str, Any]) -> str:
     )
 
 
-def _resources(result: Result) -> str:
+def _resources(result: RunResult) -> str:
     """Memory and CPU beside the time: the findings (with the lines to change), small plots
     of GPU memory per step, CPU cores busy and host memory, and the DataLoader workers."""
     from .resource_plots import cpu_svg, gpu_memory_svg, host_memory_svg
 
     s = result.summary
-    host = result.host or {}
+    host = result.resources.host or {}
     samples = host.get("samples") or {}
     plots = [
         gpu_memory_svg(result.columns, s.get("gpu_mem_capacity_mib")),
@@ -417,7 +417,7 @@ def _resources(result: Result) -> str:
     return f'<div class="tml-resources">{out}</div>'
 
 
-def _ranks(result: Result) -> str:
+def _ranks(result: RunResult) -> str:
     """Several processes: one row per rank (steps, medians per step, status), the rank that
     holds the others back highlighted, then what the numbers alone do not say."""
     if not result.ranks:

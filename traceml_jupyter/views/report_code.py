@@ -29,7 +29,7 @@ from .report_style import (
 )
 
 if TYPE_CHECKING:
-    from ..result import Result
+    from ..result import RunResult
 
 
 @dataclass(frozen=True)
@@ -249,33 +249,33 @@ def heat_note(costs: Mapping[str, Any]) -> str:
     return note
 
 
-def code_pane(result: Result, ctx: CodeContext, items: Sequence[Item]) -> str:
+def code_pane(result: RunResult, ctx: CodeContext, items: Sequence[Item]) -> str:
     """The report's left pane: the traced cell's lines (the loop and the DataLoader marked, the
     lines the checklist `items` point at, each loop-body line's cost per step), the loop's own
     cell above it when the loop is in another one (`ctx`: the code the kernel read)."""
-    where = result.loop_where or ""
+    where = result.loop.where or ""
     parts = [section_title("Cell")]
-    if result.cell_source is None:
+    if result.loop.cell_source is None:
         why = "this run was traced from code (traceml_jupyter.trace)."
-        if "cell_source" in result.unsaved:
+        if "loop.cell_source" in result.unsaved:
             why = "its saved file does not hold it (written by an older traceml_jupyter)."
         parts.append(f'<div style="color:{MUTED}">No cell source: {esc(why)}</div>')
         return "".join(parts)
-    if result.loop_cell_source and result.loop_line is not None:
+    if result.loop.loop_cell_source and result.loop.line is not None:
         parts = [_loop_cell_pane(result)] + parts
-    lines = result.cell_source.splitlines()
-    in_cell = result.loop_line is not None and "(" not in where and ctx.loop_cell is None
-    loop_line = result.loop_line if in_cell else None
+    lines = result.loop.cell_source.splitlines()
+    in_cell = result.loop.line is not None and "(" not in where and ctx.loop_cell is None
+    loop_line = result.loop.line if in_cell else None
     loader_lines = set(dataloader_lines(ctx.tree)) if ctx.tree is not None else set()
     marks: dict[int, list[str]] = {}
     for item in items:
         if item.status == FIX and item.site is not None and item.site.cell is None:
             marks.setdefault(item.site.line, []).append(item.key)
-    if not result.loop_cell_source:  # a resource finding's line (a kept graph) is a line of this cell
+    if not result.loop.loop_cell_source:  # a resource finding's line (a kept graph) is a line of this cell
         for finding in result.summary.get("resource_findings") or []:
             if finding.get("line") is not None and finding["severity"] != "info":
                 marks.setdefault(int(finding["line"]), []).append(str(finding["label"]).lower())
-    costs = result.line_costs if not result.loop_cell_source else None
+    costs = result.line_costs if not result.loop.loop_cell_source else None
     bars = line_bars(costs, len(lines))
     parts.append(
         f'<div style="font-family:{MONO};font-size:12px;line-height:1.55;overflow-x:auto;'
@@ -299,26 +299,26 @@ def code_pane(result: Result, ctx: CodeContext, items: Sequence[Item]) -> str:
             f'<div class="tml-heat-note" style="margin-top:4px;font-size:11px;color:{MUTED}">'
             f"{esc(heat_note(costs))}</div>"
         )
-    if result.loop_line is not None and not in_cell:
-        text = f"The step loop is in {where}, line {result.loop_line}."
+    if result.loop.line is not None and not in_cell:
+        text = f"The step loop is in {where}, line {result.loop.line}."
         parts.append(f'<div style="margin-top:8px;font-size:12px">{esc(text)}</div>')
-    elif result.loop_line is None and where:
+    elif result.loop.line is None and where:
         parts.append(f'<div style="margin-top:8px;font-size:12px">Timed: {esc(where)}.</div>')
     parts.append(_elsewhere(ctx, items))
     return "".join(parts)
 
 
-def _loop_cell_pane(result: Result) -> str:
+def _loop_cell_pane(result: RunResult) -> str:
     """The cell that defines the function holding the step loop, with its cost per line."""
-    lines = (result.loop_cell_source or "").splitlines()
+    lines = (result.loop.loop_cell_source or "").splitlines()
     costs = result.line_costs
     bars = line_bars(costs, len(lines))
-    out = section_title(f"The step loop: {result.loop_where}") + (
+    out = section_title(f"The step loop: {result.loop.where}") + (
         f'<div class="tml-loop-cell" style="font-family:{MONO};font-size:12px;line-height:1.55;'
         f"overflow-x:auto;border:1px solid {BORDER};border-radius:6px;background-color:{SUBTLE};"
-        f'padding:6px 0">{_code_lines(lines, result.loop_line, set(), {}, bars)}</div>'
+        f'padding:6px 0">{_code_lines(lines, result.loop.line, set(), {}, bars)}</div>'
     )
-    legend = [(f"step loop (line {result.loop_line})", LOOP_COLOUR, LOOP_BG)]
+    legend = [(f"step loop (line {result.loop.line})", LOOP_COLOUR, LOOP_BG)]
     if bars and costs:
         legend += heat_legend(costs, bars)
     out += legend_html(legend)

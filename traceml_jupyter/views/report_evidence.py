@@ -14,20 +14,20 @@ from .report_style import CELL, MUTED, ROW, TABLE, compute_name, esc, fmt_rate, 
 
 if TYPE_CHECKING:
     from ..kernel.code_facts import CodeContext
-    from ..result import Result
+    from ..result import RunResult
 
 
 def _gpu_column(samples: Any, name: str) -> list[float]:
-    """The finite values of one column of the run's NVML samples (see Result.gpu_samples)."""
+    """The finite values of one column of the run's NVML samples (Gpu.samples)."""
     if not isinstance(samples, Mapping) or samples.get(name) is None:
         return []
     values = [float(v) for v in samples[name]]
     return [v for v in values if v == v]
 
 
-def gpu_utilisation(result: Result) -> str:
+def gpu_utilisation(result: RunResult) -> str:
     """'median 87 %, max 99 %, memory up to 10.2 GiB (40 samples)', or why there is none."""
-    samples = getattr(result, "gpu_samples", None)
+    samples = result.gpu.samples
     values = sorted(_gpu_column(samples, "gpu_util_pct"))
     if values:
         text = f"median {values[len(values) // 2]:.0f} %, max {values[-1]:.0f} %"
@@ -38,11 +38,11 @@ def gpu_utilisation(result: Result) -> str:
     memory = _gpu_column(samples, "gpu_mem_used_mib")
     if memory:  # NVML gave memory but no utilisation (a MIG slice, an unsupported device)
         return f"n/a (NVML reports no utilisation here), memory up to {max(memory) / 1024:.1f} GiB"
-    note = getattr(result, "gpu_note", None)
+    note = result.gpu.note
     if note:  # the sampler's notes read "GPU n/a (no NVML)": the row says "GPU" already
         note = str(note).removeprefix("GPU ").strip()
         return note if note.startswith("n/a") else f"n/a ({note})"
-    used = bool(getattr(result, "gpu_used", False))
+    used = result.gpu.used
     return "n/a (not sampled)" if used else "n/a (no GPU used)"
 
 
@@ -61,11 +61,11 @@ def _where(code: CodeContext, row: Mapping[str, Any]) -> str:
 COPIES_MEDIAN = "H2D copies (median per step)"  # the label the H2D-BOUND verdict uses too
 
 
-def copy_rows(result: Result, code: CodeContext) -> list[tuple[str, str]]:
-    """Evidence of the copies to the GPU (result.h2d): the median per step, then each copying
+def copy_rows(result: RunResult, code: CodeContext) -> list[tuple[str, str]]:
+    """Evidence of the copies to the GPU (result.gpu.h2d): the median per step, then each copying
     line (where `code` says it is) with bytes per step, bandwidth, pinned or not and
     non_blocking or not."""
-    h2d = result.h2d
+    h2d = result.gpu.h2d
     sites = (h2d or {}).get("sites") or []
     if not sites:
         return []
@@ -89,10 +89,10 @@ def copy_rows(result: Result, code: CodeContext) -> list[tuple[str, str]]:
     return rows
 
 
-def sync_rows(result: Result, code: CodeContext) -> list[tuple[str, str]]:
-    """Evidence of the synchronising calls (result.sync_stalls): the sentence for the costliest
+def sync_rows(result: RunResult, code: CodeContext) -> list[tuple[str, str]]:
+    """Evidence of the synchronising calls (result.gpu.sync_stalls): the sentence for the costliest
     line of the cell, then the other syncing lines (where `code` says they are)."""
-    stalls = result.sync_stalls
+    stalls = result.gpu.sync_stalls
     sites = (stalls or {}).get("sites") or []
     if not sites:
         return []
@@ -114,7 +114,7 @@ def sync_rows(result: Result, code: CodeContext) -> list[tuple[str, str]]:
     return rows
 
 
-def evidence_rows(result: Result, code: CodeContext) -> list[tuple[str, str]]:
+def evidence_rows(result: RunResult, code: CodeContext) -> list[tuple[str, str]]:
     """Label and value rows under the timing table: the run's, the verdict's own extra evidence,
     then the copies to the GPU and the syncs measured on the way (rows not already shown)."""
     s = result.summary
@@ -148,7 +148,7 @@ def evidence_rows(result: Result, code: CodeContext) -> list[tuple[str, str]]:
     return rows + [(k, v) for k, v in watched if k not in labels]
 
 
-def evidence_table(result: Result, code: CodeContext) -> str:
+def evidence_table(result: RunResult, code: CodeContext) -> str:
     """The medians, p90 and max of data wait, compute and step time, then the evidence rows
     (evidence_rows), as two HTML tables."""
     s = result.summary

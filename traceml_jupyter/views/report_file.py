@@ -8,26 +8,25 @@ from __future__ import annotations
 
 import time
 from html import escape
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..analysis.checklist import Item
 from ..kernel.code_facts import KernelReading, kernel_reading
-from ..run import FILE_WRITERS
 from .live_svg import LEGEND_HTML, Overview, svg_chart
 from .report import render_html
 from .report_style import BORDER, FG, MUTED, SANS, SUBTLE
 
 if TYPE_CHECKING:
-    from ..result import Result
+    from ..result import RunResult
     from ..run import Run
 
 CHART_WIDTH, CHART_HEIGHT = 900, 150
 MAX_POINTS = 600  # a longer run is drawn as the means of Overview's bins
 
 
-def chart_html(result: Result) -> str:
+def chart_html(result: RunResult) -> str:
     """Data wait under compute for every step of the run (on its clock), as an inline SVG with
     its caption; empty when fewer than two steps were timed."""
     columns = result.columns
@@ -61,7 +60,7 @@ def chart_html(result: Result) -> str:
     )
 
 
-def _footer(result: Result) -> str:
+def _footer(result: RunResult) -> str:
     machine = result.machine or {}
     bits = []
     if result.started_at == result.started_at:  # NaN: the file did not say
@@ -81,12 +80,12 @@ def _footer(result: Result) -> str:
 def html_page(run: Run) -> str:
     """The page `run.save("x.html")` writes: the run's result, with what the kernel reads for
     it (the checklist as it was shown, when it was; else evaluated now)."""
-    saved = run.result.checklist
+    saved = run.result.reading.checklist
     items = [Item.from_dict(item) for item in saved] if saved is not None else None
     return report_page(run.result, kernel_reading(run, items))
 
 
-def report_page(result: Result, reading: KernelReading | None = None) -> str:
+def report_page(result: RunResult, reading: KernelReading | None = None) -> str:
     """The whole page: the chart, the report (report.render_html, with the kernel's `reading`),
     a footer with what the run ran on."""
     title = f"traceml: {result.name} - {result.verdict.label}"
@@ -107,10 +106,3 @@ def write_report_file(run: Run, path: str) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(html_page(run))
 
-
-def registered(writers: dict[str, Any] = FILE_WRITERS) -> None:
-    """`Run.save` writes `.html` and `.htm` through this module."""
-    writers[".html"] = writers[".htm"] = write_report_file
-
-
-registered()

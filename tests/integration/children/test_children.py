@@ -96,7 +96,7 @@ def cell(ip: Any, source: str) -> tuple[Any, Run | None, str]:
 
 
 def where(run: Run, key: str) -> str | None:
-    return next((c["where"] for c in run.checklist or [] if c["key"] == key), None)
+    return next((c["where"] for c in run.result.reading.checklist or () if c["key"] == key), None)
 
 
 # -- the wire and the channel --------------------------------------------------------------------------
@@ -299,7 +299,7 @@ def test_bang_python_with_a_slow_loader_is_input_bound_at_the_scripts_line(ip: A
     assert run.summary["data_wait_share"] == pytest.approx(share, abs=0.05)
     assert where(run, "num_workers") == f"train.py, line {LOADER_LINE}"
     assert where(run, "per_sample_cost") == f"train.py, line {SLEEP_LINE}"
-    start = next(c for c in run.checklist or [] if c["key"] == "start_method")
+    start = next(c for c in run.result.reading.checklist or () if c["key"] == "start_method")
     assert start["status"] == "ok" and "from module train.py" in start["seen"]  # a script, not a notebook cell
     assert run.loader_info is not None and run.loader_info["num_workers"] == 0 and run.batch_size == 4
     (child,) = run.processes or []

@@ -17,7 +17,7 @@ from helpers import gpu_fixture
 from helpers import traced as traced_with
 from stand_in_cells import machine
 
-from traceml_jupyter.capture import hidden_waits
+from traceml_jupyter.capture import hidden_waits, nvml
 from traceml_jupyter.capture.syncs import SYNC_MESSAGE
 
 # -- the stand-in, closer to CUDA ------------------------------------------------------------
@@ -193,9 +193,11 @@ def test_cuda_launch_blocking_withholds_all_syncs_seen_and_host_bound(ip: Any, g
     assert not s["syncs_all_seen"] and "CUDA_LAUNCH_BLOCKING=1" in s["syncs_hidden"][0]
     assert run.verdict != "HOST-BOUND"
     assert "CUDA_LAUNCH_BLOCKING=1" in run.verdict_detail.why
-    t = np.linspace(run.steps["time_s"][0], run.steps["time_s"][-1], 6)
-    run.gpu_samples = {"time_s": t, "gpu_util_pct": np.full(6, 97.0), "gpu_mem_used_mib": np.ones(6)}
-    assert run.verdict == "COMPUTE-BOUND"
+    # The same loop where NVML sees the GPU 97 % busy throughout: COMPUTE-BOUND.
+    t = np.linspace(0.0, 30.0, 3000)
+    busy = {"time_s": t, "gpu_util_pct": np.full(len(t), 97.0), "gpu_mem_used_mib": np.ones(len(t))}
+    monkeypatch.setattr(nvml.GpuSamples, "columns", lambda self: busy)
+    assert traced(ip, GPU_BOUND).verdict == "COMPUTE-BOUND"
 
 
 def test_without_launch_blocking_the_same_host_pattern_is_still_host_bound(ip: Any, gpu: FakeGpu) -> None:

@@ -12,7 +12,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from traceml_jupyter import demo
-from traceml_jupyter.run import _RUNS, Run, compare
+from traceml_jupyter.history import compare
+from traceml_jupyter.run import _RUNS, Run
 
 # Fewer batches than the notebook: the verdicts hold with these (see demo.data_costs).
 TEST_BATCHES = {"fast": 30, "slow": 15, "fixed": 15, "collate": 15, "spiky": 10, "h2d": 20}

@@ -80,7 +80,7 @@ shell = shell_fixture(SETUP)
 
 
 def checklist_item(got: Any, key: str) -> dict[str, Any]:
-    return next(i for i in got.checklist if i["key"] == key)
+    return next(i for i in got.result.reading.checklist or () if i["key"] == key)
 
 
 @pytest.mark.slow
@@ -188,12 +188,14 @@ def test_a_loss_kept_with_its_graph_grows_the_process_and_names_the_line(shell: 
     assert doc["resources"]["host"]["samples"]["process_rss_mib"]
     assert doc["summary"]["kept_graphs"][0]["line"] == 5
     # Read back (another kernel): the same findings, the Resources part with its plots.
-    from traceml_jupyter.saved import SavedRun
+    from traceml_jupyter.result import from_dict
+    from traceml_jupyter.run import Run as RunHandle
     from traceml_jupyter.views.report import report_html
 
-    back = SavedRun(doc)
+    back = RunHandle(result=from_dict(doc))
+    host = back.result.resources.host
     assert "Also: HOST MEMORY" in back.text()
-    assert back.host is not None and len(back.host["samples"]["time_s"]) == len(doc["resources"]["host"]["samples"]["time_s"])
+    assert host is not None and len(host["samples"]["time_s"]) == len(doc["resources"]["host"]["samples"]["time_s"])
     assert report_html(back).count('<svg class="tml-resource-plot"') == 2
     del got
     shell.user_ns.pop("total", None)  # free the kept graphs

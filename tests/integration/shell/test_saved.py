@@ -5,6 +5,7 @@ version load; a standalone HTML report; the history directory; names, paths and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -22,7 +23,7 @@ from jupyter_harness import DECODING_DATASET
 import traceml_jupyter
 from traceml_jupyter import history
 from traceml_jupyter.run import _RUNS, Run
-from traceml_jupyter.saved import LoadError, SavedRun
+from traceml_jupyter.saved import LoadError
 from traceml_jupyter.views.report import report_html
 from traceml_jupyter.views.report_file import html_page
 
@@ -82,13 +83,13 @@ def saved(ip: Any, own_runs: None, tmp_path: Path) -> tuple[Run, Path]:
 def test_a_loaded_run_shows_the_same_report_text_and_comparison(saved: tuple[Run, Path]) -> None:
     run, path = saved
     loaded = traceml_jupyter.load(str(path))
-    assert isinstance(loaded, SavedRun) and loaded.frozen and loaded.path == str(path)
+    assert isinstance(loaded, Run) and loaded.read_back and loaded.path == str(path)
     assert loaded.unsaved == frozenset()
     assert (loaded.name, loaded.verdict, loaded.n_steps) == (run.name, run.verdict, run.n_steps)
     assert loaded.text() == run.text()
     # The report page, chart, checklist and the lines of the other cells it quotes included,
     # is the same page from the file as from the kernel.
-    quoted = run.quoted_cells or {}
+    quoted = run.result.reading.quoted_cells or {}
     assert any("DataLoader(" in t for t in quoted.values()) and any("def train" in t for t in quoted.values())
     page = html_page(run)
     assert html_page(loaded) == page
@@ -100,12 +101,15 @@ def test_a_loaded_run_shows_the_same_report_text_and_comparison(saved: tuple[Run
     assert traceml_jupyter.runs() == [run]
     assert traceml_jupyter.compare(loaded, run).to_dict() == traceml_jupyter.compare(run, run).to_dict()
     assert loaded.to_dict() == json.loads(path.read_text())
+    assert loaded.result == run.result  # the same value, read back
 
 
 def test_a_loaded_run_is_frozen(saved: tuple[Run, Path]) -> None:
     loaded = traceml_jupyter.load(str(saved[1]))
-    with pytest.raises(AttributeError, match="frozen result"):
-        loaded.checklist = []
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        loaded.result.reading = None  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        loaded.result.summary["n_steps"] = 0  # type: ignore[index]
     with pytest.raises(ValueError, match="read-only"):
         loaded.steps["step_ms"][0] = 0.0
     assert loaded.finish() is loaded
@@ -133,8 +137,8 @@ def test_a_file_of_the_first_schema_version_loads_and_renders() -> None:
     run = traceml_jupyter.load(str(V1))
     try:
         assert run.schema_version == 1 and run.name == "slow" and run.verdict == "INPUT-BOUND"
-        assert {"cell_source", "machine", "quoted_cells"} <= run.unsaved
-        assert run.cell_source is None and run.machine is None  # not in the file: None
+        assert {"loop.cell_source", "machine", "reading.quoted_cells"} <= run.unsaved
+        assert run.result.loop.cell_source is None and run.machine is None  # not in the file: None
         assert run.text().startswith("traceml: slow - 24 steps")
         assert "Step Time: INPUT-BOUND" in run.text()
         page = report_html(run)
@@ -166,7 +170,7 @@ def test_a_later_version_with_more_keys_and_unknown_ones_loads(tmp_path: Path) -
     run = traceml_jupyter.load(str(path))
     try:
         assert run.schema_version == 2 and run.machine == document["machine"]
-        assert "cell_source" not in run.unsaved and run.cell_source.startswith("%%traceml")
+        assert "loop.cell_source" not in run.unsaved and run.result.loop.cell_source.startswith("%%traceml")
         assert run.steps["forward_ms"].tolist() == [1.0] * 24
         assert "memory_kind" not in run.steps and "backward_ms" not in run.steps
         assert run.to_dict()["steps"]["memory_kind"] == ["cuda"] * 24  # kept as read
@@ -350,7 +354,7 @@ def test_the_saved_checklist_does_not_depend_on_the_report_being_displayed(
         assert run is not None
         assert bool(result.out.outputs) is shown  # the report was displayed, or not
         saved[shown] = json.loads(path.read_text())
-        assert saved[shown]["checklist"] == checklist_for(run) == run.result.checklist
+        assert saved[shown]["checklist"] == checklist_for(run) == list(run.result.reading.checklist or [])
     assert saved[True]["checklist"] and [i["key"] for i in saved[True]["checklist"]] == [
         i["key"] for i in saved[False]["checklist"]
     ]

@@ -80,7 +80,7 @@ shell = shell_fixture(SETUP, store_history=True)
 
 
 def items_of(run: Any) -> dict[str, dict[str, Any]]:
-    return {item["key"]: item for item in run.checklist or []}
+    return {item["key"]: item for item in run.result.reading.checklist or ()}
 
 
 def sleep_line(code: str) -> int:

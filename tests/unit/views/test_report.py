@@ -19,6 +19,7 @@ from traceml_jupyter.analysis.checklist import default_start_method, evaluate, s
 from traceml_jupyter.analysis.number_text import ms_fine
 from traceml_jupyter.capture.host import usable_cpus
 from traceml_jupyter.kernel.code_facts import checklist_for, facts_for
+from traceml_jupyter.result import Gpu
 from traceml_jupyter.run import Run
 from traceml_jupyter.views.report import ROOT_CLASS, report_html
 from traceml_jupyter.views.report_code import line_bars
@@ -330,12 +331,13 @@ def test_gpu_utilisation_from_nvml_samples_or_why_not() -> None:
         "gpu_util_pct": np.array([40.0, 90.0, 60.0]),
         "gpu_mem_used_mib": np.array([1024.0, 2048.0, 1536.0]),
     }
-    run: Any = SimpleNamespace(gpu_samples=samples)
-    assert gpu_utilisation(run) == "median 60 %, max 90 %, memory up to 2.0 GiB (3 samples, NVML)"
-    assert gpu_utilisation(SimpleNamespace(gpu_samples=None, gpu_note="no NVML")) == "n/a (no NVML)"
-    from_sampler = SimpleNamespace(gpu_samples=None, gpu_note="GPU n/a (no NVML)")
-    assert gpu_utilisation(from_sampler) == "n/a (no NVML)"
-    assert gpu_utilisation(SimpleNamespace(gpu_samples=None, gpu_used=False)) == "n/a (no GPU used)"
+    def result(**gpu: Any) -> Any:
+        return SimpleNamespace(gpu=Gpu(**gpu))
+
+    assert gpu_utilisation(result(samples=samples)) == "median 60 %, max 90 %, memory up to 2.0 GiB (3 samples, NVML)"
+    assert gpu_utilisation(result(note="no NVML")) == "n/a (no NVML)"
+    assert gpu_utilisation(result(note="GPU n/a (no NVML)")) == "n/a (no NVML)"
+    assert gpu_utilisation(result(used=False)) == "n/a (no GPU used)"
 
 
 def test_a_checklist_that_cannot_be_read_never_costs_the_report(
@@ -367,12 +369,12 @@ def test_a_gpu_clock_run_reports_gpu_compute_utilisation_and_the_blocking_copy()
     run.cell_source = "%%traceml\nfor x, y in loader:\n    x = x.to('cuda')\n    model(x).sum().backward()\n"
     run.loop_line, run.loop_where = 2, "this cell"
     run.loader_info = {"num_workers": 2, "pin_memory": False, "dataset_type": "Images", "dataset_module": "mydata"}
-    run.finish()
-    run.gpu_samples = {
+    run.gpu_samples = {  # as the resource watch leaves them, before the run finishes
         "time_s": np.linspace(0.0, 0.4, 5),
         "gpu_util_pct": np.array([50.0, 60.0, 70.0, 80.0, 90.0]),
         "gpu_mem_used_mib": np.full(5, 4096.0),
     }
+    run.finish()
     assert run.clock == "gpu"
     page = Page(report_html(run))
     assert page.by_class("tml-number")[1].text.startswith("GPU compute 7.00 ms")

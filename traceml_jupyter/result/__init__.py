@@ -1,0 +1,29 @@
+"""A finished run as a value, and what reads and writes it: `RunResult` and its sections
+(value.py), the one codec (codec.py: `to_dict`, `from_dict`, every schema version), the text
+renderers (render.py: the box, the lines after the verdict, the text box). Nothing here imports
+torch, IPython or the capture: a result is built from a recording once, or read from its JSON."""
+
+from __future__ import annotations
+
+from .codec import SCHEMA_VERSION, LoadError, from_dict, resources_dict, to_dict
+from .render import also, box, text
+from .value import DataFeed, Gpu, KernelRead, Loop, Resources, RunResult, Steps, jsonable
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "DataFeed",
+    "Gpu",
+    "KernelRead",
+    "LoadError",
+    "Loop",
+    "Resources",
+    "RunResult",
+    "Steps",
+    "also",
+    "box",
+    "from_dict",
+    "jsonable",
+    "resources_dict",
+    "text",
+    "to_dict",
+]

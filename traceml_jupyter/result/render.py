@@ -1,0 +1,52 @@
+"""The text renderers of a run's result: the verdict box, the lines after the verdict, the text
+box a terminal prints. The HTML report (views/report.py), the JSON (codec.py) and the live
+chart's final state render the same value."""
+
+from __future__ import annotations
+
+from ..analysis.phases import phase_sentence, phase_verdict
+from ..analysis.resources import finding_lines
+from ..analysis.step_parts import also_lines, parts_sentence
+from ..analysis.verdict_box import rank_table, report_text, verdict_box
+from .value import RunResult
+
+
+def box(result: RunResult) -> str:
+    """The verdict box alone."""
+    return verdict_box(result.verdict.label, result.summary)
+
+
+def also(result: RunResult) -> list[tuple[str, str]]:
+    """(severity, text) of the lines after the verdict: the rest of the step, advice by the
+    part that dominates, each epoch's start-up, the trend over the run."""
+    loop = result.loop
+    source = loop.loop_cell_source if loop.loop_cell_source else loop.cell_source
+    return also_lines(result.summary, result.line_costs, (source or "").splitlines())
+
+
+def text(result: RunResult) -> str:
+    """The text box: the verdict with its numbers, then the parts, the ranks, the phases, the
+    findings, what stopped the cell and the notes (what a terminal prints)."""
+    v, summary = result.verdict, result.summary
+    loop = result.loop
+    head = f"traceml: {result.name} - {result.n_steps} steps ({result.steps.definition})"
+    if loop.line is not None:
+        head += f", loop on line {loop.line}"
+    if loop.where and loop.where != "this cell":
+        head += f" of {loop.where}"
+    lines = [report_text(head, v.label, v.why, v.next, summary)]
+    split = parts_sentence(summary)
+    if split:
+        lines.append(f"Parts: {split}")
+    lines.extend(f"Also: {line}" for _, line in also(result))
+    if result.ranks:
+        lines.append(rank_table(result.ranks, result.straggler, summary.get("rank_notes") or []))
+    lines.extend(f"Phase: {phase_sentence(phase)}" for phase in result.data.phases)
+    slow_phase = phase_verdict(result.data.phases)
+    if slow_phase:
+        lines.append(f"Also: {slow_phase}")
+    lines.extend(f"Also: {line}" for line in finding_lines(summary))
+    if result.error:
+        lines.append(f"Stopped by: {result.error}")
+    lines.extend(f"Note: {note}" for note in result.notes)
+    return "\n".join(lines)
