@@ -131,21 +131,63 @@ def _local_nodes(root: ast.AST) -> Iterator[ast.AST]:
             stack.extend(reversed(list(ast.iter_child_nodes(node))))
 
 
+UNKNOWN = ast.Constant(value=None)  # a name bound to what the code does not tell (`for t in ...`)
+
+
+def _end(node: ast.expr | ast.stmt) -> tuple[int, int]:
+    return (node.end_lineno or node.lineno, node.end_col_offset or 0)
+
+
+def _target_names(target: ast.expr) -> Iterator[str]:
+    """The names an assignment target binds (`a`, `a, (b, *c)`; not `a.b`, `a[i]`)."""
+    if isinstance(target, ast.Name):
+        yield target.id
+    elif isinstance(target, (ast.Tuple, ast.List)):
+        for item in target.elts:
+            yield from _target_names(item)
+    elif isinstance(target, ast.Starred):
+        yield from _target_names(target.value)
+
+
+def _bindings(node: ast.AST) -> Iterator[tuple[str, tuple[int, int], ast.expr]]:
+    """The names one node of the code binds: (name, where the binding is done, its value, or
+    UNKNOWN). `with Cls(...) as t` binds what `Cls(...).__enter__()` returns (`__aenter__`'s
+    awaited result for `async with`)."""
+    if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            value = node.value if isinstance(target, ast.Name) else UNKNOWN  # `a, b = ...`
+            yield from ((name, _end(node), value) for name in _target_names(target))
+    elif isinstance(node, ast.NamedExpr):
+        yield node.target.id, _end(node), node.value
+    elif isinstance(node, (ast.For, ast.AsyncFor)):
+        first: ast.expr = ast.Subscript(node.iter, ast.Constant(0), ast.Load())  # `for t in trainers`
+        value = first if isinstance(node.target, ast.Name) else UNKNOWN
+        yield from ((name, _end(node.target), value) for name in _target_names(node.target))
+    elif isinstance(node, ast.AugAssign):
+        yield from ((name, _end(node.target), UNKNOWN) for name in _target_names(node.target))
+    elif isinstance(node, (ast.With, ast.AsyncWith)):
+        for item in node.items:
+            if isinstance(item.optional_vars, ast.Name):
+                method = "__aenter__" if isinstance(node, ast.AsyncWith) else "__enter__"
+                enter = ast.Call(ast.Attribute(item.context_expr, method, ast.Load()), [], [])
+                yield item.optional_vars.id, _end(item.optional_vars), enter
+            elif item.optional_vars is not None:
+                yield from ((name, _end(item.optional_vars), UNKNOWN) for name in _target_names(item.optional_vars))
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        yield node.name, _end(node), UNKNOWN  # defined again by the code itself
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+        yield from ((a.asname or a.name.split(".")[0], _end(node), UNKNOWN) for a in node.names)
+
+
 def _assignments(root: ast.AST) -> Assigned:
-    """`name = value` and `name: T = value` in `root`'s own code: by name, the values with the
-    position where their statement ends, in source order."""
+    """The names `root`'s own code binds (`name = value`, `name: T = value`, `(name := value)`,
+    `with ... as name`, `for name in items` (an item); UNKNOWN for unpacking, definitions,
+    imports): by name, the values with the position where the binding is done, in source order."""
     out: dict[str, list[tuple[tuple[int, int], ast.expr]]] = {}
     for node in _local_nodes(root):
-        if isinstance(node, ast.Assign):
-            targets, value = node.targets, node.value
-        elif isinstance(node, ast.AnnAssign) and node.value is not None:
-            targets, value = [node.target], node.value
-        else:
-            continue
-        end = (node.end_lineno or node.lineno, node.end_col_offset or 0)
-        for target in targets:
-            if isinstance(target, ast.Name):
-                out.setdefault(target.id, []).append((end, value))
+        for name, end, value in _bindings(node):
+            out.setdefault(name, []).append((end, value))
     for values in out.values():
         values.sort(key=lambda item: item[0])
     return out
@@ -205,9 +247,9 @@ def _dotted(node: ast.expr) -> tuple[ast.Name, list[str]] | None:
 
 def class_of(expr: ast.expr, scope: Scope, hops: int = 0) -> type | None:
     """The class of the object `expr` gives, read off the code without running it: `Cls(...)`, a
-    name the scope assigned one earlier, an instance in the namespace, `self`, and what a cell
-    function or method returns (`make_trainer()`, `Cls(...).setup()`: `returned_class`). None
-    when the code does not tell."""
+    name the scope assigned one earlier, an instance in the namespace, `self`, what a cell
+    function or method returns (`make_trainer()`, `Cls(...).setup()`: `returned_class`), an item
+    of a list (`_item_class`). None when the code does not tell."""
     if hops > MAX_HOPS:
         return None
     if isinstance(expr, ast.NamedExpr):
@@ -228,7 +270,30 @@ def class_of(expr: ast.expr, scope: Scope, hops: int = 0) -> type | None:
             return callee
         func = as_cell_function(callee)
         return None if func is None else returned_class(func, receiver, hops + 1)
+    if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant) and type(expr.slice.value) is int:
+        return _item_class(expr.value, scope, hops + 1)  # `trainers[0]`, and `for t in trainers`
     return None
+
+
+def _item_class(expr: ast.expr, scope: Scope, hops: int) -> type | None:
+    """The class all items of a list or tuple are (`[Trainer(a), Trainer(b)]`, `[Trainer(lr) for
+    lr in rates]`, a list from an earlier cell); None when they differ or the code does not tell."""
+    if hops > MAX_HOPS:
+        return None
+    if isinstance(expr, ast.Name) and expr.id != scope.self_name:
+        value = _bound_here(expr, scope)
+        if value is not None:
+            return _item_class(value, scope, hops + 1)
+        obj = scope.namespace.get(expr.id)
+        items = obj[:100] if type(obj) in (list, tuple) and isinstance(obj, (list, tuple)) else ()
+        classes: set[type | None] = {type(item) for item in items}  # a builtin list runs no user code
+    elif isinstance(expr, (ast.List, ast.Tuple)):
+        classes = {class_of(item, scope, hops + 1) for item in expr.elts}
+    elif isinstance(expr, (ast.ListComp, ast.GeneratorExp)):
+        classes = {class_of(expr.elt, scope, hops + 1)}
+    else:
+        return None
+    return classes.pop() if len(classes) == 1 else None
 
 
 def callee_of(func: ast.expr, scope: Scope, hops: int = 0) -> tuple[Any, type | None]:

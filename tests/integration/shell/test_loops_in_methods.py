@@ -98,6 +98,7 @@ SHAPES = {
     "a factory": "history = make_trainer(model, loader, opt).fit()",
     "chained": "history = Trainer(model, loader, opt).setup().fit()",
     "inherited": "history = Finetuner(model, loader, opt).fit()",
+    "a list of them": "history = []\nfor t in [Trainer(model, loader, opt)]:\n    history += t.fit()",
 }
 
 

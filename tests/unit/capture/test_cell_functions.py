@@ -30,6 +30,10 @@ TRAINERS = '''
 class Base:
     def __init__(self, model, loader):
         self.model, self.loader = model, loader
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        return False
     def setup(self):
         self.ready = True
         return self
@@ -97,6 +101,10 @@ def called(cell: str, namespace: dict[str, Any]) -> list[str]:
         "t = Trainer(model, loader).setup()\nt.fit()",
         "make_trainer(model, loader).fit()",
         "Trainer.from_config({'model': model, 'loader': loader}).fit()",
+        "with Trainer(model, loader) as trainer:\n    trainer.fit()",
+        "for trainer in [Trainer(model, a), Trainer(model, b)]:\n    trainer.fit()",
+        "trainers = [Trainer(model, part) for part in parts]\nfor t in trainers:\n    t.fit()",
+        "trainers = (Trainer(model, a), Trainer(model, b))\ntrainers[1].fit()",
     ],
 )
 def test_a_method_of_an_object_the_cell_makes_is_found_on_its_class(cells: dict[str, Any], cell: str) -> None:
@@ -111,11 +119,32 @@ def test_an_instance_from_an_earlier_cell_is_found_as_before(cells: dict[str, An
     assert called("base.fit()", cells) == ["Base.fit", "Base.epoch"]
 
 
+def test_a_list_of_trainers_from_an_earlier_cell(cells: dict[str, Any]) -> None:
+    cells["define"]("trainers = [Trainer(None, []), Trainer(None, [])]\nmixed = [Trainer(None, []), 1]\n")
+    assert called("for t in trainers:\n    t.fit()", cells) == ["Base.fit", "Trainer.epoch"]
+    assert called("for t in mixed:\n    t.fit()", cells) == []
+
+
 def test_a_name_the_cell_binds_again_means_its_new_object(cells: dict[str, Any]) -> None:
     cells["define"]("trainer = Base(None, [])\n")
     assert called("trainer = Trainer(model, loader)\ntrainer.fit()", cells) == ["Base.fit", "Trainer.epoch"]
     # Used before the cell binds it again: the object from the earlier cell.
     assert called("trainer.fit()\ntrainer = Trainer(model, loader)\n", cells) == ["Base.fit", "Base.epoch"]
+
+
+def test_names_the_cell_binds_to_what_its_code_does_not_tell_are_not_guessed(cells: dict[str, Any]) -> None:
+    cells["define"]("trainer = Base(None, [])\n")
+    for cell in (
+        "for trainer in pick():\n    trainer.fit()",
+        "for trainer in [Trainer(model, a), Base(model, b)]:\n    trainer.fit()",
+        "for i, trainer in enumerate(trainers):\n    trainer.fit()",
+        "trainer, other = pick()\ntrainer.fit()",
+        "from somewhere import trainer\ntrainer.fit()",
+        "class Trainer:\n    def fit(self):\n        pass\nTrainer(model, loader).fit()",
+    ):
+        assert called(cell, cells) == [], cell
+    # Setting an attribute or an item binds no name: the instance from before is still it.
+    assert called("trainer.lr = 0.1\nstate[trainer] = 1\ntrainer.fit()", cells) == ["Base.fit", "Base.epoch"]
 
 
 def test_the_class_a_factory_returns(cells: dict[str, Any]) -> None:
