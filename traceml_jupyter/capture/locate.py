@@ -182,27 +182,3 @@ def find_node(tree: ast.AST, choice: LoopChoice) -> ForLoop:
         ):
             return node
     raise LookupError(f"no for loop at line {choice.lineno}")
-
-
-def called_names(tree: ast.AST) -> list[tuple[str, ...]]:
-    """Dotted names of the calls in a tree, in source order: `train(...)` -> ("train",),
-    `trainer.fit(...)` -> ("trainer", "fit")."""
-    out: list[tuple[str, ...]] = []
-    calls = sorted(
-        (n for n in ast.walk(tree) if isinstance(n, ast.Call)),
-        key=lambda n: (n.lineno, n.col_offset),
-    )
-    for call in calls:
-        parts: list[str] = []
-        func: ast.expr = call.func
-        while isinstance(func, ast.Attribute):
-            parts.append(func.attr)
-            func = func.value
-        if isinstance(func, ast.Name):
-            parts.append(func.id)
-            name = tuple(reversed(parts))
-            if name not in out:
-                out.append(name)
-    return out
-
-
