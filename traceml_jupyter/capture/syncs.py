@@ -15,16 +15,12 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter_ns
 from types import FrameType
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 from ..failures import failure_text
 from .copy_calls import cell_line
 from .patches import patched
 from .step_tally import StepTally
-
-if TYPE_CHECKING:
-    from .gpu_watch import CudaApi
-
 
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
 SYNC_METHODS = ("item", "tolist", "cpu", "__bool__", "__float__", "__int__")
@@ -288,8 +284,21 @@ def _drop_filter(entry: Any) -> None:
         mutated()
 
 
+class SyncDebugMode(Protocol):
+    """What the sync warnings need of the GPU watch's CudaApi (gpu_watch.py): torch's sync debug
+    mode, read and set. gpu_watch imports this module, so this one names no type of gpu_watch's."""
+
+    @property
+    def get_sync_debug_mode(self) -> Callable[[], int]:
+        """torch.cuda.get_sync_debug_mode."""
+
+    @property
+    def set_sync_debug_mode(self) -> Callable[[int], None]:
+        """torch.cuda.set_sync_debug_mode."""
+
+
 @contextmanager
-def sync_warnings_counted(watch: SyncWatch, api: CudaApi) -> Iterator[bool]:
+def sync_warnings_counted(watch: SyncWatch, api: SyncDebugMode) -> Iterator[bool]:
     """torch's sync debug mode set to "warn" for the duration, its warnings counted (not shown).
 
     Yields False, changing nothing, when the user already chose a sync debug mode."""
