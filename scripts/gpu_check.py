@@ -121,7 +121,7 @@ class Context:
     def __init__(self, shell: Any) -> None:
         import torch
 
-        from traceml_jupyter.capture.syncs import SYNC_METHODS
+        from traceml_jupyter.capture.gpu.syncs import SYNC_METHODS
 
         self.shell = shell
         self.torch = torch
@@ -170,7 +170,7 @@ class Context:
 
     def hygiene(self) -> list[str]:
         """The process as before the cell (review, section 3)."""
-        from traceml_jupyter.capture.syncs import SYNC_MESSAGE
+        from traceml_jupyter.capture.gpu.syncs import SYNC_MESSAGE
 
         torch, problems = self.torch, []
         if torch.cuda.get_sync_debug_mode() != 0:
@@ -268,7 +268,7 @@ def preflight(ctx: Context) -> list[Check]:
         import pynvml
 
         pynvml.nvmlInit()
-        from traceml_jupyter.capture.nvml import pci_bus_id
+        from traceml_jupyter.capture.resources.nvml import pci_bus_id
 
         handle = pynvml.nvmlDeviceGetHandleByPciBusId(str(pci_bus_id(props)).encode())
         check.numbers["driver"] = str(pynvml.nvmlSystemGetDriverVersion())
@@ -560,7 +560,7 @@ def _nothing() -> None:
 
 def _no_nvml(ctx: Context) -> Callable[[], None]:
     """NVML off for a scenario (the sampler says "no NVML"); returns the undo."""
-    from traceml_jupyter.capture import nvml
+    from traceml_jupyter.capture.resources import nvml
 
     original = nvml.open_nvml
     nvml.open_nvml = lambda: (None, "off for this check")

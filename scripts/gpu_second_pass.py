@@ -149,7 +149,7 @@ def nvml_cadence(ctx: Context) -> dict[str, Any]:
     try:
         import pynvml
 
-        from traceml_jupyter.capture.nvml import UTIL_WINDOW_S, pci_bus_id
+        from traceml_jupyter.capture.resources.nvml import UTIL_WINDOW_S, pci_bus_id
 
         pynvml.nvmlInit()
     except Exception as exc:

@@ -21,4 +21,4 @@ outside="$(mktemp -d)"
 rm -rf "$outside"
 # The tests import the checkout (python -m pytest puts it first on sys.path), the same code.
 .venv-w7/bin/python -m pytest -q -p no:cacheprovider \
-    tests/unit/views/test_live_view.py tests/unit/capture/test_nvml.py tests/unit/views/test_environment.py
+    tests/unit/views/test_live_view.py tests/unit/capture/resources/test_nvml.py tests/unit/views/test_environment.py

@@ -12,7 +12,7 @@ import pytest
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from traceml_jupyter.capture.rewrite import HOOK
+from traceml_jupyter.capture.instrument.rewrite import HOOK
 
 # The stop button is a SIGINT, which a kernel (and an interactive python) turns into
 # KeyboardInterrupt. A test run started in the background of a shell without job control

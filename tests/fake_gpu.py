@@ -53,8 +53,8 @@ from typing import Any
 
 import numpy as np
 
-from traceml_jupyter.capture.gpu_watch import CudaApi, cuda_api
-from traceml_jupyter.capture.syncs import SYNC_MESSAGE
+from traceml_jupyter.capture.gpu.gpu_watch import CudaApi, cuda_api
+from traceml_jupyter.capture.gpu.syncs import SYNC_MESSAGE
 
 # What torch appends to a warning raised in C++ (the watches must match on the start only).
 TRIGGERED = " (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:158.)"
@@ -785,7 +785,7 @@ def install_fake_cuda(monkeypatch: Any, gpu: FakeGpu) -> None:
     own CUDA decisions are replaced where it has them (CUDA initialised, the allocations each
     device saw, events on a device)."""
     from traceml_jupyter import run as run_module
-    from traceml_jupyter.capture import cuda_clock, gpu_watch
+    from traceml_jupyter.capture.gpu import cuda_clock, gpu_watch
 
     FakeTensor.gpu = gpu
     gpu.initialized = True
@@ -1126,7 +1126,7 @@ def install_fake_allocator(monkeypatch: Any, gpu: FakeGpu, capacity_gib: float =
     recognising MemTensor, FakeModel and FakeOptimizer."""
     import torch
 
-    from traceml_jupyter.capture import gpu_memory
+    from traceml_jupyter.capture.resources import gpu_memory
 
     allocator = FakeAllocator(gpu, capacity_gib).install()
     monkeypatch.setattr(gpu_memory, "cuda_module", lambda: gpu.module)
@@ -1318,7 +1318,7 @@ def reduce_overhead(fn: Any, gpu: FakeGpu) -> Any:
 def _install_graphs_and_allocator(monkeypatch: Any, gpu: FakeGpu) -> None:
     """The capture core's seams for CUDA graphs and the allocator, on the stand-in machine."""
     try:
-        from traceml_jupyter.capture import cuda_graphs, gpu_activity
+        from traceml_jupyter.capture.gpu import cuda_graphs, gpu_activity
     except ImportError:  # an older core
         return
     monkeypatch.setattr(cuda_graphs, "graph_class", lambda: gpu.module.CUDAGraph)

@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .analysis.verdict import VerdictLabel
-from .capture.host import usable_cpus
+from .capture.resources.host import usable_cpus
 
 SCENARIOS = ("fast", "slow", "fixed", "collate", "spiky", "h2d")
 CPU_SCENARIOS = ("fast", "slow", "fixed", "collate", "spiky")

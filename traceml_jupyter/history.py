@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from .analysis.compare import Comparison, compare_summaries
-from .capture.host import usable_cpus
+from .capture.resources.host import usable_cpus
 from .failures import failure_text
 from .run import Run, find_run, runs
 from .saved import LoadError, read_run, run_key

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from . import result as render
 from .analysis.phases import step_definition
 from .analysis.verdict import Verdict
-from .capture.host import usable_cpus
-from .capture.machine import describe_machine
-from .capture.probes import safe_len
-from .capture.recorder import Recorder
+from .capture.data.probes import safe_len
+from .capture.resources.host import usable_cpus
+from .capture.resources.machine import describe_machine
+from .capture.steps.recorder import Recorder
 from .failures import failure_text, never_raise
 from .result import SCHEMA_VERSION, DataFeed, Gpu, Loop, Resources, RunResult, Steps
 from .result.value import Columns, Facts, frozen_facts, frozen_rows, read_only
@@ -144,7 +144,7 @@ class Run:
 
     What the capture writes while the run records (the result's sections copy most of it
     when the run finishes):
-        recorder (per-step columns, capture/recorder.py); loop_is_range (the located loop
+        recorder (per-step columns, capture/steps/recorder.py); loop_is_range (the located loop
         iterates range(...)); loop_iter_text, loop_iterable_type (the loop's iterable as
         written and as it ran); fetch_calls (the loop body's fetch calls by line);
         model_compiled; cell_filename; loader_ref, loader_name (the training loader and its
@@ -204,7 +204,7 @@ class Run:
         self.h2d: dict[str, Any] | None = None
         self.sync_stalls: dict[str, Any] | None = None
         self.line_costs: dict[str, Any] | None = None
-        self.step_parts: Any = None  # capture/step_parts.py: columns(cols) and facts()
+        self.step_parts: Any = None  # capture/inside/step_parts.py: columns(cols) and facts()
         self.pass_starts: list[int] = []
         self.cuda_graphs: dict[str, Any] | None = None
         self.gpu_note: str | None = None
@@ -254,7 +254,7 @@ class Run:
     def note_loop_iterable(self, iterable: Any) -> None:
         """After the located loop's first batch: how many iterations a pass has, if it says
         (else the length of the DataLoader it iterates: `enumerate(loader)`, `tqdm(loader)`)."""
-        from .capture.sources import loop_iterable_type
+        from .capture.data.sources import loop_iterable_type
 
         self.expected_steps = safe_len(iterable)
         self.loop_iterable_type = loop_iterable_type(iterable)
@@ -263,7 +263,7 @@ class Run:
 
     def note_dataloader(self, source: Any, loader: Any) -> None:
         """A DataLoader's first iter() in the run: keep its settings (read once, guarded)."""
-        from .capture.dataloaders import describe_loader, stand_in
+        from .capture.data.dataloaders import describe_loader, stand_in
 
         try:
             self._loader_infos[source.key] = describe_loader(loader)
@@ -327,7 +327,7 @@ class Run:
     def captured(self, capture: Any, wall_ns: int) -> None:
         """What the capture saw, once it closed: where batches came from, which of them fed the
         steps (the training loader), the phases kept out, and what a step was."""
-        from .capture.sources import describe_run_sources
+        from .capture.data.sources import describe_run_sources
 
         self.wall_ms = wall_ns / 1e6
         facts = describe_run_sources(self, capture)
@@ -347,7 +347,7 @@ class Run:
         keep_training_loader(self, self._loader_twins.get(key) if key is not None else None)
         self._loader_twins.clear()
         if isinstance(key, int) and key in capture.loader_sites:  # built while the run recorded
-            from .capture.dataloaders import split_site
+            from .capture.data.dataloaders import split_site
 
             self.loader_site, self.dataset_site = split_site(capture.loader_sites[key])
 
@@ -420,7 +420,7 @@ class Run:
         )
 
     def _describe_machine(self) -> dict[str, Any] | None:
-        """What the run ran on (capture/machine.py), once it has finished; None before."""
+        """What the run ran on (capture/resources/machine.py), once it has finished; None before."""
         if self._machine is None and self.finished:
             self._machine = {}  # what is kept if it fails: never cost the run its result
             with never_raise(self.notes, "The machine could not be described"):
@@ -435,7 +435,7 @@ class Run:
             cols.update(self.step_parts.columns(cols))
         samples = self.gpu_samples
         if samples is not None and len(samples.get("time_s", ())):
-            from .capture.nvml import at_steps
+            from .capture.resources.nvml import at_steps
 
             cols.update(at_steps(samples, cols["time_s"], cols.get("gpu_backlog_ms")))
         return cols

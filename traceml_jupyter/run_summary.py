@@ -69,8 +69,8 @@ def _resource_summary(run: Run, cols: dict[str, Any], warmup: int) -> dict[str, 
     """GPU memory, CPU and host memory in numbers and findings (analysis/resources.py)."""
     from .analysis.kept_graph import kept_graphs
     from .analysis.resources import ResourceFacts, resource_summary
-    from .capture.gpu_memory import module_names
-    from .capture.probes import user_namespace
+    from .capture.data.probes import user_namespace
+    from .capture.resources.gpu_memory import module_names
 
     source = run.loop_cell_source or run.cell_source
     kept = [k.to_dict() for k in kept_graphs(source, run.loop_line, module_names(user_namespace()))]

@@ -17,7 +17,8 @@ from IPython.core.error import UsageError
 
 from . import ranks
 from .analysis.summary import auto_warmup
-from .capture.cell_functions import (
+from .capture.inside.line_costs import line_costs
+from .capture.instrument.cell_functions import (
     FunctionLoop,
     called_cell_functions,
     compile_function_loop,
@@ -27,8 +28,7 @@ from .capture.cell_functions import (
     restore_definitions,
     swapped_code,
 )
-from .capture.line_costs import line_costs
-from .capture.locate import (
+from .capture.instrument.locate import (
     LoopChoice,
     find_innermost_loop,
     find_marked_loop,
@@ -38,8 +38,8 @@ from .capture.locate import (
     is_range,
     loop_at_line,
 )
+from .capture.instrument.rewrite import instrument_loop
 from .capture.recording import Capture
-from .capture.rewrite import instrument_loop
 from .failures import failure_text, never_raise
 from .processes import children
 from .run import _RUNS, Observer, Run
@@ -212,7 +212,7 @@ def _instrument(
     capture.run.loop_iter_text = ast.unparse(find_node(tree, choice).iter)
     statements: list[Any] = []
     if opts.lines:
-        from .capture.line_costs import time_lines
+        from .capture.inside.line_costs import time_lines
 
         new, statements = time_lines(new, choice, lines, capture.token)
     return new, statements
@@ -283,7 +283,7 @@ def prepare_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -> T
             run.notes.append(f"The loop in {func_loop.where} could not be instrumented; its steps come from training events.")
             func_loop, statements = None, []
     if statements:
-        from .capture.line_costs import new_clock
+        from .capture.inside.line_costs import new_clock
 
         capture.lines = new_clock(statements, run, opts.warmup)
     elif opts.lines_chosen and choice is None and func_loop is None:
@@ -309,7 +309,7 @@ def recording(cell: TracedCell) -> Iterator[None]:
     views: list[LiveView] = []
     try:
         with ExitStack() as stack:
-            from .capture.gpu_watch import gpu_watched
+            from .capture.gpu.gpu_watch import gpu_watched
 
             stack.enter_context(gpu_watched(run))
             stack.enter_context(children.followed(run, loop=children.script_loop(cell.opts.loop)))  # its processes

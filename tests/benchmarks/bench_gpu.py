@@ -53,8 +53,8 @@ def hook_costs(device: str = "cpu") -> Table:
     CPU tensor), and on a GPU for a timed copy (a batch dict of 20 tensors) and a timed .item()."""
     import torch
 
-    from traceml_jupyter.capture.h2d import CopyWatch, EventPool, copies_timed
-    from traceml_jupyter.capture.syncs import SyncWatch, syncs_timed
+    from traceml_jupyter.capture.gpu.h2d import CopyWatch, EventPool, copies_timed
+    from traceml_jupyter.capture.gpu.syncs import SyncWatch, syncs_timed
 
     on_gpu = device == "cuda"
     steps = [0]
@@ -108,8 +108,8 @@ def event_costs() -> Table:
     """Host µs of one event record/query/elapsed_time, and of the GPU clock per step."""
     import torch
 
-    from traceml_jupyter.capture import cuda_clock
-    from traceml_jupyter.capture.recorder import Recorder
+    from traceml_jupyter.capture.gpu import cuda_clock
+    from traceml_jupyter.capture.steps.recorder import Recorder
 
     x = torch.zeros(1024, device="cuda")
     torch.cuda.synchronize()
@@ -167,12 +167,12 @@ def event_costs() -> Table:
 
 
 def allocator_costs() -> Table:
-    """GPU memory per step (capture/gpu_memory.py): host µs of the two allocator calls a read
+    """GPU memory per step (capture/resources/gpu_memory.py): host µs of the two allocator calls a read
     makes, the watch's read per step with and without it, how far apart it spaces reads for
     1 ms and 10 ms steps, and that no read synchronises."""
     import torch
 
-    from traceml_jupyter.capture.gpu_memory import GpuMemory
+    from traceml_jupyter.capture.resources.gpu_memory import GpuMemory
 
     x = torch.zeros(1 << 20, device="cuda")
     torch.cuda.synchronize()

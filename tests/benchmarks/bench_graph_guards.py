@@ -36,8 +36,9 @@ def ns_per_call(fn: Callable[[], Any], n: int = N, repeats: int = 5) -> float:
 def measure() -> list[Table]:
     import torch
 
-    from traceml_jupyter.capture import cuda_graphs, recording
-    from traceml_jupyter.capture.step_model import OPTIMIZER
+    from traceml_jupyter.capture import recording
+    from traceml_jupyter.capture.gpu import cuda_graphs
+    from traceml_jupyter.capture.steps.step_model import OPTIMIZER
     from traceml_jupyter.run import _RUNS, Run
 
     state = cuda_graphs._STATE

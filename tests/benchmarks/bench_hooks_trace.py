@@ -25,7 +25,7 @@ from bench_step_model import hooks_alone_us  # the same loop, driven the same wa
 from torch import nn
 
 import traceml_jupyter
-from traceml_jupyter.capture import step_parts
+from traceml_jupyter.capture.inside import step_parts
 
 model = nn.Linear(2, 2)  # found in __main__ by the step-parts sampler
 

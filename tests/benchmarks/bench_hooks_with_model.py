@@ -27,8 +27,8 @@ from IPython.utils.capture import capture_output
 
 SETUP = """
 from torch import nn
-from traceml_jupyter.capture import hooks
-from traceml_jupyter.capture.step_model import BACKWARD, OPTIMIZER
+from traceml_jupyter.capture.instrument import hooks
+from traceml_jupyter.capture.steps.step_model import BACKWARD, OPTIMIZER
 model = nn.Linear(2, 2)
 
 class Batches:
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--short", type=int, default=4_000)
     args = parser.parse_args()
 
-    from traceml_jupyter.capture import step_parts
+    from traceml_jupyter.capture.inside import step_parts
 
     step_parts.EVERY_BY_STEP_NS = ((0, args.every),)  # type: ignore[assignment]
     ip: Any = start_ipython()

@@ -59,8 +59,8 @@ def one_run(n: int, traced_memory: bool) -> dict[str, Any]:
     """In the child process: one run of `n` steps through the Python API, then its report."""
     import tracemalloc
 
-    from traceml_jupyter.capture.recorder import HISTORY_CAP
     from traceml_jupyter.capture.recording import capturing
+    from traceml_jupyter.capture.steps.recorder import HISTORY_CAP
     from traceml_jupyter.run import Run
 
     warm = Run("warm-up")  # imports, numpy, first-call paths: out of the measured run
@@ -169,7 +169,7 @@ def measure(sizes: list[int] | None = None) -> list[Table]:
     below = [(n, t) for n, _, t in results if n <= cap]
     if beyond:
         # Flat: past the cap, the kept history is the cap's worth of steps plus one raw chunk.
-        from traceml_jupyter.capture.recorder import CHUNK, COLUMNS, GPU_COLUMNS
+        from traceml_jupyter.capture.steps.recorder import CHUNK, COLUMNS, GPU_COLUMNS
 
         flat_limit = cap * 8 * len(COLUMNS + GPU_COLUMNS) + CHUNK * 24 * 1.25
         flat_ok = all(kept <= flat_limit for _, kept in beyond)

@@ -82,7 +82,7 @@ def sample_costs() -> list[list[str]]:
     import torch
     from torch.utils.data import DataLoader, Dataset
 
-    from traceml_jupyter.capture.host import HostSampler
+    from traceml_jupyter.capture.resources.host import HostSampler
 
     class Records(Dataset[Any]):
         def __init__(self) -> None:

@@ -168,12 +168,12 @@ def package_has(path: str) -> bool:
 
 def has_step_model() -> bool:
     """The package imported in this worker has the step model's hooks (not the oldest tree)."""
-    return package_has("capture/step_model.py")
+    return package_has("capture/steps/step_model.py")
 
 
 def has_stamps() -> bool:
     """The package imported in this worker stamps on the per-step path (this turn's tree)."""
-    return package_has("capture/stamps.py")
+    return package_has("capture/steps/stamps.py")
 
 
 def hooks_alone_us(steps: int = 20_000, repeats: int = 15) -> float:
@@ -181,8 +181,8 @@ def hooks_alone_us(steps: int = 20_000, repeats: int = 15) -> float:
     DataLoader fetch, a backward() and an optimizer step, each reported to the capture as the
     patches do, around a trivial stand-in for torch's work; minus that stand-in's loop."""
     import traceml_jupyter
-    from traceml_jupyter.capture import hooks
-    from traceml_jupyter.capture.step_model import BACKWARD, OPTIMIZER
+    from traceml_jupyter.capture.instrument import hooks
+    from traceml_jupyter.capture.steps.step_model import BACKWARD, OPTIMIZER
 
     class Batches:
         def __init__(self, n: int) -> None:
@@ -241,7 +241,7 @@ def remaining_parts(repeats: int, short: int = 2_000, long: int = 30_000) -> dic
     from shell_cells import run_cell
 
     from traceml_jupyter import traced_cell
-    from traceml_jupyter.capture import step_parts
+    from traceml_jupyter.capture.inside import step_parts
 
     real_begin, real_finish = step_parts.StepParts.begin, traced_cell._finish
     report = [0.0]
@@ -354,7 +354,7 @@ def tables(repeats: int = 5) -> list[Table]:
             f"optimizer hooks). {START}: the step model with every hook reporting each event to "
             "it when it happens. Now: the hooks stamp (two clock reads and two appends an "
             "iteration of the located loop) and the step model replays the stamps in bulk "
-            "(capture/stamps.py); a training loop reports each event at once while the parts "
+            "(capture/steps/stamps.py); a training loop reports each event at once while the parts "
             "sampler samples a step in fewer than 512 (capture/stamping.py). The slope includes "
             "the report at the end (it reads every step).",
             "Live chart: the real bqplot chart (TRACEML_LIVE=widget, as this shell has no "

@@ -60,7 +60,7 @@ def parts_switch() -> Any:
     """Turns the parts on or off in this process (None in a tree without them): off, the
     capture starts no sampling, so the step model's countdown never fires."""
     try:
-        from traceml_jupyter.capture import step_parts
+        from traceml_jupyter.capture.inside import step_parts
     except ImportError:
         return None
     begin = step_parts.StepParts.begin

@@ -31,9 +31,9 @@ LONG_MODULES: dict[str, int] = {}
 LONG_FUNCTIONS = {
     # The step model's transitions written out on locals for the per-step replay (the hot path:
     # a call per transition would cost what the bulk replay saves); one loop, one state machine.
-    "capture/stamps.py:Stamps._steady": 98,
+    "capture/steps/stamps.py:Stamps._steady": 98,
     # Training iterations in bulk with numpy: one vectorised pass over the window's stamps.
-    "capture/stamps.py:Stamps._training_window": 114,
+    "capture/steps/stamps.py:Stamps._training_window": 114,
 }
 
 
@@ -286,22 +286,22 @@ def test_the_docstring_rule_bites_on_new_code() -> None:
 # re-raise, retry, or run on the per-step hot path (where a `with` would cost every step).
 HAND_WRITTEN_EXCEPTS = {
     "analysis/cell_code.py": 1,  # a transformer that fails: no tree (None)
-    "capture/copy_calls.py": 2,  # per copy: a tensor's size and pinning, a fallback each
-    "capture/cuda_clock.py": 3,  # fallbacks: no device, no stats
-    "capture/cuda_graphs.py": 2,  # a fallback (False); per replay: one note at most
-    "capture/cuda_state.py": 1,  # a fallback (False)
-    "capture/dataloaders.py": 5,  # guarded reads of the user's loader: None, or the next item
-    "capture/gpu_activity.py": 5,  # fallbacks; per sync (look); patches undone on failure
-    "capture/gpu_memory.py": 11,  # guarded reads of the user's namespace and of torch; per step
-    "capture/gpu_watch.py": 5,  # patches undone on failure; per step (backlog); a fallback
-    "capture/h2d.py": 5,  # per copy / per wait: the watch turns itself off
-    "capture/hidden_waits.py": 1,  # a fallback (False)
-    "capture/host.py": 2,  # fallbacks (None)
-    "capture/line_costs.py": 4,  # per step: the GPU clock turns itself off
-    "capture/nvml.py": 9,  # fallbacks; NVML's failure kept as the sampler's note and detail
-    "capture/probes.py": 6,  # guarded reads of the user's objects (the module's job)
-    "capture/sources.py": 4,  # guarded reads of the user's objects
-    "capture/syncs.py": 2,  # per sync: the watch turns itself off; a fallback
+    "capture/gpu/copy_calls.py": 2,  # per copy: a tensor's size and pinning, a fallback each
+    "capture/gpu/cuda_clock.py": 3,  # fallbacks: no device, no stats
+    "capture/gpu/cuda_graphs.py": 2,  # a fallback (False); per replay: one note at most
+    "capture/gpu/cuda_state.py": 1,  # a fallback (False)
+    "capture/data/dataloaders.py": 5,  # guarded reads of the user's loader: None, or the next item
+    "capture/gpu/gpu_activity.py": 5,  # fallbacks; per sync (look); patches undone on failure
+    "capture/resources/gpu_memory.py": 11,  # guarded reads of the user's namespace and of torch; per step
+    "capture/gpu/gpu_watch.py": 5,  # patches undone on failure; per step (backlog); a fallback
+    "capture/gpu/h2d.py": 5,  # per copy / per wait: the watch turns itself off
+    "capture/gpu/hidden_waits.py": 1,  # a fallback (False)
+    "capture/resources/host.py": 2,  # fallbacks (None)
+    "capture/inside/line_costs.py": 4,  # per step: the GPU clock turns itself off
+    "capture/resources/nvml.py": 9,  # fallbacks; NVML's failure kept as the sampler's note and detail
+    "capture/data/probes.py": 6,  # guarded reads of the user's objects (the module's job)
+    "capture/data/sources.py": 4,  # guarded reads of the user's objects
+    "capture/gpu/syncs.py": 2,  # per sync: the watch turns itself off; a fallback
     "cli.py": 2,  # the error in the command line's own words on stderr
     "demo.py": 1,  # a fallback (no device count)
     "history.py": 1,  # the error in the user's words on stderr
@@ -328,13 +328,13 @@ HAND_WRITTEN_EXCEPTS = {
     # Fallbacks (None, False, []); a class that cannot be patched is skipped; the patches are
     # set and taken off at each sampled step (install/remove); the scan of a session's values
     # at once (one by one when a value's isinstance raises: a per-value guard costs 0.2 µs).
-    "capture/model_calls.py": 9,
+    "capture/inside/model_calls.py": 9,
     # Per step: the GPU clock's events and the GPU watch (the clock turns itself off); the GPU
     # clock off at its start and end too; the probe stops; no patch without torch's hooks.
     "capture/recording.py": 10,
     # Per sampled step (timing a part, the sampler, the optimizer's hooks, merges): the parts or
     # their GPU time turn themselves off; fallbacks (no torch.optim, `on` off); GPU parts off.
-    "capture/step_parts.py": 12,
+    "capture/inside/step_parts.py": 12,
     "capture/step_hooks.py": 3,  # per fetch: the GPU clock turns itself off; a fallback (True)
     "capture/stamping.py": 1,  # the stamps' replay (per-step path): stamping off for the run
 }

@@ -13,7 +13,7 @@ from helpers import REPO
 from traceml_jupyter import result as render
 from traceml_jupyter import run as run_module
 from traceml_jupyter.analysis.rank_verdict import with_ranks
-from traceml_jupyter.capture.gpu_watch import watch_summary
+from traceml_jupyter.capture.gpu.gpu_watch import watch_summary
 from traceml_jupyter.result import RunResult
 from traceml_jupyter.run import REFRESH_NS, Run
 

@@ -58,7 +58,7 @@ RANK_NUMBERS = (
     "h2d_share",
     "num_workers",
     "batch_size",
-    "forward_ms",  # the parts of the rank's sampled steps (capture/step_parts.py)
+    "forward_ms",  # the parts of the rank's sampled steps (capture/inside/step_parts.py)
     "optimizer_ms",
     "rest_ms",
 )

@@ -25,8 +25,9 @@ from time import perf_counter_ns, process_time_ns
 from typing import TYPE_CHECKING, Any
 
 from ..failures import failure_text, never_raise
-from . import cuda_graphs, gpu_activity, hooks
-from .cuda_clock import (
+from .data.dataloaders import note_site
+from .gpu import cuda_graphs, gpu_activity
+from .gpu.cuda_clock import (
     CudaSteps,
     Marks,
     allocation_counts,
@@ -35,15 +36,15 @@ from .cuda_clock import (
     current_device,
     torch_marks,
 )
-from .cuda_state import cuda_initialized
-from .dataloaders import note_site
-from .patches import patched
-from .resources import resources_watched
-from .stamps import Stamps
+from .gpu.cuda_state import cuda_initialized
+from .inside.step_parts import StepParts
+from .instrument import hooks
+from .instrument.patches import patched
+from .resources.thread_time import thread_schedstat
+from .resources.watch import resources_watched
 from .step_hooks import StepHooks
-from .step_model import BACKWARD, OPTIMIZER, Pass, Source, Span, StepModel
-from .step_parts import StepParts
-from .thread_time import thread_schedstat
+from .steps.stamps import Stamps
+from .steps.step_model import BACKWARD, OPTIMIZER, Pass, Source, Span, StepModel
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -216,8 +217,8 @@ class Capture(StepHooks):
 
     def _probe_waits(self) -> None:
         """While the loop's device is decided, its waits for the GPU look for queued work."""
-        from .gpu_watch import torch_cuda_api
-        from .syncs import SYNC_METHODS
+        from .gpu.gpu_watch import torch_cuda_api
+        from .gpu.syncs import SYNC_METHODS
 
         try:
             api = torch_cuda_api(None)

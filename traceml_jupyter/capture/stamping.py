@@ -14,13 +14,13 @@ from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
 from ..failures import failure_text
-from .stamps import Stamps
-from .step_model import BACKWARD, ITERATION, NEVER, StepModel
+from .steps.stamps import Stamps
+from .steps.step_model import BACKWARD, ITERATION, NEVER, StepModel
 
 if TYPE_CHECKING:
     from ..run import Run
-    from .cuda_clock import CudaSteps
-    from .step_parts import StepParts
+    from .gpu.cuda_clock import CudaSteps
+    from .inside.step_parts import StepParts
 
 # Step ends (and other hooks' stamps) held before a replay: bounded memory. The stamps are Python
 # ints in lists (an `array` append costs ~50 ns more a stamp), 80 B a step end while pending, so

@@ -15,11 +15,12 @@ from time import perf_counter_ns
 from typing import Any
 
 from ..failures import never_raise
-from . import cuda_graphs, hooks
-from .gpu_activity import WorkSeen
-from .probes import batch_size_of, type_name
+from .data.probes import batch_size_of, type_name
+from .gpu import cuda_graphs
+from .gpu.gpu_activity import WorkSeen
+from .instrument import hooks
 from .stamping import MIN_BUDGET, Stamping
-from .stamps import (
+from .steps.stamps import (
     BACKWARD_DONE,
     CALL_END,
     CALL_START,
@@ -28,7 +29,7 @@ from .stamps import (
     FIRST_STEP,
     OTHER_STEP,
 )
-from .step_model import BACKWARD, FETCH, OPTIMIZER, Pass, Source
+from .steps.step_model import BACKWARD, FETCH, OPTIMIZER, Pass, Source
 
 MAX_PASS_STARTS = 1 << 16
 AT_ONCE_LOOKS = 64  # iterations reported at once that may skip the loop's look in a row
@@ -452,8 +453,8 @@ class StepHooks(Stamping):
     def _iterator_source(self, it: Any) -> Source:
         """The source of an iterator made before the run: its DataLoader when the namespace
         still holds it, else the iterator itself."""
-        from .dataloaders import loader_of_iterator
-        from .probes import user_namespace
+        from .data.dataloaders import loader_of_iterator
+        from .data.probes import user_namespace
 
         loader = loader_of_iterator(it, user_namespace())
         model = self.model

@@ -35,9 +35,9 @@ from ..analysis.checklist import CopySeen, Facts, Item, LineSeen, default_start_
 from ..analysis.data_sources import feeder
 from ..analysis.rank_verdict import checklist_verdict
 from ..analysis.resources import cpu_sentence
-from ..capture.dataloaders import dataset_site, inner_dataset
-from ..capture.host import usable_cpus
-from ..capture.sources import fed_expression, resolve_name
+from ..capture.data.dataloaders import dataset_site, inner_dataset
+from ..capture.data.sources import fed_expression, resolve_name
+from ..capture.resources.host import usable_cpus
 from ..failures import failure_text, never_raise
 from ..run import tuned_for
 from .cells import (
@@ -93,7 +93,7 @@ def loader_settings(run: Run) -> dict[str, Any] | None:
     loader = _loader_object(run)
     if loader is None:
         return None
-    from ..capture.dataloaders import describe_loader
+    from ..capture.data.dataloaders import describe_loader
 
     try:
         return describe_loader(loader)
@@ -362,7 +362,7 @@ def script_site(run: Run, shell: Any) -> CodeSite | None:
 
 def _site_text(run: Run, filename: str, line: int) -> str:
     """The call on a line of the traced cell (`x.to("cuda")`), else the line's text."""
-    from ..capture.syncs import call_text
+    from ..capture.gpu.syncs import call_text
 
     text = call_text(run.result.loop.cell_source, line) if filename == run.result.loop.cell_filename else None
     return text or linecache.getline(filename, line).strip() or f"line {line}"
@@ -393,7 +393,7 @@ def copies_seen(run: Run, shell: Any = None) -> tuple[CopySeen, ...] | None:
 
 def busiest_line(run: Run) -> LineSeen | None:
     """The loop body's statement with the most host time per step (run.line_costs)."""
-    from ..capture.gpu_watch import costliest_host_line
+    from ..capture.gpu.gpu_watch import costliest_host_line
 
     top = costliest_host_line(run.result.line_costs)
     if top is None:

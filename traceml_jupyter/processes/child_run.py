@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import ranks
-from ..capture import hooks
-from ..capture.dataloaders import split_site
-from ..capture.locate import loop_at_line
-from ..capture.patches import patched
+from ..capture.data.dataloaders import split_site
+from ..capture.data.sources import training_source
+from ..capture.instrument import hooks
+from ..capture.instrument.locate import loop_at_line
+from ..capture.instrument.patches import patched
+from ..capture.instrument.rewrite import instrument_loop
 from ..capture.recording import Capture, capturing, new_token
-from ..capture.rewrite import instrument_loop
-from ..capture.sources import training_source
 from ..failures import failure_text, never_raise
 from ..result import jsonable as _jsonable
 from ..run import Run
@@ -221,7 +221,7 @@ def exit_status(code: Any, handled: str | None) -> tuple[int | None, str | None]
 # -- --loop FILE:LINE: a loop in a script whose iterations are steps -----------------------------------
 class LoopModuleFinder:
     """On sys.meta_path: the module whose file is `path` is compiled with the loop on `line`
-    rewritten (capture/rewrite.py), as a traced cell's loop is."""
+    rewritten (capture/instrument/rewrite.py), as a traced cell's loop is."""
 
     def __init__(self, path: str, line: int, token: int) -> None:
         self.path, self.line, self.token = path, line, token

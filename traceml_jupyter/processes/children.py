@@ -38,7 +38,7 @@ import numpy as np
 from .. import ranks
 from ..analysis.rank_verdict import compare_ranks
 from ..analysis.verdict import WARN_SHARE
-from ..capture.probes import plain_count
+from ..capture.data.probes import plain_count
 from ..result.codec import host_from_json
 from . import startup_hook
 from .startup_hook import CHANNEL, LOOP, NOTE, PACKAGE, TOKEN

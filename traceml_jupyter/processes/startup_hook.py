@@ -215,7 +215,7 @@ class Tripwires:
             original_init(loader, *args, **kwargs)
             try:  # where it is built, for the checklist (later ones: the capture notes them)
                 if self.state is ARMED:
-                    package("traceml_jupyter.capture.dataloaders").note_site(self.sites, loader, sys._getframe(1))
+                    package("traceml_jupyter.capture.data.dataloaders").note_site(self.sites, loader, sys._getframe(1))
             except Exception:
                 pass
 

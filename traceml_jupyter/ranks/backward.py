@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..analysis.rank_verdict import backward_median
-from ..capture.probes import plain_count
-from ..capture.recorder import Recorder
+from ..capture.data.probes import plain_count
 from ..capture.recording import Capture
-from ..capture.step_model import BACKWARD
+from ..capture.steps.recorder import Recorder
+from ..capture.steps.step_model import BACKWARD
 from ..failures import never_raise
 from .wire import PART_ROWS, ROWS
 

@@ -18,8 +18,8 @@ import numpy as np
 from ..analysis.rank_verdict import compare_ranks, rank_summary
 from ..analysis.summary import summarize
 from ..analysis.verdict import WARN_SHARE
-from ..capture.probes import plain_count
-from ..capture.recorder import Recorder
+from ..capture.data.probes import plain_count
+from ..capture.steps.recorder import Recorder
 from ..failures import failure_text, never_raise
 from .backward import RankParts, StepSample, shows_parts_of
 from .wire import END, HELLO, STEPS, read_frames

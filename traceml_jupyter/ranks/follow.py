@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
-from ..capture.patches import patched
+from ..capture.instrument.patches import patched
 from ..capture.recording import Capture, capturing
 from ..failures import never_raise
 from . import collector

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..capture import hooks
+from ..capture.instrument import hooks
 from ..failures import never_raise
 from .backward import BackwardTimer, StepTap
 from .collector import Collector, running

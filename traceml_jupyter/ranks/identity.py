@@ -8,7 +8,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from ..capture.probes import attribute, plain_count, safe_len, type_name
+from ..capture.data.probes import attribute, plain_count, safe_len, type_name
 from ..failures import never_raise
 
 

@@ -89,7 +89,7 @@ class Sender:
 
     def _end(self) -> dict[str, Any]:
         from ..analysis.phases import step_definition
-        from ..capture.sources import describe_run_sources
+        from ..capture.data.sources import describe_run_sources
 
         end: dict[str, Any] = {**self._who(), "pid": self.pid, "error": self.error}
         try:

@@ -32,7 +32,7 @@ from ..analysis.tune_plan import (
     sweep_done,
     worker_counts,
 )
-from ..capture.host import usable_cpus
+from ..capture.resources.host import usable_cpus
 from .measure import measure
 from .model_rate import model_rate, run_loader, stand_in_cpu
 from .progress import Progress, ProgressViews, progress_view

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..analysis.cell_code import parse_cell
-from ..capture.locate import range_call
+from ..capture.instrument.locate import range_call
 
 if TYPE_CHECKING:
     pass

@@ -55,7 +55,7 @@ def line_bars(costs: Mapping[str, Any] | None, n_lines: int) -> dict[int, LineBa
     bar is the GPU time (events on sampled steps) and a thin bar under it the host's time."""
     if not costs or not costs.get("statements"):
         return {}
-    from ..capture.line_costs import heat
+    from ..capture.inside.line_costs import heat
 
     rows = costs["statements"]
     on_gpu = bool(costs.get("gpu_ms_per_step"))

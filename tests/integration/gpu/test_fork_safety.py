@@ -20,9 +20,9 @@ import torch
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
-from traceml_jupyter.capture.gpu_watch import gpu_watched, torch_cuda_api
-from traceml_jupyter.capture.line_costs import new_clock
-from traceml_jupyter.capture.nvml import GpuSampler
+from traceml_jupyter.capture.gpu.gpu_watch import gpu_watched, torch_cuda_api
+from traceml_jupyter.capture.inside.line_costs import new_clock
+from traceml_jupyter.capture.resources.nvml import GpuSampler
 from traceml_jupyter.run import Run
 
 # What initialises CUDA (or needs it initialised) in torch.cuda; `_lazy_init` also counts the

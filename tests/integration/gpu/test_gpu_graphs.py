@@ -18,9 +18,9 @@ from helpers import gpu_fixture, traced
 from IPython.utils.capture import capture_output
 from stand_in_cells import machine
 
-from traceml_jupyter.capture import cuda_graphs
-from traceml_jupyter.capture.cuda_clock import CudaSteps, Marks
-from traceml_jupyter.capture.recorder import Recorder
+from traceml_jupyter.capture.gpu import cuda_graphs
+from traceml_jupyter.capture.gpu.cuda_clock import CudaSteps, Marks
+from traceml_jupyter.capture.steps.recorder import Recorder
 
 # -- the stand-in's capture rules -------------------------------------------------------------
 

@@ -24,9 +24,14 @@ from fake_gpu import (
 from helpers import gpu_fixture, run
 
 import traceml_jupyter
-from traceml_jupyter.capture import gpu_memory
-from traceml_jupyter.capture.gpu_memory import GpuMemory, held_before, oom_facts, reads_peak
-from traceml_jupyter.capture.recorder import HISTORY_CAP
+from traceml_jupyter.capture.resources import gpu_memory
+from traceml_jupyter.capture.resources.gpu_memory import (
+    GpuMemory,
+    held_before,
+    oom_facts,
+    reads_peak,
+)
+from traceml_jupyter.capture.steps.recorder import HISTORY_CAP
 
 # A launch queue of 8 commands: the host keeps pace with the GPU's 1 ms steps, as on a GPU.
 gpu = gpu_fixture(queue_depth=8)
@@ -227,7 +232,7 @@ def test_held_before_reads_real_torch_objects_by_storage() -> None:
         def get_device_properties(self, d: int) -> Any:
             return type("P", (), {"total_memory": 100 * MIB})()
 
-    from traceml_jupyter.capture import gpu_memory
+    from traceml_jupyter.capture.resources import gpu_memory
 
     rows, stopped = gpu_memory.held_by_names(ns, lambda t: t.device.type == "cpu", gpu_memory.torch_kinds())  # type: ignore[arg-type]
     got = {name: round(value * 1024) for name, value in rows}  # KiB

@@ -21,10 +21,10 @@ from fake_gpu import CudaError, FakeEvent, FakeGpu, FakeNvml, FakeTensor, HostCl
 
 from traceml_jupyter.analysis.summary import summarize
 from traceml_jupyter.analysis.verdict import diagnose
-from traceml_jupyter.capture import nvml as nvml_module
-from traceml_jupyter.capture.gpu_watch import GpuWatch, costliest_host_line
-from traceml_jupyter.capture.line_costs import CudaLineClock, Statement
-from traceml_jupyter.capture.nvml import GpuSampler, at_steps
+from traceml_jupyter.capture.gpu.gpu_watch import GpuWatch, costliest_host_line
+from traceml_jupyter.capture.inside.line_costs import CudaLineClock, Statement
+from traceml_jupyter.capture.resources import nvml as nvml_module
+from traceml_jupyter.capture.resources.nvml import GpuSampler, at_steps
 from traceml_jupyter.run import Run
 
 

@@ -17,8 +17,9 @@ from helpers import gpu_fixture
 from helpers import traced as traced_with
 from stand_in_cells import machine
 
-from traceml_jupyter.capture import hidden_waits, nvml
-from traceml_jupyter.capture.syncs import SYNC_MESSAGE
+from traceml_jupyter.capture.gpu import hidden_waits
+from traceml_jupyter.capture.gpu.syncs import SYNC_MESSAGE
+from traceml_jupyter.capture.resources import nvml
 
 # -- the stand-in, closer to CUDA ------------------------------------------------------------
 

@@ -18,9 +18,9 @@ from test_host_bound import gpu_columns
 import traceml_jupyter
 from traceml_jupyter.analysis.summary import summarize
 from traceml_jupyter.analysis.verdict import diagnose
-from traceml_jupyter.capture.copy_calls import non_blocking_of, target_is_cuda
-from traceml_jupyter.capture.h2d import CopyWatch, copies_timed
-from traceml_jupyter.capture.syncs import SYNC_METHODS, SyncWatch, syncs_timed
+from traceml_jupyter.capture.gpu.copy_calls import non_blocking_of, target_is_cuda
+from traceml_jupyter.capture.gpu.h2d import CopyWatch, copies_timed
+from traceml_jupyter.capture.gpu.syncs import SYNC_METHODS, SyncWatch, syncs_timed
 
 TENSOR_ATTRS = ("to", "cuda", *SYNC_METHODS)
 

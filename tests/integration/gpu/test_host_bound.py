@@ -15,8 +15,8 @@ from helpers import gpu_fixture, run
 import traceml_jupyter
 from traceml_jupyter.analysis.summary import GPU_WORK_KEYS, summarize
 from traceml_jupyter.analysis.verdict import diagnose, host_bound, sync_sentence
-from traceml_jupyter.capture.gpu_watch import GpuWatch, gpu_watched
-from traceml_jupyter.capture.syncs import SYNC_MESSAGE, call_text
+from traceml_jupyter.capture.gpu.gpu_watch import GpuWatch, gpu_watched
+from traceml_jupyter.capture.gpu.syncs import SYNC_MESSAGE, call_text
 from traceml_jupyter.run import Run
 
 # -- the rule, from synthetic columns ----------------------------------------------------------
@@ -289,7 +289,7 @@ def test_item_waits_are_timed_and_implicit_syncs_counted_on_their_lines() -> Non
 
 
 def test_sync_counting_stops_after_many_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from traceml_jupyter.capture import syncs
+    from traceml_jupyter.capture.gpu import syncs
 
     monkeypatch.setattr(syncs, "MAX_SYNC_WARNINGS", 3)
     clock = HostClock(fake=True)

@@ -100,7 +100,7 @@ def test_the_parts_are_on_the_gpu_clock_where_the_host_runs_ahead(ip: Any, parts
 def test_a_gpu_clock_that_fails_leaves_the_cpu_parts_and_a_note(
     ip: Any, parts_gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from traceml_jupyter.capture import step_parts
+    from traceml_jupyter.capture.inside import step_parts
 
     def broken(self: Any) -> None:
         raise RuntimeError("event pool gone")

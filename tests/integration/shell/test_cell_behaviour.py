@@ -16,7 +16,7 @@ import pytest
 from helpers import run as run_cell
 
 import traceml_jupyter
-from traceml_jupyter.capture import hooks
+from traceml_jupyter.capture.instrument import hooks
 
 run = partial(run_cell, store_history=True)
 

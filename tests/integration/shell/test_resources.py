@@ -17,7 +17,7 @@ from helpers import shell_fixture
 import traceml_jupyter
 from traceml_jupyter.analysis.kept_graph import kept_graphs
 from traceml_jupyter.analysis.resources import ResourceFacts, resource_summary
-from traceml_jupyter.capture.host import cgroup_quota
+from traceml_jupyter.capture.resources.host import cgroup_quota
 
 SETUP = '''
 import time, torch
@@ -376,7 +376,7 @@ def test_one_usable_cpus_for_every_caller() -> None:
     import sys
 
     from traceml_jupyter import demo
-    from traceml_jupyter.capture import host as host_module
+    from traceml_jupyter.capture.resources import host as host_module
     from traceml_jupyter.kernel import code_facts
 
     one = host_module.usable_cpus
@@ -388,7 +388,7 @@ def test_one_usable_cpus_for_every_caller() -> None:
 def test_a_datasets_python_objects_are_named() -> None:
     from torch.utils.data import Subset
 
-    from traceml_jupyter.capture.dataloaders import python_objects
+    from traceml_jupyter.capture.data.dataloaders import python_objects
 
     class Records:
         def __init__(self) -> None:
@@ -407,7 +407,7 @@ def test_a_datasets_python_objects_are_named() -> None:
 def test_the_live_header_reads_what_capture_sampled() -> None:
     import types
 
-    from traceml_jupyter.capture.resources import ResourceWatch
+    from traceml_jupyter.capture.resources.watch import ResourceWatch
     from traceml_jupyter.run import _RUNS, Run
     from traceml_jupyter.views.live_header import resources_text
 
@@ -445,7 +445,7 @@ def test_a_worker_that_exits_between_samples_is_marked_not_raised() -> None:
     import subprocess
     import sys
 
-    from traceml_jupyter.capture.host import HostSampler
+    from traceml_jupyter.capture.resources.host import HostSampler
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
     sampler = HostSampler()
@@ -465,7 +465,7 @@ def test_a_worker_that_exits_between_samples_is_marked_not_raised() -> None:
 def test_a_worker_that_cannot_be_read_is_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
     import psutil
 
-    from traceml_jupyter.capture.host import HostSampler
+    from traceml_jupyter.capture.resources.host import HostSampler
 
     class Denied:
         def __init__(self, pid: int) -> None:
@@ -482,7 +482,7 @@ def test_a_worker_that_cannot_be_read_is_a_note(monkeypatch: pytest.MonkeyPatch)
 def test_without_psutil_a_note_and_the_run_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from traceml_jupyter.capture.host import HostSampler
+    from traceml_jupyter.capture.resources.host import HostSampler
 
     monkeypatch.setitem(sys.modules, "psutil", None)
     sampler = HostSampler()
@@ -492,8 +492,8 @@ def test_without_psutil_a_note_and_the_run_goes_on(monkeypatch: pytest.MonkeyPat
 
 
 def test_host_samples_are_bounded_for_any_run_length() -> None:
-    from traceml_jupyter.capture.host import CAPACITY, HOST_COLUMNS
-    from traceml_jupyter.capture.samples import SampleBuffer
+    from traceml_jupyter.capture.resources.host import CAPACITY, HOST_COLUMNS
+    from traceml_jupyter.capture.resources.samples import SampleBuffer
 
     buffer = SampleBuffer(HOST_COLUMNS, CAPACITY)
     for i in range(10 * CAPACITY):  # 20 000 samples: hours at 4 a second

@@ -23,7 +23,7 @@ from traceml_jupyter.analysis.data_sources import (
     phase_remedy,
     straggler_next,
 )
-from traceml_jupyter.capture.sources import expression_type, fed_expression, object_type
+from traceml_jupyter.capture.data.sources import expression_type, fed_expression, object_type
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

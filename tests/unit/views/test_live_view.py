@@ -412,8 +412,8 @@ def test_a_refresh_reads_only_the_window_however_long_the_run(
 
 
 def test_gpu_figures_sampled_by_the_capture_reach_the_header_and_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    from traceml_jupyter.capture import nvml
-    from traceml_jupyter.capture.resources import ResourceWatch
+    from traceml_jupyter.capture.resources import nvml
+    from traceml_jupyter.capture.resources.watch import ResourceWatch
     from traceml_jupyter.run import _RUNS, Run
 
     fake = types.ModuleType("pynvml")

@@ -17,7 +17,7 @@ from IPython.utils.capture import capture_output
 import traceml_jupyter
 from traceml_jupyter.analysis.checklist import default_start_method, evaluate, suggested_workers
 from traceml_jupyter.analysis.number_text import ms_fine
-from traceml_jupyter.capture.host import usable_cpus
+from traceml_jupyter.capture.resources.host import usable_cpus
 from traceml_jupyter.kernel.code_facts import checklist_for, facts_for
 from traceml_jupyter.result import Gpu
 from traceml_jupyter.run import Run

@@ -1,0 +1,422 @@
+"""The parts of the step as the capture takes them (capture/inside/step_parts.py, model_calls.py,
+part_store.py): which steps are sampled, what forward, backward and optimizer are when
+several models, optimizers, a closure or gradient accumulation are in play, what cannot be
+found, and that nothing of it changes the user's objects or code."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import pickle
+import textwrap
+import threading
+import time
+from functools import partial
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import traced as traced_with
+from IPython.utils.capture import capture_output
+from torch import nn
+
+import traceml_jupyter
+from traceml_jupyter.capture.inside.line_costs import FULL_STEPS
+from traceml_jupyter.capture.inside.part_store import FORWARD_OK, OPTIMIZER_OK, PartStore
+from traceml_jupyter.run import Run
+
+
+class Sleepy(nn.Module):
+    """A model whose call costs about `ms`."""
+
+    def __init__(self, ms: float = 0.0) -> None:
+        super().__init__()
+        self.ms = ms
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, extra_ms: float = 0.0) -> torch.Tensor:
+        if self.ms or extra_ms:
+            time.sleep((self.ms + extra_ms) / 1000)
+        return self.fc(x)
+
+
+traced = partial(traced_with, options="--no-live --lines off")
+
+
+def parts(run: Run) -> dict[str, np.ndarray]:
+    cols = run.steps
+    return {k: cols[k] for k in ("forward_ms", "backward_ms", "optimizer_ms", "rest_ms", "compute_ms")}
+
+
+def test_every_early_step_is_sampled_then_a_fraction_at_random_gaps() -> None:
+    model = Sleepy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.ones(2, 4)
+    with traceml_jupyter.trace(show=False) as run:
+        for _ in run.loop(range(600)):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    cols = parts(run)
+    sampled = np.isfinite(cols["backward_ms"])
+    assert run.n_steps == 600 and sampled[:FULL_STEPS].all()
+    later = int(sampled[FULL_STEPS:].sum())
+    assert 1 <= later < (600 - FULL_STEPS) // 8  # steps this short: one in 64 or 256
+    gaps = np.diff(np.flatnonzero(sampled[FULL_STEPS:]))
+    assert len(set(gaps.tolist())) > 1 or later < 3  # random gaps, no fixed stride
+    assert run.summary["forward_state"] == "found" and run.summary["forward_modules"] == ["Sleepy"]
+    assert run.summary["parts_sampled_steps"] == int(sampled.sum())
+
+
+def test_nothing_stays_on_the_model_class_the_optimizer_or_autograd() -> None:
+    model = Sleepy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    backward = torch.autograd.backward
+    with traceml_jupyter.trace(show=False) as run:
+        for _ in run.loop(range(20)):
+            opt.zero_grad()
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+    assert "__call__" not in Sleepy.__dict__ and "__call__" not in vars(model)
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert torch.autograd.backward is backward
+    assert np.isfinite(run.steps["forward_ms"][5:]).all()
+
+
+def test_copies_pickles_and_signatures_of_the_model_inside_a_sampled_step_are_the_models() -> None:
+    model = Sleepy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.ones(3, 4)
+    seen: list[Any] = []
+    with traceml_jupyter.trace(show=False) as run:
+        for _ in run.loop(range(4)):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+            deep, shallow = copy.deepcopy(model), copy.copy(model)
+            loaded = pickle.loads(pickle.dumps(model))
+            assert not pickle.loads(pickle.dumps(opt))._optimizer_step_pre_hooks
+            seen.append((deep(x), shallow(x), loaded(x), model(x), inspect.signature(model.forward)))
+    assert run.step_parts is not None and run.summary["parts_sampled_steps"] == 4
+    for deep, shallow, loaded, own, signature in seen:
+        assert torch.equal(deep, own) and torch.equal(shallow, own) and torch.equal(loaded, own)
+        assert list(signature.parameters) == ["x", "extra_ms"]
+    assert "__call__" not in Sleepy.__dict__
+
+
+def test_a_closure_passed_to_step_is_not_the_optimizer_and_its_forward_and_backward_are_found() -> None:
+    """Lightning's automatic optimisation: forward and backward run inside optimizer.step()."""
+    model = Sleepy(ms=4.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.ones(2, 4)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    with traceml_jupyter.trace(show=False) as run:
+        for _ in run.loop(range(12)):
+            opt.step(closure)
+    s = run.summary
+    assert s["forward_state"] == "found"
+    assert s["forward_ms"] == pytest.approx(4.0, abs=3.0)
+    assert s["optimizer_ms"] < 1.5  # not the 4 ms forward nor the backward inside the closure
+    assert s["forward_ms"] + s["backward_ms"] + s["optimizer_ms"] + s["rest_ms"] <= s["compute_ms"] * 1.05
+
+
+@pytest.mark.slow
+def test_a_loss_module_is_no_forward_and_a_model_without_modules_is_said_so(ip: Any) -> None:
+    ip.user_ns.update(Sleepy=Sleepy)
+    with capture_output():
+        ip.run_cell(
+            "import torch\nmodel = Sleepy(1.0)\ncrit = torch.nn.MSELoss()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "w = torch.zeros(4, requires_grad=True)\nopt_w = torch.optim.SGD([w], lr=0.1)\n"
+        )
+    run = traced(ip, """\
+        for i in range(10):
+            opt.zero_grad()
+            crit(model(torch.ones(2, 4)), torch.zeros(2, 1)).backward()
+            opt.step()
+        """)
+    assert run.summary["forward_modules"] == ["model (Sleepy)"]
+    assert run.summary["optimizers"][0]["label"] == "opt (SGD)"
+    bare = traced(ip, """\
+        for i in range(10):
+            opt_w.zero_grad()
+            (w * 2).sum().backward()
+            opt_w.step()
+        """)
+    s = bare.summary
+    assert s["forward_state"] == "not found" and s["forward_ms"] is None and s["rest_ms"] is None
+    assert s["backward_ms"] is not None and s["optimizer_ms"] is not None
+    assert "Forward not found" in bare.text()
+
+
+def test_gradient_accumulation_without_a_located_loop_sums_each_parts_calls() -> None:
+    """A library's loop (no located loop): four forward/backward per optimizer step."""
+    model = Sleepy(ms=2.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = torch.utils.data.DataLoader(torch.ones(64, 4), batch_size=2)
+
+    def fit() -> None:
+        for i, x in enumerate(batches):
+            model(x).sum().backward()
+            if i % 4 == 3:
+                opt.step()
+                opt.zero_grad()
+
+    with traceml_jupyter.trace(show=False) as run:
+        fit()
+    assert run.n_steps == 8 and run.batches_per_step == pytest.approx(4.0)
+    forward, compute = run.steps["forward_ms"][1:], run.steps["compute_ms"][1:]
+    assert 6.0 < np.nanmedian(forward) < np.nanmedian(compute)  # four 2 ms calls, not one
+
+
+def test_a_model_called_on_another_thread_is_not_this_steps_forward() -> None:
+    model = Sleepy(ms=2.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.ones(1, 4)
+    with traceml_jupyter.trace(show=False) as run:
+        for _ in run.loop(range(8)):
+            worker = threading.Thread(target=model, args=(x, 30.0))
+            worker.start()
+            worker.join()
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    assert np.nanmedian(run.steps["forward_ms"][1:]) < 15.0  # the 2 ms call, not the 32 ms one
+
+
+@pytest.mark.slow
+def test_an_error_inside_the_models_forward_reaches_the_cell_unchanged(ip: Any) -> None:
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls == 5:
+                raise ValueError("bad batch 5")
+            return self.fc(x)
+
+    ip.user_ns.update(broken=Broken(), torch=torch)
+    with capture_output() as out:
+        result = ip.run_cell(
+            "%%traceml --no-live\nfor i in range(10):\n    broken(torch.ones(1, 4)).sum().backward()\n"
+        )
+    assert isinstance(result.error_in_exec, ValueError) and str(result.error_in_exec) == "bad batch 5"
+    shown = out.stdout + out.stderr
+    assert "----> 3     broken(torch.ones(1, 4))" in shown  # the cell's own line
+    assert "model_calls.py" not in shown and "step_parts.py" not in shown  # our frames hidden
+    assert "__call__" not in Broken.__dict__
+
+
+def test_a_failure_of_ours_turns_the_parts_off_with_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    from traceml_jupyter.capture.inside import part_store
+
+    def broken(self: Any, *args: Any) -> None:
+        raise RuntimeError("store broke")
+
+    monkeypatch.setattr(part_store.PartStore, "record", broken)
+    model = Sleepy()
+    with traceml_jupyter.trace(show=False) as run:
+        for _ in run.loop(range(6)):
+            model(torch.ones(1, 4)).sum().backward()
+    assert run.n_steps == 6
+    assert any("parts of the step were turned off" in n and "store broke" in n for n in run.notes)
+    assert "__call__" not in Sleepy.__dict__
+
+
+def test_the_store_keeps_a_bounded_uniform_history_of_sampled_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    from traceml_jupyter.capture.inside import part_store
+
+    monkeypatch.setattr(part_store, "KEPT_CAP", 64)
+    store = PartStore()
+    for step in range(0, 2000, 3):
+        store.kind.extend([0, 1, 2])
+        store.t0.extend([step, step, step])
+        store.own.extend([1_000_000, 2_000_000, 500_000])
+        store.record(step, FORWARD_OK | OPTIMIZER_OK, None)
+        if len(store.rec_step) > 50:
+            store.fold(len(store.rec_step))
+    steps, values = store.per_step()
+    assert len(steps) <= 64 + 50 and steps[0] == 0 and steps[-1] >= 1900
+    assert np.allclose(values[0], 1.0) and np.allclose(values[1], 2.0) and np.allclose(values[2], 0.5)
+    cols = store.columns({"step": np.array([0, 1, 1998]), "compute_ms": np.array([5.0, 5.0, 5.0])})
+    assert cols["rest_ms"][0] == pytest.approx(1.5) and np.isnan(cols["forward_ms"][1])
+    assert store.nbytes() < 64 * 64 + 50 * 64
+
+
+def test_a_forked_ranks_steps_carry_their_parts_to_the_kernel() -> None:
+    """ranks/wire.py's format: forward, optimizer and the rest of sampled steps (NaN elsewhere)
+    travel with each rank's steps; the kernel keeps their medians per rank and shows them."""
+    from traceml_jupyter import ranks
+
+    n = 12
+    rows = np.full((len(ranks.ROWS), n), np.nan)
+    rows[0] = np.arange(n)
+    rows[1] = np.arange(n) * 0.02
+    rows[2], rows[3], rows[4], rows[5] = 1.0, 19.0, 20.0, 8.0
+    sampled = np.arange(n) % 2 == 0
+    for name, value in (("forward_ms", 6.0), ("optimizer_ms", 2.0), ("rest_ms", 3.0)):
+        rows[ranks.ROWS.index(name)] = np.where(sampled, value, np.nan)
+    stream = ranks.Stream(None, 0, 0)  # type: ignore[arg-type]
+    for kind, meta, got in ranks.read_frames(bytearray(ranks.frame(ranks.STEPS, {"rank": 1, "world": 2}, rows))):
+        stream.apply(kind, meta, got)
+    summary = stream.summary(warmup=2)
+    assert (summary["forward_ms"], summary["optimizer_ms"], summary["rest_ms"]) == (6.0, 2.0, 3.0)
+    cols = stream.parts.columns({"step": np.arange(n)})
+    assert np.array_equal(np.isfinite(cols["forward_ms"]), sampled) and cols["backward_ms"][0] == 8.0
+
+
+def test_the_json_carries_each_steps_parts_nullable_and_the_trend() -> None:
+    import json
+
+    model = Sleepy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with traceml_jupyter.trace(show=False) as run:
+        for _ in run.loop(range(200)):
+            opt.zero_grad()
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+    saved = json.loads(json.dumps(run.to_dict(), allow_nan=False))
+    steps = saved["steps"]
+    for name in ("forward_ms", "backward_ms", "optimizer_ms", "rest_ms", "forward_gpu_ms"):
+        assert len(steps[name]) == 200
+    assert all(v is not None for v in steps["backward_ms"][:FULL_STEPS])
+    assert any(v is None for v in steps["backward_ms"][FULL_STEPS:])  # not sampled: null, not 0
+    assert all(v is None for v in steps["forward_gpu_ms"])  # no GPU: null
+    summary = saved["summary"]
+    assert summary["parts_clock"] == "cpu" and summary["forward_modules"] == ["Sleepy"]
+    assert summary["parts_sampled_steps"] == run.summary["parts_sampled_steps"]
+    assert saved["trend"] == summary["trend"] and saved["trend"]["steps"] > 0
+    assert saved["epoch_startup"] is None  # no DataLoader: no pass to start
+
+
+@pytest.mark.slow
+def test_compiled_modules_are_timed_whole_and_never_recompiled() -> None:
+    """torch.compile(model) and model.compile(): called from the step's code, each is a forward;
+    patching their classes for sampled steps only causes no recompilation."""
+    compiles = 0
+
+    def backend(graph: Any, inputs: Any) -> Any:
+        nonlocal compiles
+        compiles += 1
+        return graph.forward
+
+    wrapped, inplace = torch.compile(Sleepy(), backend=backend), Sleepy()
+    inplace.compile(backend=backend)
+    opt = torch.optim.SGD([*wrapped.parameters(), *inplace.parameters()], lr=0.01)
+    x = torch.ones(2, 4)
+    (wrapped(x).sum() + inplace(x).sum()).backward()  # compiled once each, before the run
+    compiled = compiles
+    with traceml_jupyter.trace(show=False) as run:
+        for _ in run.loop(range(150)):  # sampled and unsampled steps
+            opt.zero_grad()
+            (wrapped(x).sum() + inplace(x).sum()).backward()
+            opt.step()
+    assert compiles == compiled
+    assert run.summary["forward_state"] == "found"
+    assert sorted(run.summary["forward_modules"]) == ["OptimizedModule", "Sleepy"]
+    assert "__call__" not in type(wrapped).__dict__ or type(wrapped).__dict__["__call__"].__module__.startswith("torch")
+
+
+def test_a_namespace_full_of_earlier_models_does_not_hide_this_steps_model(ip: Any) -> None:
+    """A long session: forty models from earlier cells; this cell's trainer makes its own module
+    (as a Lightning run does) and calls its child: it is found from the frames all the same."""
+    old = {f"old_model_{i}": nn.Linear(3, 3) for i in range(40)}
+    ip.user_ns.update(old)
+    try:
+        run = holder_run(ip)
+        ip.user_ns.update(late_a=Sleepy(), late_b=Sleepy())  # defined after the forty, named in the cell
+        ip.user_ns["late_opt"] = torch.optim.SGD([*ip.user_ns["late_a"].parameters(), *ip.user_ns["late_b"].parameters()], lr=0.1)
+        named = traced(ip, """\
+            for i in range(8):
+                late_opt.zero_grad()
+                (late_a(torch.ones(1, 4)) + late_b(torch.ones(1, 4))).sum().backward()
+                late_opt.step()
+            """)
+    finally:
+        for name in [*old, "late_a", "late_b", "late_opt"]:
+            ip.user_ns.pop(name, None)
+    assert named.summary["forward_modules"] == ["late_a (Sleepy)", "late_b (Sleepy)"]
+    assert run.summary["forward_state"] == "found"
+    assert run.summary["forward_modules"] == ["Holder.net (Sleepy)"]
+    assert "__call__" not in nn.Linear.__dict__ and "__call__" not in Sleepy.__dict__
+
+
+def holder_run(ip: Any) -> Run:
+    ip.user_ns.update(Sleepy=Sleepy, torch=torch, nn=nn)
+    with capture_output():
+        ip.run_cell(textwrap.dedent('''
+            class Holder(nn.Module):
+                """Never called itself: its step calls self.net (like a LightningModule)."""
+                def __init__(self):
+                    super().__init__()
+                    self.net = Sleepy(1.0)
+                def step(self, x):
+                    return self.net(x)
+            def fit():
+                holder = Holder()
+                opt = torch.optim.SGD(holder.parameters(), lr=0.1)
+                for i in range(12):
+                    opt.zero_grad()
+                    holder.step(torch.ones(2, 4)).sum().backward()
+                    opt.step()
+            '''))
+    return traced(ip, "fit()\n")
+
+
+def test_the_walk_looks_again_only_at_the_names_bound_since_the_run_began() -> None:
+    """The notebook's namespace is looked at once, when the run begins; the walk at the first
+    backward() takes from it only what is new or rebound since (a long session's globals are
+    thousands of values)."""
+    from traceml_jupyter.capture.inside.model_calls import frame_values
+
+    ns: dict[str, Any] = {"kept": [object()], "rebound": [object()]}
+    seen = dict(ns)
+    exec("import sys\nthe_frame = sys._getframe()\n", ns)  # a module-level frame, as a cell's
+    old_rebound = id(ns["rebound"])  # (an id: a local holding the list would be looked at)
+    ns["rebound"], ns["new"] = [object()], [object()]
+    values = frame_values(ns["the_frame"], None, seen)
+    ids = {id(v) for v in values}
+    assert id(ns["rebound"]) in ids and id(ns["new"]) in ids and id(ns["the_frame"]) in ids
+    assert id(ns["kept"]) not in ids and old_rebound not in ids
+    assert id(ns["kept"]) in {id(v) for v in frame_values(ns["the_frame"], None)}  # without `seen`: all
+    marker = [object()]  # a local of this test's frame, above the module-level one: not looked at
+    assert id(marker) not in {id(v) for v in frame_values(ns["the_frame"], None)}
+
+
+def test_a_scan_looks_inside_containers_up_to_a_budget_the_first_values_first() -> None:
+    from traceml_jupyter.capture.inside.model_calls import MAX_INNER, MAX_SCAN, instances_in
+
+    model = nn.Linear(1, 1)
+    big = [list(range(MAX_SCAN)) for _ in range(MAX_INNER // MAX_SCAN)]  # a long session's lists
+    assert instances_in([[model], *big], nn.Module) == [model]  # the cell's names come first
+    assert instances_in([*big, [model]], nn.Module) == []  # past the budget
+    assert instances_in([{"m": model}, (model,), model, 3], (nn.Module, torch.optim.Optimizer)) == [model] * 3
+
+
+def test_a_model_and_optimizer_made_in_the_traced_cell_are_found_beside_forty_earlier_ones(ip: Any) -> None:
+    old = {f"old_model_{i}": nn.Linear(3, 3) for i in range(40)}
+    old["old_opts"] = [torch.optim.SGD(m.parameters(), lr=0.1) for m in old.values()]
+    ip.user_ns.update(old, Sleepy=Sleepy, torch=torch)
+    try:
+        run = traced(ip, """\
+            old_model_3 = Sleepy()
+            opt = torch.optim.Adam(old_model_3.parameters(), lr=0.1)
+            for i in range(8):
+                opt.zero_grad()
+                old_model_3(torch.ones(1, 4)).sum().backward()
+                opt.step()
+            """)
+    finally:
+        for name in [*old, "opt"]:
+            ip.user_ns.pop(name, None)
+    assert run.summary["forward_modules"] == ["old_model_3 (Sleepy)"]
+    assert [o["name"] for o in run.summary["optimizers"]] == ["Adam"]
