@@ -1,4 +1,5 @@
-"""Capture: what runs while a traced cell runs. The loop located and rewritten (locate, rewrite,
-cell_functions, line_costs), the names the rewritten code calls (hooks), the training's events
-turned into steps (recording, step_model) and kept in bounded columns (recorder), the GPU clock
-and watches (cuda_clock, h2d, syncs, gpu_watch, nvml), and guarded reads of the user's objects."""
+"""Capture: what runs while a traced cell runs. At the top, the capture itself: Capture and its
+lifetime (recording), its per-step hooks (step_hooks) and when they stamp (stamping). Below, its
+parts by job, each importing only the parts under it (tests/unit/test_layout.py): the user's code
+reached into (instrument/), the steps as recorded (steps/), what fed them (data/), the GPU
+(gpu/), the run's resources (resources/), and what a sampled step measures inside (inside/)."""
