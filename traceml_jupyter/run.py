@@ -24,7 +24,7 @@ from .capture.resources.machine import describe_machine
 from .capture.steps.recorder import Recorder
 from .failures import failure_text, never_raise
 from .result import SCHEMA_VERSION, DataFeed, Gpu, Loop, Resources, RunResult, Steps
-from .result.value import Columns, Facts, frozen_facts, frozen_rows, read_only
+from .result.value import frozen_facts, frozen_rows, read_only
 from .run_summary import analyse
 
 if TYPE_CHECKING:
@@ -448,9 +448,10 @@ class Run:
 
     # -- the result API: what `result` holds ------------------------------------------------
     @property
-    def summary(self) -> Facts:
-        """The medians, shares and counts the verdict read (every key: docs/api.md)."""
-        return self.result.summary
+    def summary(self) -> dict[str, Any]:
+        """The medians, shares and counts the verdict read (every key: docs/api.md): a plain
+        dict, copied from the result (changing it changes nothing of the run)."""
+        return dict(self.result.summary)
 
     @property
     def verdict_detail(self) -> Verdict:
@@ -488,27 +489,30 @@ class Run:
         return int(self._loops_started)
 
     @property
-    def machine(self) -> Facts | None:
+    def machine(self) -> dict[str, Any] | None:
         """What the run ran on (python, torch, cuda, platform, cpu, cpus, gpu), read once the
-        run has finished; None before."""
-        return self.result.machine
+        run has finished; None before (a plain dict, copied from the result)."""
+        machine = self.result.machine
+        return dict(machine) if machine is not None else None
 
     @property
-    def straggler(self) -> Facts | None:
+    def straggler(self) -> dict[str, Any] | None:
         """Several ranks: {"rank", "cause": input|h2d|compute|unknown, "score"} of the rank that
-        holds the others back (RANK STRAGGLER), else None."""
-        return self.result.straggler
+        holds the others back (RANK STRAGGLER), else None (a plain dict)."""
+        found = self.result.straggler
+        return dict(found) if found is not None else None
 
     @property
-    def steps(self) -> Columns:
+    def steps(self) -> dict[str, np.ndarray]:
         """Per-step columns (numpy arrays): step, time_s, data_wait_ms, compute_ms, step_ms,
         and the GPU columns (NaN where not measured)."""
         return self.columns()
 
-    def columns(self) -> Columns:
+    def columns(self) -> dict[str, np.ndarray]:
         """The recorder's kept steps, with the columns of the optional watches and the NVML
-        samples (gpu_util_pct, gpu_mem_used_mib) placed on the same steps (read-only)."""
-        return self.result.columns if self.finished else read_only(self._read_columns())
+        samples (gpu_util_pct, gpu_mem_used_mib) placed on the same steps: a plain dict of the
+        result's read-only arrays (once finished), for pandas or numpy as they are."""
+        return dict(self.result.columns) if self.finished else self._read_columns()
 
     @property
     def unsaved(self) -> frozenset[str]:

@@ -91,7 +91,7 @@ def test_finish_freezes_the_result_that_the_renderers_read(run: Run) -> None:
         frozen.columns["step_ms"][0] = 0.0
     assert isinstance(frozen.notes, tuple)
     recorded(run, 5)  # nothing the recording does later changes the result
-    assert run.summary is frozen.summary and frozen.summary["n_steps"] == 30
+    assert run.summary == dict(frozen.summary) and frozen.summary["n_steps"] == 30
     assert run.verdict == frozen.verdict.label and len(run.steps["step_ms"]) == 30
     assert run.text() == render.text(frozen) and run.to_dict() == render.to_dict(frozen)
     assert run.to_dict()["steps"]["step_ms"] == frozen.columns["step_ms"].tolist()

@@ -17,6 +17,7 @@ from traceml_jupyter.analysis.summary import GPU_WORK_KEYS, summarize
 from traceml_jupyter.analysis.verdict import diagnose, host_bound, sync_sentence
 from traceml_jupyter.capture.gpu.gpu_watch import GpuWatch, gpu_watched
 from traceml_jupyter.capture.gpu.syncs import SYNC_MESSAGE, call_text
+from traceml_jupyter.capture.resources import nvml
 from traceml_jupyter.run import Run
 
 # -- the rule, from synthetic columns ----------------------------------------------------------
@@ -397,27 +398,29 @@ def traced(ip: Any, cell: str) -> Any:
     return got
 
 
+STARVED = """\
+    %%traceml --no-live --name starved
+    for x in batches:
+        xg = x.to("cuda", non_blocking=True)
+        time.sleep(0.003)  # Python between tiny kernels
+        y = xg.work(0.05)
+    """
+
+
 @pytest.mark.slow
-def test_python_that_starves_the_gpu_is_host_bound(ip: Any, gpu: FakeGpu) -> None:
-    run = traced(
-        ip,
-        """\
-        %%traceml --no-live --name starved
-        for x in batches:
-            xg = x.to("cuda", non_blocking=True)
-            time.sleep(0.003)  # Python between tiny kernels
-            y = xg.work(0.05)
-        """,
-    )
+def test_python_that_starves_the_gpu_is_host_bound(ip: Any, gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = traced(ip, STARVED)
     assert run.clock == "gpu"
     s = run.summary
     assert s["gpu_backlog_ms"] == pytest.approx(0.0, abs=0.05)
     assert s["host_issue_ms"] > 0.5 * s["step_ms"]
     assert (run.verdict, run.severity) == ("HOST-BOUND", "warn")  # no NVML: how idle is unknown
     assert "GPU utilisation is unknown" in run.verdict_detail.why
-    # The NVML samples of the live view make it quantitative.
-    t = np.linspace(run.steps["time_s"][0], run.steps["time_s"][-1], 5)  # 5 samples in the loop
-    run.gpu_samples = {"time_s": t, "gpu_util_pct": np.full(5, 20.0), "gpu_mem_used_mib": np.ones(5)}
+    # NVML samples (the GPU 20 % busy all along) make it quantitative.
+    t = np.linspace(0.0, 30.0, 3000)
+    idle = {"time_s": t, "gpu_util_pct": np.full(len(t), 20.0), "gpu_mem_used_mib": np.ones(len(t))}
+    monkeypatch.setattr(nvml.GpuSamples, "columns", lambda self: idle)
+    run = traced(ip, STARVED)
     assert (run.verdict, run.severity) == ("HOST-BOUND", "critical")
     assert run.summary["gpu_busy_share"] == pytest.approx(0.2)
 
