@@ -1375,13 +1375,13 @@ def run_all(shell: Any | None = None, only: Callable[[str], bool] | None = None,
 
 def event_leak_check(ctx: Context) -> Check:
     """Live torch.cuda.Event objects before and after forgetting every run."""
-    import traceml_jupyter.run as run_module
+    from traceml_jupyter import kernel_state
 
     torch = ctx.torch
     check = Check("events after the runs", "0 after forgetting the runs", "F17")
     gc.collect()
     before = sum(isinstance(o, torch.cuda.Event) for o in gc.get_objects())
-    run_module._RUNS.clear()
+    kernel_state.RUNS.clear()
     gc.collect()
     after = sum(isinstance(o, torch.cuda.Event) for o in gc.get_objects())
     check.numbers.update({"events with the runs": before, "after": after})

@@ -1,8 +1,11 @@
-"""Shared fixtures: a real IPython shell with the extension loaded, and a guard that fails any
-test leaving a patch, a hook name or a thread behind (like tqdm's leaked-bar check)."""
+"""Shared fixtures: a real IPython shell with the extension loaded, a guard that fails any
+test leaving a patch, a hook name or a thread behind (like tqdm's leaked-bar check), and the
+codec's invariant checked on every run a test finishes: its result reads back from its JSON as
+the same value."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 from collections.abc import Iterator
@@ -44,6 +47,19 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def every_finished_run_reads_back_as_itself() -> Iterator[None]:
+    """from_dict(to_dict(r)) == r for the result of every run the test finished in this kernel."""
+    from traceml_jupyter import kernel_state
+    from traceml_jupyter.result import from_dict, to_dict
+
+    before = {id(run) for run in kernel_state.RUNS}
+    yield
+    for run in [r for r in kernel_state.RUNS if id(r) not in before and r.finished and not r.read_back]:
+        document = json.loads(json.dumps(to_dict(run.result), allow_nan=False))
+        assert from_dict(document) == run.result, f"{run.name}: its JSON reads back as another result"
 
 
 @pytest.fixture(autouse=True)

@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from traceml_jupyter import kernel_state
 from traceml_jupyter.result import RunResult
-from traceml_jupyter.run import _RUNS, Run
+from traceml_jupyter.run import Run
 
 LOOP_CELL = "%%traceml\nfor x, y in loader:\n    loss = model(x).sum()\n    loss.backward()\n    opt.step()\n"
 LOADER = {"num_workers": 0, "pin_memory": False, "persistent_workers": False, "batch_size": 32, "len": 40}
@@ -26,7 +27,7 @@ def result_of(
     with `gpu_ms`, (wait, compute) on the GPU clock too), with `recorded` set on the recording
     as the capture would (loop_line, loader_info, ranks, notes, error, ...)."""
     run = Run(name, warmup)
-    _RUNS.remove(run)  # a value, not a run of this kernel
+    kernel_state.RUNS.remove(run)  # a value, not a run of this kernel
     t = run.recorder.origin_ns or 0
     for k, (wait, compute) in enumerate(zip(wait_ms, compute_ms, strict=True)):
         fetched = t + int(wait * 1e6)

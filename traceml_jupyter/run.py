@@ -9,12 +9,12 @@ import json
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from time import perf_counter_ns
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import kernel_state
 from . import result as render
 from .analysis.phases import step_definition
 from .analysis.verdict import Verdict
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from .ranks import Collector, LocalRank
 
-__all__ = ["SCHEMA_VERSION", "Observer", "Run", "RunResult", "clear", "last", "runs"]
+__all__ = ["SCHEMA_VERSION", "Observer", "Run", "RunResult", "clear", "find_run", "last", "runs"]
 REFRESH_NS = 250_000_000  # observers (the live view) run at most 4 times a second
 
 
@@ -45,88 +45,27 @@ class Observer(Protocol):
     def __call__(self, run: Run, /) -> None: ...
 
 
-# Formats other than JSON that `Run.save` writes, by file suffix, and how a run read back from
-# its file shows as a cell's value: the views register them (views.display.register_views,
-# called by the public API); the run knows no view.
-FileWriter = Callable[["Run", str], None]
-FILE_WRITERS: dict[str, FileWriter] = {}
-ReportBundle = Callable[["Run", Any, Any], dict[str, str]]
-REPORT_BUNDLES: list[ReportBundle] = []
-
-_RUNS: list[Run] = []
-
-
 def runs() -> list[Run]:
     """Every run of this kernel, oldest first."""
-    return list(_RUNS)
+    return list(kernel_state.RUNS)
 
 
 def last() -> Run | None:
     """The most recent run, or None before any."""
-    return _RUNS[-1] if _RUNS else None
+    return kernel_state.RUNS[-1] if kernel_state.RUNS else None
 
 
 def find_run(name: str) -> Run | None:
     """The latest run of this kernel with that name, or None."""
-    return next((run for run in reversed(_RUNS) if run.name == name), None)
-
-
-# The last `%traceml tune` (tuning/) and the loader it measured: the checklist quotes it.
-_LAST_TUNE: dict[str, Any] = {}
-
-
-def remember_tune(loader: Any, result: dict[str, Any]) -> None:
-    """Keep the last tune's result (to_dict()) with weak references to what it measured."""
-    refs: list[Any] = []
-    for obj in (loader, getattr(loader, "dataset", None)):
-        try:
-            refs.append(weakref.ref(obj))
-        except TypeError:
-            refs.append(None)
-    _LAST_TUNE.clear()
-    _LAST_TUNE.update(loader=refs[0], dataset=refs[1], batch_size=getattr(loader, "batch_size", None), result=result)
-
-
-def tuned_for(loader: Any) -> dict[str, Any] | None:
-    """The last tune's result when it measured this loader, or one over the same dataset with
-    the same batch size; else None."""
-    if loader is None or not _LAST_TUNE:
-        return None
-    same = _LAST_TUNE["loader"] is not None and _LAST_TUNE["loader"]() is loader
-    if not same and _LAST_TUNE["dataset"] is not None:
-        same = _LAST_TUNE["dataset"]() is getattr(loader, "dataset", object())
-        same = same and _LAST_TUNE["batch_size"] == getattr(loader, "batch_size", None)
-    return dict(_LAST_TUNE["result"]) if same else None
+    return next((run for run in reversed(kernel_state.RUNS) if run.name == name), None)
 
 
 def clear() -> int:
     """Forget every run of this kernel (their charts stay on screen). Returns how many."""
-    n = len(_RUNS)
-    _RUNS.clear()
-    _KEPT_LOADER.clear()
-    return n
+    return kernel_state.clear()
 
 
-# The last run's training loader when the loader itself is gone (built inside a function of a
-# script run with `%run`): a copy without its iterator (no worker processes), kept for
-# `%traceml tune` until the next run or clear().
-_KEPT_LOADER: dict[str, Any] = {}
-TWINS_KEPT = 4  # copies of the run's newest DataLoaders kept while it runs
-
-
-def keep_training_loader(run: Run, twin: Any) -> None:
-    """After `run`'s capture: keep `twin` as its training loader if the loader is gone."""
-    _KEPT_LOADER.clear()
-    ref = run.loader_ref
-    if twin is None or ref is None or ref() is not None:
-        return
-    _KEPT_LOADER.update(run=weakref.ref(run), loader=twin)
-
-    def kept() -> Any:
-        owner = _KEPT_LOADER.get("run")
-        return _KEPT_LOADER.get("loader") if owner is not None and owner() is run else None
-
-    run.loader_ref = kept
+COPIES_KEPT = 4  # copies of the run's newest DataLoaders kept while it runs (kernel_state)
 
 
 class Run:
@@ -159,7 +98,7 @@ class Run:
     def __init__(
         self, name: str | None = None, warmup: int | None = None, *, result: RunResult | None = None, path: str = ""
     ) -> None:
-        self.name = result.name if result is not None else name or f"run {len(_RUNS) + 1}"
+        self.name = result.name if result is not None else name or f"run {len(kernel_state.RUNS) + 1}"
         self.warmup = warmup
         self.started_at = result.started_at if result is not None else time.time()
         self.read_back = result is not None  # from its file: nothing of it is live
@@ -228,12 +167,12 @@ class Run:
         self.next_tick = 0
         self._loops_started = 0
         self._loader_infos: dict[Any, dict[str, Any]] = {}
-        self._loader_twins: dict[Any, Any] = {}  # stand-ins of its DataLoaders (keep_training_loader)
+        self._loader_copies: dict[Any, Any] = {}  # copies of its DataLoaders (kernel_state.keep_loader_copy)
         self._machine: dict[str, Any] | None = None
         self._result: RunResult | None = result
         self.finished = result is not None
         if result is None:
-            _RUNS.append(self)
+            kernel_state.RUNS.append(self)
 
     # -- while it runs ----------------------------------------------------------------------
     def loop(self, iterable: Iterable[Any]) -> Iterable[Any]:
@@ -263,15 +202,15 @@ class Run:
 
     def note_dataloader(self, source: Any, loader: Any) -> None:
         """A DataLoader's first iter() in the run: keep its settings (read once, guarded)."""
-        from .capture.data.dataloaders import describe_loader, stand_in
+        from .capture.data.dataloaders import describe_loader, loader_copy
 
         try:
             self._loader_infos[source.key] = describe_loader(loader)
         except Exception:
             self._loader_infos[source.key] = {}
-        while len(self._loader_twins) >= TWINS_KEPT:
-            self._loader_twins.pop(next(iter(self._loader_twins)))
-        self._loader_twins[source.key] = stand_in(loader)
+        while len(self._loader_copies) >= COPIES_KEPT:
+            self._loader_copies.pop(next(iter(self._loader_copies)))
+        self._loader_copies[source.key] = loader_copy(loader)
 
     def loader_settings(self, key: Any) -> dict[str, Any]:
         """The settings note_dataloader() kept of the DataLoader of that source key ({}: none)."""
@@ -344,12 +283,20 @@ class Run:
         self.pass_starts = list(facts.pass_steps)
         self.notes.extend(facts.notes)
         key = next((s.key for s in capture.model.sources.values() if s.ref is not None and s.ref is facts.loader_ref), None)
-        keep_training_loader(self, self._loader_twins.get(key) if key is not None else None)
-        self._loader_twins.clear()
+        self._keep_loader_copy(self._loader_copies.get(key) if key is not None else None)
+        self._loader_copies.clear()
         if isinstance(key, int) and key in capture.loader_sites:  # built while the run recorded
             from .capture.data.dataloaders import split_site
 
             self.loader_site, self.dataset_site = split_site(capture.loader_sites[key])
+
+    def _keep_loader_copy(self, copy: Any) -> None:
+        """After the capture: the copy of the training loader is kept for tune if the loader
+        itself is gone (built inside a function of a script run with `%run`)."""
+        kernel_state.forget_loader_copy()
+        ref = self.loader_ref
+        if copy is not None and ref is not None and ref() is None:
+            self.loader_ref = kernel_state.keep_loader_copy(self, copy)
 
     def finish(self, error: BaseException | None = None) -> Run:
         """Close the run (after its capture): its result is frozen (`result`), then the views
@@ -547,9 +494,9 @@ class Run:
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         """Read back from its file, in a notebook: the report as the cell showed it; else the
         text box."""
-        if not self.read_back or not REPORT_BUNDLES:
+        if not self.read_back or not kernel_state.REPORT_BUNDLES:
             return {"text/plain": self.text()}
-        return REPORT_BUNDLES[0](self, include, exclude)
+        return kernel_state.REPORT_BUNDLES[0](self, include, exclude)
 
     def to_dict(self) -> dict[str, Any]:
         """What --save writes: JSON-ready, unmeasured values as null (result.to_dict); a run read
@@ -564,7 +511,7 @@ class Run:
         """Write the run to `path`: the report as one standalone HTML page for `.html` (no
         script, no network: it opens in any browser), else JSON (what `traceml_jupyter.load`
         reads back)."""
-        writer = FILE_WRITERS.get(os.path.splitext(path)[1].lower())
+        writer = kernel_state.FILE_WRITERS.get(os.path.splitext(path)[1].lower())
         if writer is not None:
             writer(self, path)
             return path

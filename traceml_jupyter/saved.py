@@ -12,9 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import kernel_state
 from .failures import failure_text
 from .result.codec import LoadError, from_dict
-from .run import _RUNS, Run
+from .run import Run
 
 __all__ = ["LoadError", "load", "read_document", "read_run", "run_key"]
 
@@ -69,6 +70,6 @@ def load(path: str | Path) -> Run:
     by name), unless a run of the same name and start is there already."""
     __tracebackhide__ = True  # noqa: F841
     run = read_run(path)
-    if all(run_key(other) != run_key(run) for other in _RUNS):
-        _RUNS.append(run)
+    if all(run_key(other) != run_key(run) for other in kernel_state.RUNS):
+        kernel_state.RUNS.append(run)
     return run

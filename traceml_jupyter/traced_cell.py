@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
-from . import ranks
+from . import kernel_state, ranks
 from .analysis.summary import auto_warmup
 from .capture.inside.line_costs import line_costs
 from .capture.instrument.cell_functions import (
@@ -42,7 +42,7 @@ from .capture.instrument.rewrite import instrument_loop
 from .capture.recording import Capture
 from .failures import failure_text, never_raise
 from .processes import children
-from .run import _RUNS, Observer, Run
+from .run import Observer, Run
 
 if TYPE_CHECKING:
     from .views.display import LiveView
@@ -294,7 +294,7 @@ def prepare_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -> T
         code = compile(body, filename, "exec", flags, dont_inherit=True)
         last_code = compile(last, filename, "eval", flags, dont_inherit=True) if last else None
     except SyntaxError as exc:  # parses, but does not compile: `return` outside a function
-        _RUNS.remove(run)
+        kernel_state.RUNS.remove(run)
         raise syntax_error(exc, shell) from None
     return TracedCell(shell, opts, run, capture, tree, filename, code, last_code, choice, func_loop, flags)
 
@@ -406,7 +406,7 @@ def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Live
 
                     print("\n".join(f"traceml: {line}" for line in finding_lines(run.summary)))
             elif run.step_kind == "none" and run.loop_line is None:
-                _RUNS.remove(run)
+                kernel_state.RUNS.remove(run)
                 print(children.no_training_line(run, commands or []) or NO_LOOP)
             else:
                 print(f"traceml: {run.name}: no step ran ({_why_no_step(run)}).")

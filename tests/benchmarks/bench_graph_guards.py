@@ -36,10 +36,11 @@ def ns_per_call(fn: Callable[[], Any], n: int = N, repeats: int = 5) -> float:
 def measure() -> list[Table]:
     import torch
 
+    from traceml_jupyter import kernel_state
     from traceml_jupyter.capture import recording
     from traceml_jupyter.capture.gpu import cuda_graphs
     from traceml_jupyter.capture.steps.step_model import OPTIMIZER
-    from traceml_jupyter.run import _RUNS, Run
+    from traceml_jupyter.run import Run
 
     state = cuda_graphs._STATE
     empty = ns_per_call(lambda: None)
@@ -54,7 +55,7 @@ def measure() -> list[Table]:
     capture._deciding = False
     opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
     event = ns_per_call(lambda: capture.training_event(OPTIMIZER, opt), n=20_000) - empty
-    _RUNS.remove(run)
+    kernel_state.RUNS.remove(run)
 
     table = Table(
         "Issue 23: the capture guards and the own-time accounting (ns a call, best of 5)",

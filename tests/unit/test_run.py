@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 from helpers import REPO
 
+from traceml_jupyter import kernel_state
 from traceml_jupyter import result as render
-from traceml_jupyter import run as run_module
 from traceml_jupyter.analysis.rank_verdict import with_ranks
 from traceml_jupyter.capture.gpu.gpu_watch import watch_summary
 from traceml_jupyter.result import RunResult
@@ -22,8 +22,8 @@ from traceml_jupyter.run import REFRESH_NS, Run
 def run() -> Iterator[Run]:
     made = Run("observed")
     yield made
-    if made in run_module._RUNS:
-        run_module._RUNS.remove(made)
+    if made in kernel_state.RUNS:
+        kernel_state.RUNS.remove(made)
 
 
 def recorded(run: Run, steps: int) -> Run:

@@ -39,7 +39,7 @@ from ..capture.data.dataloaders import dataset_site, inner_dataset
 from ..capture.data.sources import fed_expression, resolve_name
 from ..capture.resources.host import usable_cpus
 from ..failures import failure_text, never_raise
-from ..run import tuned_for
+from ..kernel_state import tuned_for
 from .cells import (
     CELL_LABEL,
     MAX_HISTORY,

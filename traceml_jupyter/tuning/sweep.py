@@ -58,7 +58,8 @@ def _remember(loader: Any, result: TuneResult) -> None:
     """Keep the result for the checklist, and refresh the checklist of the last run that trained
     on this loader: its num_workers item now quotes the rates measured."""
     from ..kernel.code_facts import keep_checklist
-    from ..run import remember_tune, runs, tuned_for
+    from ..kernel_state import remember_tune, tuned_for
+    from ..run import runs
 
     remember_tune(loader, result.to_dict())
     for run in reversed(runs()):

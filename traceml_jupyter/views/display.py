@@ -48,7 +48,7 @@ def register_views() -> None:
     """Tell the run how the views show and write it: `run.save("x.html")` writes the report
     page (report_file.write_report_file), and a run read back from its file, as a cell's value,
     is its report (ReportDisplay). Called by the public API before it hands out a run."""
-    from ..run import FILE_WRITERS, REPORT_BUNDLES
+    from ..kernel_state import FILE_WRITERS, REPORT_BUNDLES
     from .report_file import write_report_file
 
     FILE_WRITERS[".html"] = FILE_WRITERS[".htm"] = write_report_file

@@ -27,11 +27,11 @@ from helpers import TESTS
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
-from traceml_jupyter import ranks
+from traceml_jupyter import kernel_state, ranks
 from traceml_jupyter.processes import children
 from traceml_jupyter.processes.child_run import exit_status
 from traceml_jupyter.processes.startup_hook import CHANNEL, NOTE, TOKEN, pack
-from traceml_jupyter.run import _KEPT_LOADER, Run
+from traceml_jupyter.run import Run
 
 SCRIPTS = TESTS / "child_scripts"
 TRAIN = SCRIPTS / "train.py"
@@ -428,7 +428,7 @@ def test_percent_run_traces_in_process_and_tune_finds_the_scripts_loader(ip: Any
         tuned = ip.run_line_magic("traceml", "tune --budget 2 --workers 0")
     assert tuned.rows and tuned.rows[0]["batches_per_s"] > 0
     traceml_jupyter.clear()
-    assert not _KEPT_LOADER  # kept until the next run or clear()
+    assert kernel_state.kept_loader_copy() is None  # kept until the next run or clear()
 
 
 @pytest.mark.slow

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from traceml_jupyter import demo
+from traceml_jupyter import demo, kernel_state
 from traceml_jupyter.history import compare
-from traceml_jupyter.run import _RUNS, Run
+from traceml_jupyter.run import Run
 
 # Fewer batches than the notebook: the verdicts hold with these (see demo.data_costs).
 TEST_BATCHES = {"fast": 30, "slow": 15, "fixed": 15, "collate": 15, "spiky": 10, "h2d": 20}
@@ -33,7 +33,7 @@ def traced(ip: Any, scenario: str) -> Run:
     assert result.error_in_exec is None
     cell = demo.training_loop(scenario)
     ip.run_cell_magic("traceml", f"--name {scenario} --no-live", cell)
-    run = _RUNS[-1]
+    run = kernel_state.RUNS[-1]
     assert run.name == scenario and run.loop_where == "this cell"
     return run
 
@@ -69,7 +69,7 @@ def test_a_library_trainer_is_timed_through_its_optimizer_steps(ip: Any, clean_n
     ip.run_cell_magic(
         "traceml", "--name library", "demo.library_fit(loader, model, opt, loss_fn, device, 2)"
     )
-    run = _RUNS[-1]
+    run = kernel_state.RUNS[-1]
     assert run.name == "library" and run.loop_line is None and run.n_steps == 24
     assert run.step_kind == "optimizer" and "optimizer.step()` of SGD" in run.step_definition
     assert run.loader_info is not None and run.loader_info["num_workers"] == 0

@@ -407,8 +407,9 @@ def test_a_datasets_python_objects_are_named() -> None:
 def test_the_live_header_reads_what_capture_sampled() -> None:
     import types
 
+    from traceml_jupyter import kernel_state
     from traceml_jupyter.capture.resources.watch import ResourceWatch
-    from traceml_jupyter.run import _RUNS, Run
+    from traceml_jupyter.run import Run
     from traceml_jupyter.views.live_header import resources_text
 
     run = Run("header")
@@ -422,7 +423,7 @@ def test_the_live_header_reads_what_capture_sampled() -> None:
         assert "RSS 1.5 GiB" in text
     finally:
         run.resource_watch = None
-        _RUNS.remove(run)
+        kernel_state.RUNS.remove(run)
 
 
 def test_compare_puts_memory_and_cpu_side_by_side() -> None:

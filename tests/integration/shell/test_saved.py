@@ -21,8 +21,8 @@ from IPython.utils.capture import capture_output
 from jupyter_harness import DECODING_DATASET
 
 import traceml_jupyter
-from traceml_jupyter import history
-from traceml_jupyter.run import _RUNS, Run
+from traceml_jupyter import history, kernel_state
+from traceml_jupyter.run import Run
 from traceml_jupyter.saved import LoadError
 from traceml_jupyter.views.report import report_html
 from traceml_jupyter.views.report_file import html_page
@@ -56,11 +56,11 @@ def cell(ip: Any, source: str) -> Any:
 @pytest.fixture()
 def own_runs() -> Iterator[None]:
     """This test's runs only (names from other tests must not match); no history afterwards."""
-    before = list(_RUNS)
-    _RUNS.clear()
+    before = list(kernel_state.RUNS)
+    kernel_state.RUNS.clear()
     history._CHOSEN.clear()
     yield
-    _RUNS[:] = before
+    kernel_state.RUNS[:] = before
     history._CHOSEN.clear()
 
 
@@ -116,7 +116,7 @@ def test_a_loaded_run_is_frozen(saved: tuple[Run, Path]) -> None:
 
 
 def test_loading_the_same_file_twice_keeps_one_run(saved: tuple[Run, Path]) -> None:
-    _RUNS.clear()
+    kernel_state.RUNS.clear()
     traceml_jupyter.load(str(saved[1]))
     traceml_jupyter.load(str(saved[1]))
     assert [r.name for r in traceml_jupyter.runs()] == ["slow"]
@@ -152,7 +152,7 @@ def test_a_file_of_the_first_schema_version_loads_and_renders() -> None:
             "(by an older traceml_jupyter)."
         ]
     finally:
-        _RUNS.remove(run)
+        kernel_state.RUNS.remove(run)
 
 
 def test_a_later_version_with_more_keys_and_unknown_ones_loads(tmp_path: Path) -> None:
@@ -178,7 +178,7 @@ def test_a_later_version_with_more_keys_and_unknown_ones_loads(tmp_path: Path) -
         c = traceml_jupyter.compare(run, str(V1))
         assert "forward_ms" not in {ch.column for ch in c.per_step}  # only one of them has it
     finally:
-        _RUNS.remove(run)
+        kernel_state.RUNS.remove(run)
 
 
 @pytest.mark.parametrize(
@@ -258,7 +258,7 @@ def test_the_history_finds_runs_of_an_earlier_kernel_by_name(ip: Any, saved: tup
     files = sorted(p.name for p in where.iterdir())
     assert len(files) == 2 and files[0].endswith("-before.json") and files[1].endswith("-after.json")
     in_kernel = traceml_jupyter.compare("before", "after").to_dict()
-    _RUNS.clear()  # a new kernel: its runs are gone, the history is not
+    kernel_state.RUNS.clear()  # a new kernel: its runs are gone, the history is not
     c = ip.run_line_magic("traceml", "compare before after")
     assert c.to_dict() == in_kernel
     # paths and globs too
@@ -300,7 +300,7 @@ def test_bad_names_paths_and_globs_say_which_and_why(ip: Any, saved: tuple[Run, 
         with pytest.raises(UsageError) as info:
             ip.run_line_magic("traceml", line)
         assert str(info.value).startswith(f"%traceml compare: {why}"), str(info.value)
-    _RUNS.clear()
+    kernel_state.RUNS.clear()
     with pytest.raises(UsageError, match=r"compare 'slow' with what\? This kernel has no run: name two"):
         ip.run_line_magic("traceml", f"compare {tmp_path}/slow.json")
     with pytest.raises(UsageError, match="unknown command 'load'.*history"):

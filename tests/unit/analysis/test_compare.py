@@ -12,10 +12,11 @@ from IPython.core.formatters import DisplayFormatter
 from synthetic import step_columns
 
 import traceml_jupyter
+from traceml_jupyter import kernel_state
 from traceml_jupyter.analysis.compare import Comparison, compare_summaries, speed_words
 from traceml_jupyter.analysis.summary import summarize, with_batch_size
 from traceml_jupyter.analysis.verdict import diagnose
-from traceml_jupyter.run import _RUNS, Run
+from traceml_jupyter.run import Run
 
 MS = 1_000_000  # ns
 
@@ -128,11 +129,11 @@ def recorded_run(name: str, wait_ms: float, compute_ms: float, n: int = 40) -> R
 
 @pytest.fixture
 def two_runs() -> Iterator[tuple[Run, Run]]:
-    before = list(_RUNS)
-    _RUNS.clear()  # only these two: names from other tests ("slow", ...) must not match
+    before = list(kernel_state.RUNS)
+    kernel_state.RUNS.clear()  # only these two: names from other tests ("slow", ...) must not match
     runs = recorded_run("slow run", 60.0, 30.0), recorded_run("fixed", 0.5, 29.5)
     yield runs
-    _RUNS[:] = before
+    kernel_state.RUNS[:] = before
 
 
 def test_compare_by_name_in_the_shell(ip: Any, two_runs: tuple[Run, Run]) -> None:
@@ -183,10 +184,10 @@ def test_bad_compare_commands_are_usage_errors(ip: Any, two_runs: tuple[Run, Run
 
 
 def test_compare_needs_two_runs(ip: Any) -> None:
-    before = list(_RUNS)
-    _RUNS.clear()
+    before = list(kernel_state.RUNS)
+    kernel_state.RUNS.clear()
     try:
         with pytest.raises(UsageError, match="needs two runs; this kernel has 0"):
             ip.run_line_magic("traceml", "compare")
     finally:
-        _RUNS[:] = before
+        kernel_state.RUNS[:] = before

@@ -386,7 +386,8 @@ class FakeChart(live.HtmlChart):
 def test_a_refresh_reads_only_the_window_however_long_the_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from traceml_jupyter.run import _RUNS, Run
+    from traceml_jupyter import kernel_state
+    from traceml_jupyter.run import Run
 
     run = Run("long")
     run.recorder.origin_ns = (run.recorder.origin_ns or 0) - 60 * 10**9  # a minute-long run
@@ -408,13 +409,14 @@ def test_a_refresh_reads_only_the_window_however_long_the_run(
         assert "step 200,000" in chart._header
         assert view.overview.count.sum() == 200_000
     finally:
-        _RUNS.remove(run)
+        kernel_state.RUNS.remove(run)
 
 
 def test_gpu_figures_sampled_by_the_capture_reach_the_header_and_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from traceml_jupyter import kernel_state
     from traceml_jupyter.capture.resources import nvml
     from traceml_jupyter.capture.resources.watch import ResourceWatch
-    from traceml_jupyter.run import _RUNS, Run
+    from traceml_jupyter.run import Run
 
     fake = types.ModuleType("pynvml")
     fake.nvmlInit = fake.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
@@ -457,7 +459,7 @@ def test_gpu_figures_sampled_by_the_capture_reach_the_header_and_the_run(monkeyp
         assert getattr(run, "gpu_device", None) == "NVIDIA Fake, 0000:17:00.0, 81920 MiB"
         view.close()
     finally:
-        _RUNS.remove(run)
+        kernel_state.RUNS.remove(run)
 
 
 def test_passes_are_read_off_the_loops_around_the_step_loop() -> None:

@@ -67,15 +67,15 @@ def describe_loader(loader: Any) -> dict[str, Any]:
     }
 
 
-def stand_in(loader: Any) -> Any:
+def loader_copy(loader: Any) -> Any:
     """A shallow copy of `loader` without its iterator: its dataset, sampler, batch size and
     collate_fn, for `%traceml tune` once the loader itself is gone; no worker processes kept
     (a persistent loader's workers live in its iterator). None if it cannot be copied."""
     try:
-        twin = copy.copy(loader)
-        if "_iterator" in vars(twin):
-            vars(twin)["_iterator"] = None
-        return twin
+        kept = copy.copy(loader)
+        if "_iterator" in vars(kept):
+            vars(kept)["_iterator"] = None
+        return kept
     except Exception:
         return None
 

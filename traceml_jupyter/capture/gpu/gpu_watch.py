@@ -361,7 +361,7 @@ class GpuWatch:
     def close(self) -> None:
         """Undo every patch, wait once for the GPU, read every pending copy and probe, tie the
         clocks again, and leave the results on the run. Never raises. No CUDA event stays
-        referenced afterwards (the run outlives the cell, in `_RUNS`)."""
+        referenced afterwards (the run outlives the cell, in `kernel_state.RUNS`)."""
         with never_raise(self.notes, "Restoring the GPU watch's patches"):
             self._patches.close()
         if not self.started or self.api is None or self.device is None:

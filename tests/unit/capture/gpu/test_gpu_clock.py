@@ -8,11 +8,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from traceml_jupyter import kernel_state
 from traceml_jupyter.capture import recording as capture_module
 from traceml_jupyter.capture.gpu.cuda_clock import CudaSteps, Marks, busiest_device
 from traceml_jupyter.capture.recording import Capture, capturing
 from traceml_jupyter.capture.steps.recorder import Recorder
-from traceml_jupyter.run import _RUNS, Run
+from traceml_jupyter.run import Run
 
 
 class Stream:
@@ -135,7 +136,7 @@ def test_a_cpu_loop_next_to_a_stale_gpu_tensor_stays_on_the_cpu_clock(fake_cuda:
         run.finish()
         assert run.cuda_device is None and not run._gpu_used and run.clock == "cpu"
     finally:
-        _RUNS.remove(run)
+        kernel_state.RUNS.remove(run)
 
 
 def test_a_loop_on_another_device_is_timed_there(fake_cuda: dict[str, Any]) -> None:
@@ -149,7 +150,7 @@ def test_a_loop_on_another_device_is_timed_there(fake_cuda: dict[str, Any]) -> N
         assert np.isfinite(gpu[2:]).all()  # from the step after the decision on
         assert 1 in fake_cuda["streams"]
     finally:
-        _RUNS.remove(run)
+        kernel_state.RUNS.remove(run)
 
 
 def test_an_error_in_the_gpu_bookkeeping_turns_the_gpu_clock_off_with_a_note(fake_cuda: dict[str, Any]) -> None:
@@ -167,4 +168,4 @@ def test_an_error_in_the_gpu_bookkeeping_turns_the_gpu_clock_off_with_a_note(fak
         assert done == list(range(6)) and run.n_steps == 6 and run.clock == "cpu"
         assert any("GPU timings turned off" in note for note in run.notes)
     finally:
-        _RUNS.remove(run)
+        kernel_state.RUNS.remove(run)
