@@ -3,6 +3,7 @@ elements around them and their visible text (`Page(html).one("tml-verdict").text
 
 from __future__ import annotations
 
+import re
 from html.parser import HTMLParser
 
 VOID = {"br", "hr", "img", "input", "meta", "link", "wbr"}
@@ -55,3 +56,21 @@ class Page(HTMLParser):
 
     def line(self, number: int) -> Element:
         return [e for e in self.by_class("tml-line") if e.attrs["title"].startswith(f"line {number}")][0]
+
+
+def heat_of(page: Page, number: int) -> tuple[float | None, str | None, float | None]:
+    """The bar beside a code line: its length (% of the costliest line's), its label, and the
+    length of the thin host bar under it (CUDA)."""
+    start = page.elements.index(page.line(number))
+    width = label = host = None
+    for e in page.elements[start + 1 :]:
+        if "tml-line" in e.classes:
+            break
+        length = re.search(r"width:([\d.]+)%", e.attrs.get("style") or "")
+        if "tml-heat-bar" in e.classes and length:
+            width = float(length.group(1))
+        elif "tml-heat-host" in e.classes and length:
+            host = float(length.group(1))
+        elif "tml-heat-ms" in e.classes:
+            label = e.text
+    return width, label, host

@@ -5,14 +5,13 @@ cells, the checklist from the history, line costs, a stand-in GPU's copies and s
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import pytest
 from fake_gpu import FakeGpu
 from helpers import gpu_fixture, shell_fixture
 from IPython.utils.capture import capture_output
-from report_page import Element, Page
+from report_page import Element, Page, heat_of
 
 import traceml_jupyter
 from traceml_jupyter.analysis.checklist import default_start_method, evaluate, suggested_workers
@@ -289,24 +288,6 @@ for i, x in enumerate(batches):
         continue
     time.sleep(0.001)
 """
-
-
-def heat_of(page: Page, number: int) -> tuple[float | None, str | None, float | None]:
-    """The bar beside a code line: its length (% of the costliest line's), its label, and the
-    length of the thin host bar under it (CUDA)."""
-    start = page.elements.index(page.line(number))
-    width = label = host = None
-    for e in page.elements[start + 1 :]:
-        if "tml-line" in e.classes:
-            break
-        length = re.search(r"width:([\d.]+)%", e.attrs.get("style") or "")
-        if "tml-heat-bar" in e.classes and length:
-            width = float(length.group(1))
-        elif "tml-heat-host" in e.classes and length:
-            host = float(length.group(1))
-        elif "tml-heat-ms" in e.classes:
-            label = e.text
-    return width, label, host
 
 
 @pytest.mark.slow
