@@ -1,5 +1,7 @@
 """Finished runs' results made from values, no cell run: steps written into a recording as the
-capture writes them, then frozen (`Run.finish`). The renderer and codec tests take these."""
+capture writes them, then frozen (`Run.finish`). The renderer and codec tests take these: CANNED
+names one result for each branch a renderer has (each verdict, no step, an error, the GPU clock,
+ranks, passes kept out of the steps, cost per line, resource findings, the kernel's checklist)."""
 
 from __future__ import annotations
 
@@ -51,6 +53,39 @@ def _training(**more: Any) -> dict[str, Any]:
             "step_kind": "optimizer", "step_definition": "one optimizer step", **more}  # fmt: skip
 
 
+# The cost per line of a loop whose first body line sleeps 5 ms (as line_costs.py measures it).
+LINES_CELL = (
+    "%%traceml\nfor x, y in loader:\n    time.sleep(0.005)\n    loss = model(x).sum()\n"
+    "    if loss > 0:\n        continue\n    opt.step()\n"
+)
+LINE_COSTS = {
+    "statements": [
+        {"line": 3, "end_line": 3, "text": "time.sleep(0.005)", "ms_per_step": 5.0, "share": 0.6, "runs": 40, "gpu_ms_per_step": None},
+        {"line": 4, "end_line": 4, "text": "loss = model(x).sum()", "ms_per_step": 2.0, "share": 0.25, "runs": 40, "gpu_ms_per_step": None},
+        {"line": 5, "end_line": 6, "text": "if loss > 0:", "ms_per_step": 0.5, "share": 0.06, "runs": 40, "gpu_ms_per_step": None},
+        {"line": 7, "end_line": 7, "text": "opt.step()", "ms_per_step": 1.0, "share": 0.12, "runs": 0, "gpu_ms_per_step": None},
+    ],
+    "ms_per_step": {3: 5.0, 4: 2.0, 5: 0.5, 7: 1.0},
+    "gpu_ms_per_step": None, "timed_steps": 36, "warmup_steps": 4, "step_ms": 8.2, "loop_line": 2,
+    "fetch_ms_per_step": 0.2, "clock": "wall clock", "sampling": "every step for the first 16, then one in 16",
+    "gpu_sampled_steps": 0,
+}  # fmt: skip
+# Validation passes kept out of the steps: 45 % of the cell, mostly waiting for their loader.
+VALIDATION = {"kind": "validation", "label": "`val_loader`", "time_ms": 900.0, "share_of_cell": 0.45, "wait_share": 0.8,
+              "passes": 2, "batches": 20, "num_workers": 0, "source_kind": "dataloader"}  # fmt: skip
+# CUDA ran out of memory in step 8, as gpu_memory.oom_facts() describes it.
+OOM = {"step": 8, "completed_steps": 8, "device": 0, "requested_mib": 2048.0, "capacity_mib": 16384.0, "free_mib": 512.0}
+# What the kernel read at the run's end: two checklist items and the earlier cell one of them quotes.
+CHECKLIST = [
+    {"key": "num_workers", "title": "DataLoader workers", "status": "fix", "seen": "0", "to_try": "4", "line": 2,
+     "cell": "In [3]", "where": "In [3], line 2", "reason": "the steps wait for batches made one at a time",
+     "bears_on_verdict": True},
+    {"key": "pin_memory", "title": "Pinned memory", "status": "ok", "seen": "False", "to_try": None, "line": None,
+     "cell": None, "where": None, "reason": "Not applicable: the loop runs on the CPU", "bears_on_verdict": False},
+]  # fmt: skip
+QUOTED = {"In [3]": "n_batches = 40\nloader = DataLoader(SlowSamples(), batch_size=32)"}
+
+
 CANNED: dict[str, Callable[[], RunResult]] = {
     "input-bound": lambda: result_of("slow", [30.0] * 40, [10.0] * 40, **_training()),
     "compute-bound": lambda: result_of("fast", [0.2] * 40, [10.0] * 40, **_training()),
@@ -70,5 +105,15 @@ CANNED: dict[str, Callable[[], RunResult]] = {
             {"rank": 0, "n_analysed": 27, "step_ms": 11.0, "data_wait_ms": 1.0, "compute_ms": 10.0},
             {"rank": 1, "n_analysed": 27, "step_ms": 16.0, "data_wait_ms": 6.0, "compute_ms": 10.0},
         ],
+    ),
+    "validation kept out": lambda: result_of("validated", [0.2] * 40, [10.0] * 40, phases=[VALIDATION], **_training()),
+    "cost per line": lambda: result_of(
+        "lines", [0.2] * 40, [8.0] * 40, **_training(cell_source=LINES_CELL, line_costs=LINE_COSTS)
+    ),
+    "out of memory": lambda: result_of(
+        "oom", [1.0] * 8, [20.0] * 8, oom=OOM, error="OutOfMemoryError: CUDA out of memory.", **_training()
+    ),
+    "checklist read": lambda: result_of("slow", [30.0] * 40, [10.0] * 40, **_training()).with_reading(
+        CHECKLIST, QUOTED
     ),
 }

@@ -1,24 +1,21 @@
 """The parts of the step as the capture takes them (capture/inside/step_parts.py, model_calls.py,
 part_store.py): which steps are sampled, what forward, backward and optimizer are when
 several models, optimizers, a closure or gradient accumulation are in play, what cannot be
-found, and that nothing of it changes the user's objects or code."""
+found, and that nothing of it changes the user's objects or code. Through a traced cell:
+tests/integration/shell/test_step_parts_of_a_cell.py."""
 
 from __future__ import annotations
 
 import copy
 import inspect
 import pickle
-import textwrap
 import threading
 import time
-from functools import partial
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from helpers import traced as traced_with
-from IPython.utils.capture import capture_output
 from torch import nn
 
 import traceml_jupyter
@@ -39,9 +36,6 @@ class Sleepy(nn.Module):
         if self.ms or extra_ms:
             time.sleep((self.ms + extra_ms) / 1000)
         return self.fc(x)
-
-
-traced = partial(traced_with, options="--no-live --lines off")
 
 
 def parts(run: Run) -> dict[str, np.ndarray]:
@@ -127,34 +121,6 @@ def test_a_closure_passed_to_step_is_not_the_optimizer_and_its_forward_and_backw
     assert s["forward_ms"] + s["backward_ms"] + s["optimizer_ms"] + s["rest_ms"] <= s["compute_ms"] * 1.05
 
 
-@pytest.mark.slow
-def test_a_loss_module_is_no_forward_and_a_model_without_modules_is_said_so(ip: Any) -> None:
-    ip.user_ns.update(Sleepy=Sleepy)
-    with capture_output():
-        ip.run_cell(
-            "import torch\nmodel = Sleepy(1.0)\ncrit = torch.nn.MSELoss()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-            "w = torch.zeros(4, requires_grad=True)\nopt_w = torch.optim.SGD([w], lr=0.1)\n"
-        )
-    run = traced(ip, """\
-        for i in range(10):
-            opt.zero_grad()
-            crit(model(torch.ones(2, 4)), torch.zeros(2, 1)).backward()
-            opt.step()
-        """)
-    assert run.summary["forward_modules"] == ["model (Sleepy)"]
-    assert run.summary["optimizers"][0]["label"] == "opt (SGD)"
-    bare = traced(ip, """\
-        for i in range(10):
-            opt_w.zero_grad()
-            (w * 2).sum().backward()
-            opt_w.step()
-        """)
-    s = bare.summary
-    assert s["forward_state"] == "not found" and s["forward_ms"] is None and s["rest_ms"] is None
-    assert s["backward_ms"] is not None and s["optimizer_ms"] is not None
-    assert "Forward not found" in bare.text()
-
-
 def test_gradient_accumulation_without_a_located_loop_sums_each_parts_calls() -> None:
     """A library's loop (no located loop): four forward/backward per optimizer step."""
     model = Sleepy(ms=2.0)
@@ -188,32 +154,6 @@ def test_a_model_called_on_another_thread_is_not_this_steps_forward() -> None:
             model(x).sum().backward()
             opt.step()
     assert np.nanmedian(run.steps["forward_ms"][1:]) < 15.0  # the 2 ms call, not the 32 ms one
-
-
-@pytest.mark.slow
-def test_an_error_inside_the_models_forward_reaches_the_cell_unchanged(ip: Any) -> None:
-    class Broken(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 1)
-            self.calls = 0
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.calls += 1
-            if self.calls == 5:
-                raise ValueError("bad batch 5")
-            return self.fc(x)
-
-    ip.user_ns.update(broken=Broken(), torch=torch)
-    with capture_output() as out:
-        result = ip.run_cell(
-            "%%traceml --no-live\nfor i in range(10):\n    broken(torch.ones(1, 4)).sum().backward()\n"
-        )
-    assert isinstance(result.error_in_exec, ValueError) and str(result.error_in_exec) == "bad batch 5"
-    shown = out.stdout + out.stderr
-    assert "----> 3     broken(torch.ones(1, 4))" in shown  # the cell's own line
-    assert "model_calls.py" not in shown and "step_parts.py" not in shown  # our frames hidden
-    assert "__call__" not in Broken.__dict__
 
 
 def test_a_failure_of_ours_turns_the_parts_off_with_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -326,52 +266,6 @@ def test_compiled_modules_are_timed_whole_and_never_recompiled() -> None:
     assert "__call__" not in type(wrapped).__dict__ or type(wrapped).__dict__["__call__"].__module__.startswith("torch")
 
 
-def test_a_namespace_full_of_earlier_models_does_not_hide_this_steps_model(ip: Any) -> None:
-    """A long session: forty models from earlier cells; this cell's trainer makes its own module
-    (as a Lightning run does) and calls its child: it is found from the frames all the same."""
-    old = {f"old_model_{i}": nn.Linear(3, 3) for i in range(40)}
-    ip.user_ns.update(old)
-    try:
-        run = holder_run(ip)
-        ip.user_ns.update(late_a=Sleepy(), late_b=Sleepy())  # defined after the forty, named in the cell
-        ip.user_ns["late_opt"] = torch.optim.SGD([*ip.user_ns["late_a"].parameters(), *ip.user_ns["late_b"].parameters()], lr=0.1)
-        named = traced(ip, """\
-            for i in range(8):
-                late_opt.zero_grad()
-                (late_a(torch.ones(1, 4)) + late_b(torch.ones(1, 4))).sum().backward()
-                late_opt.step()
-            """)
-    finally:
-        for name in [*old, "late_a", "late_b", "late_opt"]:
-            ip.user_ns.pop(name, None)
-    assert named.summary["forward_modules"] == ["late_a (Sleepy)", "late_b (Sleepy)"]
-    assert run.summary["forward_state"] == "found"
-    assert run.summary["forward_modules"] == ["Holder.net (Sleepy)"]
-    assert "__call__" not in nn.Linear.__dict__ and "__call__" not in Sleepy.__dict__
-
-
-def holder_run(ip: Any) -> Run:
-    ip.user_ns.update(Sleepy=Sleepy, torch=torch, nn=nn)
-    with capture_output():
-        ip.run_cell(textwrap.dedent('''
-            class Holder(nn.Module):
-                """Never called itself: its step calls self.net (like a LightningModule)."""
-                def __init__(self):
-                    super().__init__()
-                    self.net = Sleepy(1.0)
-                def step(self, x):
-                    return self.net(x)
-            def fit():
-                holder = Holder()
-                opt = torch.optim.SGD(holder.parameters(), lr=0.1)
-                for i in range(12):
-                    opt.zero_grad()
-                    holder.step(torch.ones(2, 4)).sum().backward()
-                    opt.step()
-            '''))
-    return traced(ip, "fit()\n")
-
-
 def test_the_walk_looks_again_only_at_the_names_bound_since_the_run_began() -> None:
     """The notebook's namespace is looked at once, when the run begins; the walk at the first
     backward() takes from it only what is new or rebound since (a long session's globals are
@@ -400,23 +294,3 @@ def test_a_scan_looks_inside_containers_up_to_a_budget_the_first_values_first() 
     assert instances_in([[model], *big], nn.Module) == [model]  # the cell's names come first
     assert instances_in([*big, [model]], nn.Module) == []  # past the budget
     assert instances_in([{"m": model}, (model,), model, 3], (nn.Module, torch.optim.Optimizer)) == [model] * 3
-
-
-def test_a_model_and_optimizer_made_in_the_traced_cell_are_found_beside_forty_earlier_ones(ip: Any) -> None:
-    old = {f"old_model_{i}": nn.Linear(3, 3) for i in range(40)}
-    old["old_opts"] = [torch.optim.SGD(m.parameters(), lr=0.1) for m in old.values()]
-    ip.user_ns.update(old, Sleepy=Sleepy, torch=torch)
-    try:
-        run = traced(ip, """\
-            old_model_3 = Sleepy()
-            opt = torch.optim.Adam(old_model_3.parameters(), lr=0.1)
-            for i in range(8):
-                opt.zero_grad()
-                old_model_3(torch.ones(1, 4)).sum().backward()
-                opt.step()
-            """)
-    finally:
-        for name in [*old, "opt"]:
-            ip.user_ns.pop(name, None)
-    assert run.summary["forward_modules"] == ["old_model_3 (Sleepy)"]
-    assert [o["name"] for o in run.summary["optimizers"]] == ["Adam"]
