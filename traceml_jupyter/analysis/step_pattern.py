@@ -7,7 +7,10 @@ spreads >= HUMPS_APART and the slow hump SLOW_RATIO times the fast one or more),
 steps' positions say whether they repeat with a period ("every 4th step") or not. Waits that
 repeat with a short period away from the passes' starts are the loader's steady state (workers
 in lockstep deliver a round of batches at once, then all wait for the next round): INPUT-BOUND,
-not a straggler. Waits at each pass's start are the passes' start-up (INPUT STRAGGLER).
+not a straggler. So are stalls (`summary.stalls`) in FREQUENT_STALLS of the fetches or more away
+from the passes' starts (workers that drift out of lockstep on a busy machine keep the loop
+waiting as steadily, at no fixed period). Waits at each pass's start are the passes' start-up,
+and rare stalls are stragglers (INPUT STRAGGLER).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .number_text import ms as _ms
+from .summary import stalls
 
 MIN_STEPS = 6  # analysed steps a shape needs
 MIN_SLOW = 3  # slow steps a second hump needs
@@ -26,8 +30,9 @@ SLOW_RATIO = 2.0  # the slow hump's median against the fast one's
 REGULAR = 0.6  # share of the gaps between slow steps equal to the commonest gap: a period
 MAX_PERIOD = 16  # a longer period is a pass's length or a schedule, not the loader's rounds
 WAIT_PART = 0.5  # the slow steps' excess is the data wait when the wait holds this share of it
-AT_STARTS = 0.5  # slow steps mostly at a pass's first batch: the passes' start-up
+AT_STARTS = 0.5  # slow steps mostly among a pass's first batches: the passes' start-up
 SKEWED = 1.25  # mean / median step from which one hump is skewed
+FREQUENT_STALLS = 0.2  # stalls in this share of the fetches or more are the loader's pace
 
 
 def _finite(values: Any) -> np.ndarray:
@@ -113,6 +118,8 @@ def step_pattern(
         "steady_wait": False,
         "text": None,
     }
+    near_start = near_pass_starts(numbers, pass_steps, max(1, workers or 1))
+    out.update(_stalls(step, wait, near_start))
     slow = slow_hump(step)
     if slow is None:
         if median > 0 and mean >= SKEWED * median:
@@ -126,7 +133,7 @@ def step_pattern(
     in_wait = wait_excess >= WAIT_PART * (slow_ms - typical)
     positions = np.flatnonzero(slow)
     period = period_of(positions)
-    at_starts = bool(len(pass_steps)) and float(np.mean(np.isin(numbers[slow], list(pass_steps)))) >= AT_STARTS
+    at_starts = float(np.mean(near_start[slow])) >= AT_STARTS
     out.update(
         shape="two humps",
         typical_ms=typical,
@@ -136,7 +143,8 @@ def step_pattern(
         period=period,
         slow_in="data wait" if in_wait else "compute",
         at_pass_starts=at_starts,
-        steady_wait=bool(in_wait and period is not None and period <= MAX_PERIOD and not at_starts),
+        steady_wait=bool(in_wait and period is not None and period <= MAX_PERIOD and not at_starts)
+        or out["steady_wait"],
     )
     if period is not None and period == workers and in_wait:
         out["cause"] = f"the {workers} workers deliver a round of batches together, then all wait for the next round"
@@ -144,6 +152,28 @@ def step_pattern(
         out["cause"] = f"a step takes {period} batches (gradient accumulation)"
     out["text"] = pattern_text(out)
     return out
+
+
+def near_pass_starts(numbers: np.ndarray, pass_steps: Sequence[int], window: int) -> np.ndarray:
+    """The steps among a pass's first `window` (its workers' first batches: each restarted
+    worker's first batch is slow)."""
+    near = np.zeros(len(numbers), dtype=bool)
+    for start in set(int(k) for k in pass_steps):
+        near |= (numbers >= start) & (numbers < start + window)
+    return near
+
+
+def _stalls(step: np.ndarray, wait: np.ndarray, near_start: np.ndarray) -> dict[str, Any]:
+    """The stalled fetches: how many, and whether they are frequent enough, away from the
+    passes' starts, to be the loader's steady pace."""
+    ok = np.isfinite(step) & np.isfinite(wait)
+    stalled = np.zeros(len(step), dtype=bool)
+    if ok.sum() >= 2:
+        stalled[ok] = stalls(wait[ok], step[ok])
+    count = int(stalled.sum())
+    at_starts = bool(count) and float(np.mean(near_start[stalled])) >= AT_STARTS
+    share = count / max(1, int(ok.sum()))
+    return {"stalls": count, "steady_wait": bool(share >= FREQUENT_STALLS and not at_starts)}
 
 
 def pattern_text(p: Mapping[str, Any]) -> str:

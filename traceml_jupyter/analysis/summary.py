@@ -49,9 +49,16 @@ def straggler_share(wait: np.ndarray, step: np.ndarray) -> tuple[float, int]:
     """
     if len(wait) < 2 or step.sum() <= 0:
         return 0.0, 0
-    med_wait, med_step = float(np.median(wait)), float(np.median(step))
-    spikes = wait > max(3.0 * med_wait, med_wait + 0.1 * med_step)
+    med_wait = float(np.median(wait))
+    spikes = stalls(wait, step)
     return float((wait[spikes] - med_wait).sum() / step.sum()), int(spikes.sum())
+
+
+def stalls(wait: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The fetches that stall (`straggler_share`'s spikes), as a mask."""
+    med_wait, med_step = float(np.median(wait)), float(np.median(step))
+    spikes: np.ndarray = wait > max(3.0 * med_wait, med_wait + 0.1 * med_step)
+    return spikes
 
 
 def summarize(

@@ -17,7 +17,7 @@ CRITICAL_MIN_STEPS = 20
 COMPUTE_SHARE = 0.90
 # A verdict over fewer than CRITICAL_MIN_STEPS steps, or whose mean step is known to no better
 # than ±SURE_NOISE (its 95 % interval, from blocks of consecutive steps), says how sure it is.
-SURE_NOISE = 0.10
+SURE_NOISE = 0.25
 MIN_ANALYSED = 2
 # Below this median step (20 µs) the hooks' own cost (about 1 µs a step, split between fetch and
 # body) is a visible share of the step, and would read as data wait: no verdict but TOO SHORT.
@@ -438,22 +438,28 @@ def _steady_input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, 
     mean_wait = (stats.get("data_wait_ms") or {}).get("mean")
     mean_step = (stats.get("step_ms") or {}).get("mean")
     cause = f" ({pattern['cause']})" if pattern.get("cause") else ""
+    text = pattern.get("text")
+    if pattern.get("period") and pattern.get("slow_in") == "data wait":
+        how = f"in a steady pattern: {text}{cause}"
+        pace = "the waits repeat with the loader's rounds"
+    else:
+        how = f"steadily: {pattern.get('stalls')} of {n} fetches wait long" + (f" ({text})" if text else "")
+        pace = "the waits are spread over the run, not at the passes' starts"
     return Verdict(
         VerdictLabel.INPUT_BOUND,
         severity_for(share, n),
-        f"The loop waits for data {_pct(share)} of its time, in a steady pattern: "
-        f"{pattern['text']}{cause}. Mean wait {_ms(mean_wait)} of a {_ms(mean_step)} mean step, "
-        f"over {n} steps: the waits repeat with the loader's rounds, so they are its pace, not "
+        f"The loop waits for data {_pct(share)} of its time, {how}. Mean wait {_ms(mean_wait)} of "
+        f"a {_ms(mean_step)} mean step, over {n} steps: {pace}, so they are its pace, not "
         "stragglers.",
         input_next(summary),
-        evidence + [("Pattern", str(pattern["text"]))],
+        evidence + ([("Pattern", str(text))] if text else []),
     )
 
 
 def how_sure(summary: Mapping[str, Any]) -> str:
     """" Over 8 steps the mean step is known to ±23 %: run longer to be sure." when the steps
-    are few (under CRITICAL_MIN_STEPS) or noisy (the mean's interval wider than ±SURE_NOISE),
-    else ""."""
+    are few (under CRITICAL_MIN_STEPS) or noisy (the mean's interval wider than ±SURE_NOISE: a
+    machine shared with other work, a step that varies by a factor), else ""."""
     n, noise = int(summary.get("n_analysed") or 0), summary.get("mean_step_noise")
     if n < MIN_ANALYSED or noise is None or (n >= CRITICAL_MIN_STEPS and noise <= SURE_NOISE):
         return ""

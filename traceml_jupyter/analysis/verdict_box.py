@@ -27,8 +27,10 @@ def headline_ms(summary: Mapping[str, Any], key: str) -> float | None:
     return mean if summary.get("mean_step_ms") is not None else summary.get(key)
 
 
-# The warm-up gets its own line in the box when it holds this share of the loop's time or more.
+# The warm-up gets its own line in the box when it holds this share of the loop's time or more;
+# the time between the steps (in no step: a stopwatch around the loop counts it) from this one.
 WARMUP_LINE_SHARE = 0.05
+OUTSIDE_LINE_SHARE = 0.02
 
 
 def box_notes(summary: Mapping[str, Any]) -> list[str]:
@@ -41,10 +43,10 @@ def box_notes(summary: Mapping[str, Any]) -> list[str]:
         notes.append(str(text).replace(" ms", "ms"))
     warm, loop, n = summary.get("warmup_ms"), summary.get("loop_ms"), summary.get("warmup_steps")
     if warm and loop and n and warm >= WARMUP_LINE_SHARE * loop:
-        steps = f"first {n} steps" if n > 1 else "first step"
-        notes.append(f"{steps} (warm-up, kept out of the verdict): {_ms(warm)} of {_ms(loop)}")
+        steps = f"first {n} steps" if n > 1 else "the first step"
+        notes.append(f"warm-up ({steps}, not in the verdict): {_ms(warm)} of {_ms(loop)}")
     outside = summary.get("outside_steps_ms")
-    if outside and loop and outside >= WARMUP_LINE_SHARE * loop:
+    if outside and loop and outside >= OUTSIDE_LINE_SHARE * loop:
         notes.append(f"{_ms(outside)} between the steps (phases, traceml's own set-up)")
     return notes
 

@@ -69,7 +69,7 @@ def test_the_warm_up_and_time_between_steps_get_their_own_line_when_they_matter(
     assert s["warmup_ms"] == pytest.approx(309.5 + 4 * 10.0)
     assert s["outside_steps_ms"] == pytest.approx(200.0)
     box = verdict_box("COMPUTE-BOUND", s).splitlines()
-    assert "First 5 steps (warm-up, kept out of the verdict): 349.5ms of 1299.5ms" in box[3]
+    assert "Warm-up (first 5 steps, not in the verdict): 349.5ms of 1299.5ms" in box[3]
     assert "200.0ms between the steps" in box[4]
 
 
@@ -105,6 +105,30 @@ def test_each_pass_s_first_batch_stays_a_straggler_with_its_fix() -> None:
     v = diagnose(s)
     assert v.label == "INPUT STRAGGLER"
     assert v.next.startswith("Keep workers alive between epochs (persistent_workers=True)")
+
+
+def test_frequent_stalls_at_no_fixed_period_are_the_loader_s_pace() -> None:
+    # Four workers drifted out of lockstep on a busy machine: a third of the fetches wait
+    # 10-30 ms, at no fixed period, over a single pass.
+    rng = np.random.default_rng(3)
+    n = 150
+    wait = np.where(rng.random(n) < 0.33, rng.uniform(10.0, 30.0, n), rng.uniform(0.0, 2.0, n))
+    cols = step_columns(wait, rng.uniform(4.0, 6.0, n))
+    assert diagnose(summarize(cols, n)).label == "INPUT STRAGGLER"  # the spike rule alone
+    s = analysed(summarize(cols, n), cols, pass_steps=(0,), workers=4)
+    v = diagnose(s)
+    assert v.label == "INPUT-BOUND" and "fetches wait long" in v.why, v.why
+    assert "persistent" not in v.next
+
+
+def test_each_pass_s_first_batches_from_restarted_workers_stay_a_straggler() -> None:
+    # Two workers restart at each pass of 10 batches: the first two batches of a pass stall.
+    wait = [300.0 if i % 10 in (0, 1) else 0.5 for i in range(60)]
+    cols = step_columns(wait, [20.0] * 60)
+    starts = tuple(range(0, 60, 10))
+    s = analysed(summarize(cols, 60, warmup=0), cols, pass_steps=starts, workers=2)
+    assert not s["step_pattern"]["steady_wait"]
+    assert diagnose(s).label == "INPUT STRAGGLER"
 
 
 def test_the_next_line_never_contradicts_what_the_run_saw_of_the_loader() -> None:
