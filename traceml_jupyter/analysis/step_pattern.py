@@ -7,8 +7,8 @@ spreads >= HUMPS_APART and the slow hump SLOW_RATIO times the fast one or more),
 steps' positions say whether they repeat with a period ("every 4th step") or not. Waits that
 repeat with a short period away from the passes' starts are the loader's steady state (workers
 in lockstep deliver a round of batches at once, then all wait for the next round): INPUT-BOUND,
-not a straggler. So are stalls (`summary.stalls`) in FREQUENT_STALLS of the fetches or more away
-from the passes' starts (workers that drift out of lockstep on a busy machine keep the loop
+not a straggler. So are stalls (`summary.stalls`) in FREQUENT_STALLS of the fetches or more, each
+waiting STALL_STEP of a typical step or more, away from the passes' starts (workers that drift out of lockstep on a busy machine keep the loop
 waiting as steadily, at no fixed period). Waits at each pass's start are the passes' start-up,
 and rare stalls are stragglers (INPUT STRAGGLER).
 """
@@ -32,7 +32,8 @@ MAX_PERIOD = 16  # a longer period is a pass's length or a schedule, not the loa
 WAIT_PART = 0.5  # the slow steps' excess is the data wait when the wait holds this share of it
 AT_STARTS = 0.5  # slow steps mostly among a pass's first batches: the passes' start-up
 SKEWED = 1.25  # mean / median step from which one hump is skewed
-FREQUENT_STALLS = 0.2  # stalls in this share of the fetches or more are the loader's pace
+FREQUENT_STALLS = 0.2  # stalls in this share of the fetches or more are the loader's pace ...
+STALL_STEP = 0.5  # ... when they wait this share of a typical step or more (not a busy machine's jitter)
 
 
 def _finite(values: Any) -> np.ndarray:
@@ -171,9 +172,12 @@ def _stalls(step: np.ndarray, wait: np.ndarray, near_start: np.ndarray) -> dict[
     if ok.sum() >= 2:
         stalled[ok] = stalls(wait[ok], step[ok])
     count = int(stalled.sum())
-    at_starts = bool(count) and float(np.mean(near_start[stalled])) >= AT_STARTS
+    if not count:
+        return {"stalls": 0, "steady_wait": False}
+    at_starts = float(np.mean(near_start[stalled])) >= AT_STARTS
     share = count / max(1, int(ok.sum()))
-    return {"stalls": count, "steady_wait": bool(share >= FREQUENT_STALLS and not at_starts)}
+    costly = float(np.median(wait[stalled])) >= STALL_STEP * float(np.median(step[ok]))
+    return {"stalls": count, "steady_wait": bool(share >= FREQUENT_STALLS and costly and not at_starts)}
 
 
 def pattern_text(p: Mapping[str, Any]) -> str:
