@@ -36,7 +36,7 @@ FREQUENT_STALLS = 0.2  # stalls in this share of the fetches or more are the loa
 STALL_STEP = 0.5  # ... when they wait this share of a typical step or more (not a busy machine's jitter)
 
 
-def _finite(values: Any) -> np.ndarray:
+def _floats(values: Any) -> np.ndarray:
     return np.asarray(values, dtype=np.float64)
 
 
@@ -100,8 +100,8 @@ def step_pattern(
     state); `text`: "typical step 1.7 ms; every 2nd step waits 28.0 ms", or None for even steps.
     None with fewer than MIN_STEPS analysed steps."""
     suffix = "_gpu_ms" if clock == "gpu" else "_ms"
-    step = _finite(columns.get("step" + suffix, columns["step_ms"]))[analysed]
-    wait = _finite(columns.get("data_wait" + suffix, columns["data_wait_ms"]))[analysed]
+    step = _floats(columns.get("step" + suffix, columns["step_ms"]))[analysed]
+    wait = _floats(columns.get("data_wait" + suffix, columns["data_wait_ms"]))[analysed]
     numbers = np.asarray(columns["step"])[analysed]
     finite = step[np.isfinite(step)]
     if len(finite) < MIN_STEPS:
@@ -111,12 +111,15 @@ def step_pattern(
         "shape": "even",
         "typical_ms": median,
         "slow_ms": None,
+        "slow_wait_ms": None,
         "slow_steps": 0,
         "steps": int(len(finite)),
         "period": None,
         "slow_in": None,
         "at_pass_starts": False,
         "steady_wait": False,
+        "stalls": 0,
+        "cause": None,
         "text": None,
     }
     near_start = near_pass_starts(numbers, pass_steps, max(1, workers or 1))
