@@ -101,13 +101,30 @@ def loader_facts(loader: Mapping[str, Any] | None, pass_steps: Sequence[int]) ->
     }
 
 
+# ... when the run saw no DataLoader feed its steps (and no other source it could name).
+NO_LOADER_INPUT_NEXT = (
+    "Feed the loop faster: make each batch cheaper to produce, or make it ahead of the step in a "
+    "background thread or a DataLoader with workers (see the checklist)."
+)
+NO_LOADER_STRAGGLER_NEXT = (
+    "Look for the slow batches (a large file, a cache miss, a pass's set-up), and make them ahead "
+    "of the step in a background thread, so that one slow batch hides behind the steps."
+)
+
+
+def no_loader(summary: Mapping[str, Any]) -> bool:
+    """The run said what it saw of the training DataLoader, and saw none (a run saved before it
+    said so is not taken for one without)."""
+    return "loader_passes" in summary and summary.get("data_source_kind") != "dataloader"
+
+
 def loader_input_next(summary: Mapping[str, Any]) -> str:
     """The INPUT-BOUND `next` for a DataLoader, true for this run: persistent workers only over
     several passes, pinned memory only on the GPU clock; DATALOADER_INPUT_NEXT when the run
     did not say what it saw of the loader (a run saved before these keys)."""
     passes = summary.get("loader_passes")
     if passes is None:
-        return DATALOADER_INPUT_NEXT
+        return NO_LOADER_INPUT_NEXT if no_loader(summary) else DATALOADER_INPUT_NEXT
     pattern = summary.get("step_pattern") or {}
     ideas = ["more DataLoader workers"]
     if passes >= 2 and not summary.get("loader_persistent"):
@@ -130,7 +147,7 @@ def loader_straggler_next(summary: Mapping[str, Any]) -> str:
     restarted over several passes, a prefetch only with workers, workers when it has none."""
     passes = summary.get("loader_passes")
     if passes is None:
-        return DATALOADER_STRAGGLER_NEXT
+        return NO_LOADER_STRAGGLER_NEXT if no_loader(summary) else DATALOADER_STRAGGLER_NEXT
     workers = summary.get("loader_workers") or 0
     if not workers:
         head = "Load in DataLoader workers (num_workers > 0) so that a slow batch is made while the steps run"

@@ -140,6 +140,9 @@ def test_the_next_line_never_contradicts_what_the_run_saw_of_the_loader() -> Non
     kept = {**loader_facts({"num_workers": 2, "persistent_workers": True}, [0, 10]), "clock": "gpu"}
     assert "persistent" not in straggler_next(kept) and "persistent" not in input_next(kept)
     assert "pinned memory" in input_next(kept)
+    unknown = {"data_source_kind": None, **loader_facts(None, []), "clock": "cpu"}
+    assert "worker" not in input_next(unknown) or "a DataLoader with workers" in input_next(unknown)
+    assert "DataLoader workers" not in input_next(unknown) and "persistent" not in straggler_next(unknown)
     generator = {"data_source_kind": "loop", "data_source_type": "generator", "data_source": "`g()` on line 2",
                  **loader_facts(None, [])}
     assert "worker" not in straggler_next(generator).lower() and "DataLoader workers" not in straggler_next(generator)
