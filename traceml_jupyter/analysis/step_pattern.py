@@ -2,7 +2,7 @@
 
 A mean says how long the loop took; it does not say that every 2nd step waited 28 ms while the
 others took 1.7 ms. The analysed steps are split in two humps where they have two (the split
-that separates them best, kept only when the humps stand apart: Ashman's D of their robust
+that separates them best, a few extreme steps set aside, kept only when the humps stand apart: Ashman's D of their robust
 spreads >= HUMPS_APART and the slow hump SLOW_RATIO times the fast one or more), and the slow
 steps' positions say whether they repeat with a period ("every 4th step") or not. Waits that
 repeat with a short period away from the passes' starts are the loader's steady state (workers
@@ -45,19 +45,28 @@ def _spread(values: np.ndarray, floor: float) -> float:
     return max(floor, 1.4826 * float(np.median(np.abs(values - np.median(values)))))
 
 
-def slow_hump(step: np.ndarray) -> np.ndarray | None:
-    """The mask of the slow steps when the steps have two humps that stand apart, else None."""
-    ok = np.isfinite(step)
-    values = np.sort(step[ok])
+def _split(values: np.ndarray) -> int:
+    """Where sorted `values` split best in two (Otsu: the most variance between the two)."""
     n = len(values)
-    if n < MIN_STEPS:
-        return None
     cum = np.cumsum(values)
     k = np.arange(1, n)
     low_mean = cum[:-1] / k
     high_mean = (cum[-1] - cum[:-1]) / (n - k)
-    between = k * (n - k) * (high_mean - low_mean) ** 2  # Otsu: the split's between-class variance
-    cut = int(np.argmax(between)) + 1
+    return int(np.argmax(k * (n - k) * (high_mean - low_mean) ** 2)) + 1
+
+
+def slow_hump(step: np.ndarray) -> np.ndarray | None:
+    """The mask of the slow steps when the steps have two humps that stand apart, else None. A
+    split that leaves fewer than MIN_SLOW steps above it has found a few extreme steps: they are
+    set aside (they stay slow) and the rest split again, once."""
+    ok = np.isfinite(step)
+    values = np.sort(step[ok])
+    if len(values) < MIN_STEPS:
+        return None
+    cut = _split(values)
+    if len(values) - cut < MIN_SLOW and cut >= MIN_STEPS:
+        values = values[:cut]
+        cut = _split(values)
     low, high = values[:cut], values[cut:]
     if len(high) < MIN_SLOW or len(low) < MIN_SLOW:
         return None
