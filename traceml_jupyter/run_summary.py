@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .analysis.data_sources import loader_facts
 from .analysis.step_parts import epoch_startup, parts_summary, trend
+from .analysis.step_pattern import step_pattern
 from .analysis.summary import summarize, with_batch_size
 from .analysis.verdict import Verdict, diagnose
 
@@ -60,6 +62,9 @@ def _inside_the_step(run: Run, cols: dict[str, np.ndarray], summary: dict[str, A
     parts = run.step_parts
     out.update(parts.facts() if parts is not None else {"forward_state": None, "forward_modules": [], "optimizers": []})
     out["trend"] = trend(cols, analysed, clock)
+    out.update(loader_facts(run.loader_info, run.pass_starts))
+    workers = out["loader_workers"]
+    out["step_pattern"] = step_pattern(cols, analysed, clock, run.pass_starts, workers, run.batches_per_step)
     total = (summary.get("totals_ms") or {}).get("step_gpu_ms" if clock == "gpu" else "step_ms")
     out["epoch_startup"] = epoch_startup(cols, run.pass_starts, total, run.loader_info, clock)
     return out

@@ -383,6 +383,9 @@ def judged_words(j: Judgement, verdicts: str) -> str:
             for c in j.slower_parts
         )
         words += f", but slower: {slower}"
+    sure = j.how_sure
+    if sure:
+        words += f" ({sure})"
     label = "NO CHANGE (within noise)" if j.change == Change.NO_CHANGE else j.change.value
     return f"{label}: {words}; {verdicts}"
 

@@ -1,14 +1,19 @@
 """What fed the training steps, in words, and what makes it faster. A DataLoader's remedies are
 its settings (workers, persistent workers, pinned memory); a generator, a list, a custom
 iterator or a `get_batch()` function has none of those, and the advice names that source by its
-expression and line and says what makes such a source faster. Pure functions of the summary
-(`data_source`, `data_source_kind`, `data_source_type`, `data_source_line`)."""
+expression and line and says what makes such a source faster. A DataLoader's advice follows
+what the run saw of it: persistent workers only when the loop made several passes over it,
+pinned memory only on the GPU clock, a prefetch only with workers. Pure functions of the summary
+(`data_source`, `data_source_kind`, `data_source_type`, `data_source_line`, `loader_workers`,
+`loader_persistent`, `loader_passes`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .number_text import ms as _ms
 
 # The INPUT-BOUND and INPUT STRAGGLER advice for a DataLoader (and when the source is not known).
 DATALOADER_INPUT_NEXT = (
@@ -83,6 +88,76 @@ def remedies(f: Feeder) -> str:
     )
 
 
+def loader_facts(loader: Mapping[str, Any] | None, pass_steps: Sequence[int]) -> dict[str, Any]:
+    """What the advice reads of the training DataLoader: its workers, whether they persist, and
+    how many passes the loop made over it (None where no DataLoader fed the steps)."""
+    if not loader:
+        return {"loader_workers": None, "loader_persistent": None, "loader_passes": None}
+    workers = loader.get("num_workers")
+    return {
+        "loader_workers": int(workers) if workers is not None else None,
+        "loader_persistent": bool(loader.get("persistent_workers")),
+        "loader_passes": max(1, len(set(pass_steps))),
+    }
+
+
+# ... when the run saw no DataLoader feed its steps (and no other source it could name).
+NO_LOADER_INPUT_NEXT = (
+    "Feed the loop faster: make each batch cheaper to produce, or make it ahead of the step in a "
+    "background thread or a DataLoader with workers (see the checklist)."
+)
+NO_LOADER_STRAGGLER_NEXT = (
+    "Look for the slow batches (a large file, a cache miss, a pass's set-up), and make them ahead "
+    "of the step in a background thread, so that one slow batch hides behind the steps."
+)
+
+
+def no_loader(summary: Mapping[str, Any]) -> bool:
+    """The run said what it saw of the training DataLoader, and saw none (a run saved before it
+    said so is not taken for one without)."""
+    return "loader_passes" in summary and summary.get("data_source_kind") != "dataloader"
+
+
+def loader_input_next(summary: Mapping[str, Any]) -> str:
+    """The INPUT-BOUND `next` for a DataLoader, true for this run: persistent workers only over
+    several passes, pinned memory only on the GPU clock; DATALOADER_INPUT_NEXT when the run
+    did not say what it saw of the loader (a run saved before these keys)."""
+    passes = summary.get("loader_passes")
+    if passes is None:
+        return NO_LOADER_INPUT_NEXT if no_loader(summary) else DATALOADER_INPUT_NEXT
+    pattern = summary.get("step_pattern") or {}
+    ideas = ["more DataLoader workers"]
+    if passes >= 2 and not summary.get("loader_persistent"):
+        ideas.append("persistent workers")
+    if summary.get("clock") == "gpu":
+        ideas.append("pinned memory")
+    if pattern.get("steady_wait") and pattern.get("period") and summary.get("loader_workers"):
+        round_ms = (pattern["period"] - 1) * float(pattern.get("typical_ms") or 0.0) + float(pattern.get("slow_ms") or 0.0)
+        return (
+            f"Feed the loop faster: the {summary['loader_workers']} workers make a round of "
+            f"batches every {_ms(round_ms)} while the steps need one every "
+            f"{_ms(pattern.get('typical_ms'))}: {', '.join(ideas)} (%traceml tune measures how "
+            "many), or cheaper samples (see the checklist)."
+        )
+    return f"Feed the loop faster: {', '.join(ideas)}, and less per-sample work (see the checklist)."
+
+
+def loader_straggler_next(summary: Mapping[str, Any]) -> str:
+    """The INPUT STRAGGLER `next` for a DataLoader: persistent workers only when workers
+    restarted over several passes, a prefetch only with workers, workers when it has none."""
+    passes = summary.get("loader_passes")
+    if passes is None:
+        return NO_LOADER_STRAGGLER_NEXT if no_loader(summary) else DATALOADER_STRAGGLER_NEXT
+    workers = summary.get("loader_workers") or 0
+    if not workers:
+        head = "Load in DataLoader workers (num_workers > 0) so that a slow batch is made while the steps run"
+    elif passes >= 2 and not summary.get("loader_persistent"):
+        head = "Keep workers alive between epochs (persistent_workers=True), prefetch more"
+    else:
+        head = "Prefetch more batches (prefetch_factor)"
+    return f"{head}, and look for slow samples, files or shards."
+
+
 def input_next(summary: Mapping[str, Any]) -> str:
     """The INPUT-BOUND verdict's `next`: the DataLoader's settings for a DataLoader (unless the
     CPU is already saturated: then cheaper samples), else the source by name and line and its
@@ -90,7 +165,7 @@ def input_next(summary: Mapping[str, Any]) -> str:
     f = feeder(summary)
     saturated = bool(summary.get("cpu_saturated"))
     if f is None:
-        return SATURATED_INPUT_NEXT if saturated else DATALOADER_INPUT_NEXT
+        return SATURATED_INPUT_NEXT if saturated else loader_input_next(summary)
     if saturated and not f.built:
         return (
             f"Make each item of {f.named()} cheaper: the CPU is saturated, so a thread or workers "
@@ -109,7 +184,7 @@ def straggler_next(summary: Mapping[str, Any]) -> str:
     """The INPUT STRAGGLER verdict's `next`, for the source that fed the steps."""
     f = feeder(summary)
     if f is None:
-        return DATALOADER_STRAGGLER_NEXT
+        return loader_straggler_next(summary)
     return (
         f"Look for the slow items of {f.named()} (a large file, a cache miss, a pass's set-up), "
         "and prefetch it in a background thread a few batches ahead, so that one slow item "

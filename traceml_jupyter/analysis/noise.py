@@ -34,6 +34,8 @@ MAX_BLOCKS = 16
 SAME_SPEED = 1.05  # a change under 5 % is within what two runs of the same code differ by
 PART_OF_STEP = 0.02  # a part's change counts for MIXED when it moves the step by 2 % or more
 MIN_STEPS = 2  # analysed steps a run needs for an interval
+SURE_STEPS = 20  # with fewer analysed steps in either run, the conclusion says it is rough
+SURE_SPAN = 1.5  # ... and when the speed-up's interval spans more than this factor
 
 # Columns every run has (compared as the step, data wait and compute on the run's clock) and
 # bookkeeping: not compared as extra columns.
@@ -106,6 +108,19 @@ class Judgement:
     speedup_high: float
     per: str  # "step" or "sample" (the batch sizes differ: time per sample is compared)
     columns: list[ColumnChange] = field(default_factory=list)
+    steps: tuple[int, int] = (0, 0)  # the analysed steps of A and of B
+
+    @property
+    def how_sure(self) -> str | None:
+        """"from 8 and 9 steps: a rough interval; run both longer to narrow it" when either run
+        has fewer than SURE_STEPS analysed steps or the speed-up's interval spans more than
+        SURE_SPAN (its high bound over its low), else None."""
+        few = min(self.steps) < SURE_STEPS
+        wide = self.speedup_low > 0 and self.speedup_high / self.speedup_low > SURE_SPAN
+        if not (few or wide):
+            return None
+        why = f"from {self.steps[0]} and {self.steps[1]} steps" if few else "the steps vary a lot"
+        return f"{why}: a rough interval; run both longer to narrow it"
 
     @property
     def slower_parts(self) -> list[ColumnChange]:
@@ -199,10 +214,23 @@ def widening(blocks: int) -> float:
     (with 10 blocks: 1.22x; with 16: 1.12x)."""
     if blocks < 2:
         return 1.0
-    z = 1.959963984540054  # the normal's 97.5 % point (LEVEL)
     nu = blocks - 1
-    t = z + (z**3 + z) / (4 * nu) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * nu**2)  # Cornish-Fisher
-    return math.sqrt(blocks / nu) * t / z
+    return math.sqrt(blocks / nu) * student_t975(nu) / Z975
+
+
+Z975 = 1.959963984540054  # the normal's 97.5 % point (LEVEL)
+
+
+def student_t975(nu: int) -> float:
+    """Student's t 97.5 % point with `nu` degrees of freedom: the table's up to 4, then the
+    Cornish-Fisher expansion (2.56 for 5 against 2.571, 2.26 for 9)."""
+    z = Z975
+    if nu < 1:
+        return math.inf
+    t = z + (z**3 + z) / (4 * nu) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * nu**2)
+    if nu < 5:  # the expansion is far off with so few: the table's values
+        return (12.706, 4.303, 3.182, 2.776)[nu - 1]
+    return t
 
 
 def _interval(values: np.ndarray, centre: float, widen: float = 1.0) -> tuple[float, float]:
@@ -213,6 +241,22 @@ def _interval(values: np.ndarray, centre: float, widen: float = 1.0) -> tuple[fl
         return math.nan, math.nan
     low, high = np.percentile(finite, [tail, 100 - tail])
     return centre - (centre - float(low)) * widen, centre + (float(high) - centre) * widen
+
+
+def ratio_interval(rep_a: np.ndarray, rep_b: np.ndarray, ratio: float, widen: float) -> tuple[float, float]:
+    """The interval of B / A from the replicates of two positive means, drawn and widened on the
+    log scale: a ratio of times cannot reach 0, and its bootstrap is skewed (a short run's
+    interval widened about the ratio itself went below 0: "0.30x to -85.23x")."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        logs = np.log(rep_b) - np.log(rep_a)
+    low, high = _interval(logs, math.log(ratio), widen)
+    return math.exp(low), math.exp(high)
+
+
+def _never_negative(a: np.ndarray, b: np.ndarray) -> bool:
+    """Both runs' values are times or amounts (none below 0): B - A's interval is A x (B / A's
+    interval - 1), so that B's mean never goes below 0 within it."""
+    return bool(np.nanmin(a) >= 0 and np.nanmin(b) >= 0) if len(a) and len(b) else False
 
 
 def _mean(values: np.ndarray) -> float:
@@ -267,7 +311,12 @@ def judge(
             continue
         diff = (b - a, *_interval(rep_b[column] - rep_a[column], b - a, widen))
         ratio = ratio_low = ratio_high = None
-        if a > 0:
+        if a > 0 and b > 0:
+            ratio = b / a
+            ratio_low, ratio_high = ratio_interval(rep_a[column], rep_b[column], ratio, widen)
+            if _never_negative(samples_a[column], samples_b[column]):
+                diff = (b - a, a * (ratio_low - 1.0), a * (ratio_high - 1.0))
+        elif a > 0:
             ratio = b / a
             with np.errstate(invalid="ignore", divide="ignore"):
                 ratio_low, ratio_high = _interval(rep_b[column] / rep_a[column], ratio, widen)
@@ -290,6 +339,7 @@ def judge(
     else:
         change = Change.NO_CHANGE
     # The speed-up is work per second, B over A: A's mean step over B's, with its interval.
+    steps = (len(samples_a["step_ms"]), len(samples_b["step_ms"]))
     return Judgement(
-        change, step_a / step_b, 1 / step.ratio_high, 1 / step.ratio_low, per, columns
+        change, step_a / step_b, 1 / step.ratio_high, 1 / step.ratio_low, per, columns, steps
     )

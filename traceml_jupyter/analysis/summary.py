@@ -1,4 +1,5 @@
-"""Pure summaries of recorded step columns: medians, tails, shares, the clock and warm-up."""
+"""Pure summaries of recorded step columns: the headline means a stopwatch agrees with, medians,
+tails, shares, the clock and warm-up."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from .noise import block_edges, student_t975
 
 PHASES = ("data_wait_ms", "compute_ms", "step_ms")
 GPU_OF = {"data_wait_ms": "data_wait_gpu_ms", "compute_ms": "compute_gpu_ms", "step_ms": "step_gpu_ms"}
@@ -46,9 +49,16 @@ def straggler_share(wait: np.ndarray, step: np.ndarray) -> tuple[float, int]:
     """
     if len(wait) < 2 or step.sum() <= 0:
         return 0.0, 0
-    med_wait, med_step = float(np.median(wait)), float(np.median(step))
-    spikes = wait > max(3.0 * med_wait, med_wait + 0.1 * med_step)
+    med_wait = float(np.median(wait))
+    spikes = stalls(wait, step)
     return float((wait[spikes] - med_wait).sum() / step.sum()), int(spikes.sum())
+
+
+def stalls(wait: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The fetches that stall (`straggler_share`'s spikes), as a mask."""
+    med_wait, med_step = float(np.median(wait)), float(np.median(step))
+    spikes: np.ndarray = wait > max(3.0 * med_wait, med_wait + 0.1 * med_step)
+    return spikes
 
 
 def summarize(
@@ -102,6 +112,85 @@ def summarize(
         "totals_ms": dict(totals_ms) if totals_ms is not None else None,
     }
     out.update(gpu_work(columns, analysed, clock, med_step, out["data_wait_share"]))
+    out.update(headline(columns, n_steps, clock, totals_ms, stats, int(out["n_analysed"]), step))
+    return out
+
+
+# Keys of the headline figures (docs/verdicts.md, "Which figure is which").
+HEADLINE_KEYS = (
+    "mean_data_wait_ms",  # the mean wait a step, every step recorded (warm-up included)
+    "mean_compute_ms",  # the mean compute a step, every step recorded
+    "mean_step_ms",  # the mean step, every step: mean_data_wait_ms + mean_compute_ms
+    "loop_ms",  # the steps' whole time: n_steps x mean_step_ms
+    "warmup_ms",  # the warm-up steps' time, inside loop_ms
+    "data_wait_time_share",  # the analysed steps' total wait / their total time
+    "mean_step_noise",  # the analysed mean step's 95 % interval, ± a share of it (blocks of steps)
+    "outside_steps_ms",  # from the first step's start to the last's end, the time in no step
+)
+
+
+def mean_noise(step: np.ndarray) -> float | None:
+    """How well the analysed steps know their mean: the half-width of its 95 % interval as a
+    share of it, from the means of consecutive blocks of steps (steps drift, so single steps
+    would say too little) and Student's t for few blocks; None with fewer than 2 steps."""
+    values = step[np.isfinite(step)]
+    if len(values) < 2 or values.mean() <= 0:
+        return None
+    edges = block_edges(len(values))
+    if len(edges) < 3:  # one block: the steps themselves, with their own t
+        edges = np.arange(len(values) + 1)
+    means = np.add.reduceat(values, edges[:-1]) / np.diff(edges)
+    k = len(means)
+    half = student_t975(k - 1) * float(np.std(means, ddof=1)) / np.sqrt(k)
+    return float(half / float(values.mean()))
+
+
+def outside_steps(columns: Mapping[str, np.ndarray], step_name: str, n_steps: int, loop_ms: float) -> float | None:
+    """The time between the first step's start and the last step's end that no step holds
+    (phases such as validation, traceml's own set-up): the span minus the steps' sum; None when
+    the first or the last step was not kept."""
+    numbers = np.asarray(columns["step"])
+    start = np.asarray(columns["time_s"], dtype=np.float64)
+    step = np.asarray(columns[step_name], dtype=np.float64)
+    if not len(numbers) or numbers[0] != 0 or numbers[-1] != n_steps - 1:
+        return None
+    span = 1000.0 * (start[-1] - start[0]) + float(step[-1])
+    return max(0.0, span - loop_ms) if np.isfinite(span) else None
+
+
+def headline(
+    columns: Mapping[str, np.ndarray],
+    n_steps: int,
+    clock: str,
+    totals_ms: Mapping[str, float] | None,
+    stats: Mapping[str, Mapping[str, float | None]],
+    n_analysed: int,
+    analysed_step: np.ndarray,
+) -> dict[str, float | None]:
+    """HEADLINE_KEYS: the figures a user's stopwatch agrees with. Means over every step recorded
+    (the exact totals when the recorder kept them, else the kept columns): wait + compute = step,
+    and steps x step = the loop's time; the medians stay beside them (`step_ms`, ...)."""
+    out: dict[str, float | None] = dict.fromkeys(HEADLINE_KEYS)
+    out["mean_step_noise"] = mean_noise(analysed_step)
+    name = {p: GPU_OF[p] if clock == "gpu" else p for p in PHASES}
+    if totals_ms is not None and n_steps:
+        sums = {p: totals_ms.get(name[p]) for p in PHASES}
+        count = n_steps
+    else:
+        kept = {p: np.asarray(columns[name[p]], dtype=np.float64) for p in PHASES}
+        sums = {p: float(np.nansum(v)) for p, v in kept.items()}
+        count = len(kept["step_ms"])
+    if not count or any(v is None or not np.isfinite(v) for v in sums.values()):
+        return out
+    wait, compute = float(sums["data_wait_ms"] or 0.0), float(sums["compute_ms"] or 0.0)
+    out["mean_data_wait_ms"], out["mean_compute_ms"] = wait / count, compute / count
+    out["mean_step_ms"] = (wait + compute) / count
+    loop = out["loop_ms"] = wait + compute
+    out["outside_steps_ms"] = outside_steps(columns, name["step_ms"], count, loop)
+    mean_wait, mean_step = stats["data_wait_ms"]["mean"], stats["step_ms"]["mean"]
+    if mean_step is not None:
+        out["warmup_ms"] = max(0.0, loop - mean_step * n_analysed)
+        out["data_wait_time_share"] = (mean_wait or 0.0) / mean_step if mean_step > 0 else None
     return out
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -15,6 +15,9 @@ WARN_SHARE = 0.10
 CRITICAL_SHARE = 0.20
 CRITICAL_MIN_STEPS = 20
 COMPUTE_SHARE = 0.90
+# A verdict over fewer than CRITICAL_MIN_STEPS steps, or whose mean step is known to no better
+# than ±SURE_NOISE (its 95 % interval, from blocks of consecutive steps), says how sure it is.
+SURE_NOISE = 0.25
 MIN_ANALYSED = 2
 # Below this median step (20 µs) the hooks' own cost (about 1 µs a step, split between fetch and
 # body) is a visible share of the step, and would read as data wait: no verdict but TOO SHORT.
@@ -318,19 +321,27 @@ def larger_batch(summary: Mapping[str, Any]) -> str:
 
 
 def diagnose(summary: Mapping[str, Any]) -> Verdict:
-    """The first rule that holds, in order: no data, warm-up, too short, input, straggler,
-    host-to-device copies, host, compute (or mixed)."""
+    """The first rule that holds, in order: no data, warm-up, too short, input (a steady pattern
+    of waits before stragglers), straggler, host-to-device copies, host, compute (or mixed); its
+    `why` ends with how sure it is when the steps are few or noisy."""
     evidence = _evidence(summary)
-    found = _no_verdict(summary, evidence) or _input_verdict(summary, evidence)
+    found = _no_verdict(summary, evidence)
     if found is not None:
         return found
-    severity = h2d_bound(summary)
-    if severity is not None:
-        return _h2d_verdict(summary, severity, evidence)
-    severity = host_bound(summary)
-    if severity is not None:
-        return _host_verdict(summary, severity, evidence)
-    return _compute_verdict(summary, evidence)
+    found = _input_verdict(summary, evidence)
+    if found is None:
+        severity = h2d_bound(summary)
+        if severity is not None:
+            found = _h2d_verdict(summary, severity, evidence)
+    if found is None:
+        severity = host_bound(summary)
+        if severity is not None:
+            found = _host_verdict(summary, severity, evidence)
+    if found is None:
+        found = _compute_verdict(summary, evidence)
+    # A straggler's stalls are what make its mean step uncertain: the verdict is sure of them.
+    sure = how_sure(summary) if found.label != VerdictLabel.INPUT_STRAGGLER else ""
+    return replace(found, why=found.why + sure) if sure else found
 
 
 def _compute_name(summary: Mapping[str, Any]) -> str:
@@ -338,8 +349,14 @@ def _compute_name(summary: Mapping[str, Any]) -> str:
 
 
 def _evidence(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """The numbers every verdict shows: the medians, the wait's share, the steps, the clock."""
-    return [
+    """The numbers every verdict shows: the means that add up to the loop's time (where the
+    summary has them), the medians, the wait's share, the steps, the clock."""
+    mean_rows = [
+        ("Data wait (mean, every step)", _ms(summary.get("mean_data_wait_ms"))),
+        (f"{_compute_name(summary)} (mean, every step)", _ms(summary.get("mean_compute_ms"))),
+        ("Step time (mean, every step)", _ms(summary.get("mean_step_ms"))),
+    ]
+    return (mean_rows if summary.get("mean_step_ms") is not None else []) + [
         ("Data wait (median)", _ms(summary["data_wait_ms"])),
         (f"{_compute_name(summary)} (median)", _ms(summary["compute_ms"])),
         ("Step time (median)", _ms(summary["step_ms"])),
@@ -393,6 +410,9 @@ def _input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) 
     wait_share = summary["data_wait_share"]
     typical = wait_share is not None and wait_share >= WARN_SHARE
     lost = summary.get("straggler_share") or 0.0
+    steady = _steady_input_verdict(summary, evidence)
+    if steady is not None:
+        return steady
     if typical and lost <= wait_share:
         return Verdict(
             VerdictLabel.INPUT_BOUND,
@@ -415,6 +435,47 @@ def _input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) 
             evidence + [("Time lost to stalls", _pct(lost))],
         )
     return None
+
+
+def _steady_input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> Verdict | None:
+    """Waits that repeat with a short period (workers in lockstep: a round of batches arrives at
+    once, then every worker is busy) are the loader's steady state, not stragglers: INPUT-BOUND
+    on the share of the time the loop waits, when that is WARN_SHARE or more."""
+    pattern = summary.get("step_pattern") or {}
+    share = summary.get("data_wait_time_share")
+    if not pattern.get("steady_wait") or share is None or share < WARN_SHARE:
+        return None
+    n = int(summary["n_analysed"])
+    stats = summary.get("stats") or {}
+    mean_wait = (stats.get("data_wait_ms") or {}).get("mean")
+    mean_step = (stats.get("step_ms") or {}).get("mean")
+    cause = f" ({pattern['cause']})" if pattern.get("cause") else ""
+    text = pattern.get("text")
+    if pattern.get("period") and pattern.get("slow_in") == "data wait":
+        how = f"in a steady pattern: {text}{cause}"
+        pace = "the waits repeat with the loader's rounds"
+    else:
+        how = f"steadily: {pattern.get('stalls')} of {n} fetches wait long" + (f" ({text})" if text else "")
+        pace = "the waits are spread over the run, not at the passes' starts"
+    return Verdict(
+        VerdictLabel.INPUT_BOUND,
+        severity_for(share, n),
+        f"The loop waits for data {_pct(share)} of its time, {how}. Mean wait {_ms(mean_wait)} of "
+        f"a {_ms(mean_step)} mean step, over {n} steps: {pace}, so they are its pace, not "
+        "stragglers.",
+        input_next(summary),
+        evidence + ([("Pattern", str(text))] if text else []),
+    )
+
+
+def how_sure(summary: Mapping[str, Any]) -> str:
+    """" Over 8 steps the mean step is known to ±23 %: run longer to be sure." when the steps
+    are few (under CRITICAL_MIN_STEPS) or noisy (the mean's interval wider than ±SURE_NOISE: a
+    machine shared with other work, a step that varies by a factor), else ""."""
+    n, noise = int(summary.get("n_analysed") or 0), summary.get("mean_step_noise")
+    if n < MIN_ANALYSED or noise is None or (n >= CRITICAL_MIN_STEPS and noise <= SURE_NOISE):
+        return ""
+    return f" Over {n} steps the mean step is known to ±{100 * noise:.0f} %: run longer to be sure."
 
 
 def _compute_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> Verdict:

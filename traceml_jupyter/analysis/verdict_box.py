@@ -1,5 +1,6 @@
-"""The seed-format text box: a verdict and three medians inside a 76-column border (and, for
-several processes, the per-rank table under it)."""
+"""The seed-format text box: a verdict and the three headline means inside a 76-column border
+(docs/verdicts.md, "Which figure is which"), and, for several processes, the per-rank table under
+it."""
 
 from __future__ import annotations
 
@@ -19,17 +20,50 @@ def _line(text: str) -> str:
     return "|" + text[:WIDTH].ljust(WIDTH) + "|"
 
 
+def headline_ms(summary: Mapping[str, Any], key: str) -> float | None:
+    """The box's figure for `key` ("data_wait_ms", "compute_ms", "step_ms"): the mean over every
+    step (they add up, and steps x step is the loop's time); the median for a run saved before."""
+    mean = summary.get(f"mean_{key}")
+    return mean if summary.get("mean_step_ms") is not None else summary.get(key)
+
+
+# The warm-up gets its own line in the box when it holds this share of the loop's time or more;
+# the time between the steps (in no step: a stopwatch around the loop counts it) from this one.
+WARMUP_LINE_SHARE = 0.05
+OUTSIDE_LINE_SHARE = 0.02
+
+
+def box_notes(summary: Mapping[str, Any]) -> list[str]:
+    """The lines under the box's numbers: the steps' shape where one figure does not describe them
+    ("typical step 1.7ms; every 2nd step waits 28.0ms"), a warm-up that holds a share of the
+    loop's time that the verdict does not read, and time between the steps that no step holds."""
+    notes = []
+    text = (summary.get("step_pattern") or {}).get("text")
+    if text:
+        notes.append(str(text).replace(" ms", "ms"))
+    warm, loop, n = summary.get("warmup_ms"), summary.get("loop_ms"), summary.get("warmup_steps")
+    if warm and loop and n and warm >= WARMUP_LINE_SHARE * loop:
+        steps = f"first {n} steps" if n > 1 else "the first step"
+        notes.append(f"warm-up ({steps}, not in the verdict): {_ms(warm)} of {_ms(loop)}")
+    outside = summary.get("outside_steps_ms")
+    if outside and loop and outside >= OUTSIDE_LINE_SHARE * loop:
+        notes.append(f"{_ms(outside)} between the steps (phases, traceml's own set-up)")
+    return notes
+
+
 def verdict_box(label: str, summary: Mapping[str, Any]) -> str:
-    """The text box printed under a traced cell: the verdict's label, data wait, compute and step
-    time."""
+    """The text box printed under a traced cell: the verdict's label, then the mean data wait,
+    compute and step time over every step (they add up, and steps x step time is the loop's
+    time), and a line for the steps' shape or the warm-up where the means alone mislead."""
     compute_name = "GPU compute" if summary.get("clock") == "gpu" else "CPU compute"
     numbers = (
-        f"  - Data wait: {_ms(summary.get('data_wait_ms'))} | "
-        f"{compute_name}: {_ms(summary.get('compute_ms'))} | "
-        f"Step time: {_ms(summary.get('step_ms'))}"
+        f"  - Data wait: {_ms(headline_ms(summary, 'data_wait_ms'))} | "
+        f"{compute_name}: {_ms(headline_ms(summary, 'compute_ms'))} | "
+        f"Step time: {_ms(headline_ms(summary, 'step_ms'))}"
     )
     border = "+" + "-" * WIDTH + "+"
-    return "\n".join([border, _line(f"  Step Time: {label}"), _line(numbers), border])
+    notes = [_line(f"  - {note[0].upper()}{note[1:]}") for note in box_notes(summary)]
+    return "\n".join([border, _line(f"  Step Time: {label}"), _line(numbers), *notes, border])
 
 
 def report_text(name: str, label: str, why: str, next_step: str, summary: Mapping[str, Any]) -> str:

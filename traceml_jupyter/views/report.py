@@ -19,6 +19,7 @@ from ..analysis.number_text import pct as fmt_pct
 from ..analysis.phases import phase_sentence, phase_verdict
 from ..analysis.resources import mib
 from ..analysis.step_parts import parts_sentence
+from ..analysis.verdict_box import headline_ms
 from ..kernel.code_facts import CodeContext, KernelReading, kernel_reading
 from .report_code import code_pane, legend_html
 from .report_evidence import evidence_table
@@ -72,20 +73,36 @@ def _banner(result: RunResult) -> str:
     )
 
 
+def _tile_notes(summary: Mapping[str, Any]) -> tuple[str, str, str]:
+    """What each tile's figure is: the mean's share of the loop's time (the medians for a run
+    saved before the means), and under the step time, the steps' shape or its median."""
+    if summary.get("mean_step_ms") is None:
+        wait, compute = summary.get("data_wait_share"), summary.get("compute_share")
+        return (
+            f"{fmt_pct(wait)} of step" if wait is not None else "median",
+            f"{fmt_pct(compute)} of step" if compute is not None else "median",
+            "median",
+        )
+    step = summary["mean_step_ms"]
+    shares = [summary.get(k) / step if step and summary.get(k) is not None else None for k in ("mean_data_wait_ms", "mean_compute_ms")]
+    pattern = (summary.get("step_pattern") or {}).get("text")
+    median = f"mean; median {ms_fine(summary.get('step_ms'))}"
+    return (
+        f"mean, {fmt_pct(shares[0])} of the time",
+        f"mean, {fmt_pct(shares[1])} of the time",
+        f"mean; {pattern}" if pattern else median,
+    )
+
+
 def _tiles(summary: Mapping[str, Any]) -> str:
+    notes = _tile_notes(summary)
     tiles = [
-        ("Data wait", summary.get("data_wait_ms"), summary.get("data_wait_share"), WAIT_COLOUR),
-        (
-            compute_name(summary),
-            summary.get("compute_ms"),
-            summary.get("compute_share"),
-            COMPUTE_COLOUR,
-        ),
-        ("Step time", summary.get("step_ms"), None, FG),
+        ("Data wait", headline_ms(summary, "data_wait_ms"), notes[0], WAIT_COLOUR),
+        (compute_name(summary), headline_ms(summary, "compute_ms"), notes[1], COMPUTE_COLOUR),
+        ("Step time", headline_ms(summary, "step_ms"), notes[2], FG),
     ]
     out = []
-    for label, value, share, colour in tiles:
-        sub = f"{fmt_pct(share)} of step" if share is not None else "median"
+    for label, value, sub, colour in tiles:
         if label == "GPU compute":  # not busy time: the body's span on the GPU's timeline
             sub += " (GPU span of the body)"
         out.append(

@@ -11,9 +11,6 @@ from helpers import shell_fixture
 from helpers import traced as traced_with
 
 from traceml_jupyter.analysis.checklist import FIX, OK
-from traceml_jupyter.analysis.data_sources import (
-    DATALOADER_INPUT_NEXT,
-)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -133,7 +130,9 @@ def test_a_dataloader_keeps_its_advice(shell: Any) -> None:
     run = traced(shell, "loader = DataLoader(Slow(), batch_size=4)\nfor x in loader:\n" + TRAIN)
     assert run.verdict == "INPUT-BOUND"
     assert run.summary["data_source_type"] == "dataloader" and run.summary["data_source_line"] is None
-    assert run.verdict_detail.next == DATALOADER_INPUT_NEXT
+    # the DataLoader's settings, as true for this run: one pass (no persistent workers), the CPU
+    # clock (no pinned memory)
+    assert run.verdict_detail.next == "Feed the loop faster: more DataLoader workers, and less per-sample work (see the checklist)."
     items = items_of(run)
     assert items["num_workers"]["status"] == FIX and "data_source" not in items
     assert items["per_sample_cost"]["title"] == "Per-sample work in __getitem__"

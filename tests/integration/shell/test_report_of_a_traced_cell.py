@@ -87,9 +87,12 @@ def test_report_of_a_loader_with_num_workers_0_on_line_3(shell: Any) -> None:
     assert run.verdict_detail.why in banner.text and run.verdict_detail.next in banner.text
     numbers = [e.text for e in page.by_class("tml-number")]
     s = run.summary
-    assert numbers[0].startswith(f"Data wait {ms_fine(s['data_wait_ms'])}")
-    assert numbers[1].startswith(f"CPU compute {ms_fine(s['compute_ms'])}")
-    assert numbers[2].startswith(f"Step time {ms_fine(s['step_ms'])}")
+    # The tiles lead with the means over every step: they add up, and steps x step = the loop.
+    assert numbers[0].startswith(f"Data wait {ms_fine(s['mean_data_wait_ms'])} mean, ")
+    assert numbers[1].startswith(f"CPU compute {ms_fine(s['mean_compute_ms'])} mean, ")
+    assert numbers[2].startswith(f"Step time {ms_fine(s['mean_step_ms'])} mean")
+    assert s["mean_data_wait_ms"] + s["mean_compute_ms"] == pytest.approx(s["mean_step_ms"])
+    assert s["n_steps"] * s["mean_step_ms"] == pytest.approx(s["loop_ms"])
     evidence = page.one("tml-evidence").text
     p90 = ms_fine(s["stats"]["data_wait_ms"]["p90"])
     assert f"Data wait {ms_fine(s['data_wait_ms'])} {p90}" in evidence
