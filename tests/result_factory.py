@@ -89,7 +89,7 @@ QUOTED = {"In [3]": "n_batches = 40\nloader = DataLoader(SlowSamples(), batch_si
 CANNED: dict[str, Callable[[], RunResult]] = {
     "input-bound": lambda: result_of("slow", [30.0] * 40, [10.0] * 40, **_training()),
     "compute-bound": lambda: result_of("fast", [0.2] * 40, [10.0] * 40, **_training()),
-    "spiky": lambda: result_of("spiky", [0.2 if k % 10 else 200.0 for k in range(40)], [10.0] * 40, **_training()),
+    "spiky": lambda: result_of("spiky", [200.0 if k in (9, 26) else 0.2 for k in range(40)], [10.0] * 40, **_training()),
     "no steps": lambda: result_of("empty", [], [], notes=["No step ended."]),
     "stopped by an error": lambda: result_of(
         "broken", [1.0] * 6, [5.0] * 6, error="ValueError: corrupt sample 7", **_training()
