@@ -77,7 +77,7 @@ def keep(run: Run, directory: Path) -> Path:
     return path
 
 
-def record(run: Run) -> Path | None:
+def keep_in_history(run: Run) -> Path | None:
     """At the end of a run: save it into the history directory if there is one. Never raises;
     a failure is one line on stderr (the run and its report are unaffected)."""
     directory = history_dir()

@@ -263,7 +263,7 @@ class Run:
                 self._observers.remove(observer)
 
     # -- the end ---------------------------------------------------------------------------
-    def captured(self, capture: Any, wall_ns: int) -> None:
+    def read_capture(self, capture: Any, wall_ns: int) -> None:
         """What the capture saw, once it closed: where batches came from, which of them fed the
         steps (the training loader), the phases kept out, and what a step was."""
         from .capture.data.sources import describe_run_sources
@@ -388,7 +388,7 @@ class Run:
         return cols
 
     def keep_reading(self, checklist: list[dict[str, Any]] | None, quoted_cells: dict[str, str] | None) -> None:
-        """What the kernel read once the run finished (kernel/code_facts.keep_checklist): the
+        """What the kernel read once the run finished (kernel/code_facts.read_kernel_at_end): the
         checklist as evaluated and the cells the report quotes. The result becomes a new value
         that holds them (the one before is left as it was)."""
         self._result = self.result.with_reading(checklist, quoted_cells)
@@ -476,9 +476,9 @@ class Run:
         """The verdict box alone."""
         return render.box(self.result)
 
-    def also(self) -> list[tuple[str, str]]:
-        """(severity, text) of the lines after the verdict (result.also)."""
-        return render.also(self.result)
+    def lines_after_verdict(self) -> list[tuple[str, str]]:
+        """(severity, text) of the lines after the verdict (result.lines_after_verdict)."""
+        return render.lines_after_verdict(self.result)
 
     def text(self) -> str:
         """The text box (what a terminal prints; result.text)."""

@@ -39,7 +39,7 @@ from .capture.instrument.locate import (
     loop_at_line,
 )
 from .capture.instrument.rewrite import instrument_loop
-from .capture.recording import Capture
+from .capture.session import Capture
 from .failures import failure_text, never_raise
 from .processes import children
 from .run import Observer, Run
@@ -300,7 +300,7 @@ def prepare_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -> T
 
 
 @contextmanager
-def recording(cell: TracedCell) -> Iterator[None]:
+def cell_traced(cell: TracedCell) -> Iterator[None]:
     """Everything that is on while the cell runs, undone (and the report shown) after it, also
     on an error or KeyboardInterrupt, which goes on up unchanged."""
     __tracebackhide__ = True  # noqa: F841
@@ -338,7 +338,7 @@ def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -
     if traced.is_async:  # called directly (not through the cell transformer): run it on IPython's loop
         return _run_coroutine(shell, run_traced_async(traced))
     g, ns = shell.user_global_ns, shell.user_ns
-    with recording(traced):
+    with cell_traced(traced):
         exec(traced.code, g, ns)
         return eval(traced.last_code, g, ns) if traced.last_code else None
 
@@ -347,7 +347,7 @@ async def run_traced_async(traced: TracedCell) -> Any:
     """The same for a cell that awaits at top level, awaited where IPython awaits cells."""
     __tracebackhide__ = True  # noqa: F841
     g, ns = traced.shell.user_global_ns, traced.shell.user_ns
-    with recording(traced):
+    with cell_traced(traced):
         result = eval(traced.code, g, ns)
         if inspect.iscoroutine(result):
             await result
@@ -420,17 +420,17 @@ def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Live
             print(f"traceml: saved {run.name} to {opts.save}")
         except Exception as exc:
             print(f"traceml: could not save {run.name} to {opts.save}: {failure_text(exc)}", file=sys.stderr)
-    from .history import record
+    from .history import keep_in_history
 
-    record(run)  # into TRACEML_HISTORY when set (never raises)
+    keep_in_history(run)  # into TRACEML_HISTORY when set (never raises)
 
 
 def _likely_cause(run: Run) -> str:
     """A checklist fix that explains an error before the first step (workers that cannot
     import a Dataset defined in a notebook cell), as the end of the one-line note."""
-    from .kernel.code_facts import keep_checklist
+    from .kernel.code_facts import read_kernel_at_end
 
-    reading = keep_checklist(run)
+    reading = read_kernel_at_end(run)
     for item in reading.checklist if reading is not None else []:
         if item.key == "start_method" and item.status == "fix":
             where = f" ({item.site.label()})" if item.site is not None else ""

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from . import ranks
-from .history import record
-from .kernel.code_facts import keep_checklist
+from .history import keep_in_history
+from .kernel.code_facts import read_kernel_at_end
 from .ranks import gather, shows_report
 from .run import Run
 from .views.display import register_views, show_report
@@ -45,6 +45,6 @@ def trace(name: str | None = None, warmup: int | None = None, show: bool = True)
         if show and shows_report(run):
             show_report(run)  # with the checklist, kept on the run
         else:
-            keep_checklist(run)
+            read_kernel_at_end(run)
         if shows_report(run):  # one process of several saves the run
-            record(run)  # into TRACEML_HISTORY when set (never raises)
+            keep_in_history(run)  # into TRACEML_HISTORY when set (never raises)

@@ -5,7 +5,7 @@ what the start-up hook costs a Python child that does not train.
 
 Per step: the same training loop (DataLoader, backward, optimizer step of a tiny model) run in a
 fresh Python process three ways — plain; recorded in that process as `%%traceml` records the
-kernel (`capturing`, the in-kernel figure); and as a child of a traced cell (no code of ours in
+kernel (`capture_session`, the in-kernel figure); and as a child of a traced cell (no code of ours in
 the script: the start-up hook arms the child, its first DataLoader pass starts the capture, the
 steps stream to this process at the ticks). Per-step overhead = the slope of the loop's CPU time
 over steps (a long and a short run, fastest of the repeats) minus the plain loop's slope.
@@ -126,7 +126,7 @@ def added() -> Table:
         ["what", "cost", "per step at a 10 ms step", "at a 1 ms step"],
         [["one tick: steps handed out and sent (4 a second)", f"{tick:.0f} µs (25 steps)", f"{tick / 25:.2f} µs", f"{tick_us(250) / 250:.2f} µs"]],
         notes=[
-            "Everything else on a child's per-step path is the in-kernel capture itself (recording.capturing, the "
+            "Everything else on a child's per-step path is the in-kernel capture itself (session.capture_session, the "
             "same code): the tripwires are taken out before the capture starts, and the tick replaces the live "
             "view's refresh of an in-kernel run. A child that is one rank of several also times backward() (as a "
             "forked rank: bench_ranks.py).",

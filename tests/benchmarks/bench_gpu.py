@@ -126,12 +126,12 @@ def event_costs() -> Table:
         ["torch.cuda.Event.query()", num(query_us, 2)],
         ["torch.cuda.Event.elapsed_time()", num(elapsed_us, 2)],
     ]
-    if hasattr(cuda_clock, "CudaSteps"):
+    if hasattr(cuda_clock, "CudaStepClock"):
         close_ms: list[float] = []
 
         def loop(with_clock: bool) -> float:
             rec = Recorder()
-            steps = cuda_clock.CudaSteps(rec, 0, cuda_clock.torch_marks(0)) if with_clock else None
+            steps = cuda_clock.CudaStepClock(rec, 0, cuda_clock.torch_marks(0)) if with_clock else None
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for k in range(STEPS):
@@ -154,7 +154,7 @@ def event_costs() -> Table:
         plain = min(loop(False) for _ in range(3))
         timed = min(loop(True) for _ in range(3))
         rows += [
-            ["GPU clock per step (cuda_clock.CudaSteps: 4 events, read when done)", num((timed - plain) / STEPS * 1e6, 2)],
+            ["GPU clock per step (cuda_clock.CudaStepClock: 4 events, read when done)", num((timed - plain) / STEPS * 1e6, 2)],
             ["GPU clock close() at the end of a run", num(min(close_ms), 3) + " ms"],
         ]
     return Table(

@@ -59,12 +59,12 @@ def one_run(n: int, traced_memory: bool) -> dict[str, Any]:
     """In the child process: one run of `n` steps through the Python API, then its report."""
     import tracemalloc
 
-    from traceml_jupyter.capture.recording import capturing
+    from traceml_jupyter.capture.session import capture_session
     from traceml_jupyter.capture.steps.recorder import HISTORY_CAP
     from traceml_jupyter.run import Run
 
     warm = Run("warm-up")  # imports, numpy, first-call paths: out of the measured run
-    with capturing(warm):
+    with capture_session(warm):
         for _ in warm.loop(range(1000)):
             pass
     warm.finish()
@@ -80,7 +80,7 @@ def one_run(n: int, traced_memory: bool) -> dict[str, Any]:
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
     run = Run("memory")
-    with capturing(run):  # as trace() and %%traceml record: the hooks, then the run's wrap-up
+    with capture_session(run):  # as trace() and %%traceml record: the hooks, then the run's wrap-up
         t0 = time.perf_counter()
         for _ in run.loop(range(n)):
             pass

@@ -53,11 +53,11 @@ def loop(n: int, tiny: bool = False) -> float:
 
 def recorded(n: int, body: Any = loop) -> float:
     """`body(n)` recorded as `%%traceml` records a cell (one process)."""
-    from traceml_jupyter.capture.recording import capturing
+    from traceml_jupyter.capture.session import capture_session
     from traceml_jupyter.run import Run
 
     run = Run("bench")
-    with capturing(run):
+    with capture_session(run):
         seconds = float(body(n))
     assert run.n_steps == n, run.n_steps
     return seconds
@@ -126,7 +126,7 @@ def tick_us(steps_per_tick: int, ticks: int = 300) -> float:
     import socket
     from time import perf_counter_ns
 
-    from traceml_jupyter.capture.recording import capturing
+    from traceml_jupyter.capture.session import capture_session
     from traceml_jupyter.ranks import BackwardTimer, Sender, StepTap
     from traceml_jupyter.run import Run
 
@@ -134,7 +134,7 @@ def tick_us(steps_per_tick: int, ticks: int = 300) -> float:
     here, there = socket.socketpair()
     there.setblocking(False)
     total = []
-    with capturing(run) as capture:
+    with capture_session(run) as capture:
         timer = BackwardTimer()
         sender = Sender(here, StepTap(capture, timer), run, 0)
         rec = capture.model.recorder

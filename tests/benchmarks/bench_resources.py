@@ -148,7 +148,7 @@ def tables(repeats: int = 5) -> list[Table]:
         [
             f"Process CPU time (every thread's), slope between {SHORT:,} and {LONG:,} steps, fastest of "
             f"{repeats} interleaved repeats per variant, in one process. Watch off: "
-            "`capture.recording.resources_watched` replaced by a context that samples nothing.",
+            "`capture.session.resources_watched` replaced by a context that samples nothing.",
             "Nothing of the watch runs per step on the CPU path: a step pays the sampler thread's "
             "share of the run's time; the DataLoader iterator tells it its workers once a pass.",
             "Per cell: the thread's start and join and the first sample (the short runs' difference "

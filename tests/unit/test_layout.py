@@ -242,12 +242,12 @@ def test_the_capture_parts_rule_bites_on_new_code() -> None:
     assert capture_parts_broken({"capture.steps.step_model": {"capture.gpu.cuda_state"}}) == [
         "capture.steps.step_model (steps/) imports capture.gpu.cuda_state (gpu/)"
     ]
-    assert capture_parts_broken({"capture.gpu.h2d": {"capture.recording"}}) == [
-        "capture.gpu.h2d (gpu/) imports capture.recording (capture/'s top)"
+    assert capture_parts_broken({"capture.gpu.h2d": {"capture.session"}}) == [
+        "capture.gpu.h2d (gpu/) imports capture.session (capture/'s top)"
     ]
     assert capture_parts_broken({"capture.gpu.h2d": {"run"}}) == ["capture.gpu.h2d (gpu/) imports run (above the capture)"]
     assert not capture_parts_broken({"capture.gpu.h2d": {"capture.steps.step_tally", "failures", "capture.gpu.syncs"}})
-    assert not capture_parts_broken({"capture.recording": {"capture.gpu.h2d", "run"}})  # the top drives the parts
+    assert not capture_parts_broken({"capture.session": {"capture.gpu.h2d", "run"}})  # the top drives the parts
 
 
 def layout_names(tree: str) -> set[str]:
@@ -292,7 +292,7 @@ def test_the_layout_reading_bites() -> None:
         "    finder.py   which loop\ntests/\n  helpers.py\n"
     )
     assert layout_names(tree) == {
-        "run.py", "capture/", "capture/recording.py", "capture/gpu/", "capture/gpu/h2d.py",
+        "run.py", "capture/", "capture/session.py", "capture/gpu/", "capture/gpu/h2d.py",
         "capture/gpu/syncs.py", "capture/gpu/h2d_more.py", "capture/finder.py",
     }
 
@@ -486,7 +486,7 @@ HAND_WRITTEN_EXCEPTS = {
     "capture/inside/model_calls.py": 9,
     # Per step: the GPU clock's events and the GPU watch (the clock turns itself off); the GPU
     # clock off at its start and end too; the probe stops; no patch without torch's hooks.
-    "capture/recording.py": 10,
+    "capture/session.py": 10,
     # Per sampled step (timing a part, the sampler, the optimizer's hooks, merges): the parts or
     # their GPU time turn themselves off; fallbacks (no torch.optim, `on` off); GPU parts off.
     "capture/inside/step_parts.py": 12,

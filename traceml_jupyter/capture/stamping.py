@@ -19,7 +19,7 @@ from .steps.step_model import BACKWARD, ITERATION, NEVER, StepModel
 
 if TYPE_CHECKING:
     from ..run import Run
-    from .gpu.cuda_clock import CudaSteps
+    from .gpu.cuda_clock import CudaStepClock
     from .inside.step_parts import StepParts
 
 # Step ends (and other hooks' stamps) held before a replay: bounded memory. The stamps are Python
@@ -46,7 +46,7 @@ class Stamping:
     model: StepModel
     stamps: Stamps
     parts: StepParts
-    cuda: CudaSteps | None
+    cuda: CudaStepClock | None
     gpu_note: str | None
     active: bool
     deferred: bool

@@ -17,7 +17,7 @@ from typing import Any
 from ..failures import never_raise
 from .data.probes import batch_size_of, type_name
 from .gpu import cuda_graphs
-from .gpu.gpu_activity import WorkSeen
+from .gpu.gpu_activity import QueuedWork
 from .instrument import hooks
 from .stamping import MIN_BUDGET, Stamping
 from .steps.stamps import (
@@ -53,7 +53,7 @@ class StepHooks(Stamping):
     pass_starts: list[tuple[Source, int]]
     on_workers: Callable[[list[int], int], None] | None
     graphs: cuda_graphs.GraphWatch
-    work: WorkSeen
+    work: QueuedWork
     _iter_passes: dict[int, Pass]
     _own_ns: int
     _call_sources: dict[int, Source]

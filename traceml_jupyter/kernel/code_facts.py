@@ -466,7 +466,7 @@ def checklist_for(run: Run) -> list[dict[str, Any]]:
     return [item.to_dict() for item in checklist_items(run, ipython_shell())]
 
 
-def keep_checklist(run: Run) -> KernelReading | None:
+def read_kernel_at_end(run: Run) -> KernelReading | None:
     """Read the code around the run and evaluate the checklist once, leave the checklist on the
     run (`run.result.reading.checklist`, what `to_dict` and `--save` write) and return both for the report (the
     kernel's history is read once a run). Never raises: a failure is a note (and None)."""

@@ -21,7 +21,7 @@ from ..capture.instrument import hooks
 from ..capture.instrument.locate import loop_at_line
 from ..capture.instrument.patches import patched
 from ..capture.instrument.rewrite import instrument_loop
-from ..capture.recording import Capture, capturing, new_token
+from ..capture.session import Capture, capture_session, new_token
 from ..failures import failure_text, never_raise
 from ..result import jsonable as _jsonable
 from ..run import Run
@@ -95,7 +95,7 @@ class ChildSender(ranks.Sender):
 
 
 @dataclass
-class Recording:
+class ChildCapture:
     """A started child: its capture (undone by `stack`) and its sender."""
 
     stack: ExitStack
@@ -131,7 +131,7 @@ def script_loader_info(info: dict[str, Any], main_file: str | None) -> dict[str,
     return info
 
 
-def record(tripwires: Tripwires, sock: Any) -> Recording:
+def start_capture(tripwires: Tripwires, sock: Any) -> ChildCapture:
     """Start recording this process on the calling thread, streaming to the kernel over `sock`
     (connected, token sent); at exit, tripwires.finish sends the end."""
     run = Run(command_line())
@@ -140,7 +140,7 @@ def record(tripwires: Tripwires, sock: Any) -> Recording:
     if loop:
         run.loop_line, run.loop_where = loop[1], os.path.basename(loop[0])
     stack = ExitStack()
-    stack.enter_context(capturing(run, capture))
+    stack.enter_context(capture_session(run, capture))
     timer = None
     autograd: Any = getattr(sys.modules.get("torch"), "autograd", None)
     if autograd is not None and ranks.distributed_env() and getattr(autograd, "backward", None) is not None:
@@ -168,7 +168,7 @@ def record(tripwires: Tripwires, sock: Any) -> Recording:
 
         multiprocessing.util.Finalize(tripwires, tripwires.finish, exitpriority=100)
     sender.hello()
-    return Recording(stack, sender)
+    return ChildCapture(stack, sender)
 
 
 def multi_node() -> bool:

@@ -178,7 +178,7 @@ ARMED, STARTED, OFF = "armed", "started", "off"
 
 class Tripwires:
     """This process's state: armed (waiting for the first training event), started (the capture
-    records, the sender streams: child_run.Recording), or off (the kernel is gone, or an error
+    records, the sender streams: child_run.ChildCapture), or off (the kernel is gone, or an error
     of ours)."""
 
     def __init__(self) -> None:
@@ -190,7 +190,7 @@ class Tripwires:
         self.sites: dict[int, dict[str, Any]] = {}  # id(DataLoader) -> where it was built
         self.exit_code: Any = None  # what sys.exit() was given
         self.exit_error: str | None = None  # the exception being handled when it was called
-        self.recording: Any = None  # child_run.Recording once started
+        self.recording: Any = None  # child_run.ChildCapture once started
         self.pre_hook: Any = None
         self.loop: tuple[str, int, int] | None = None  # --loop: (file, line, its code's token)
         self.installed = False
@@ -288,7 +288,7 @@ class Tripwires:
         except OSError:  # the cell is over (or never was ours): stay untraced
             return False
         try:
-            self.recording = package("traceml_jupyter.processes.child_run").record(self, sock)
+            self.recording = package("traceml_jupyter.processes.child_run").start_capture(self, sock)
         except BaseException:
             sock.close()
             raise

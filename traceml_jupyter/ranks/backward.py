@@ -12,7 +12,7 @@ import numpy as np
 
 from ..analysis.rank_verdict import backward_median
 from ..capture.data.probes import plain_count
-from ..capture.recording import Capture
+from ..capture.session import Capture
 from ..capture.steps.recorder import Recorder
 from ..capture.steps.step_model import BACKWARD
 from ..failures import never_raise

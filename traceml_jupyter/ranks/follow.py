@@ -11,7 +11,7 @@ from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
 from ..capture.instrument.patches import patched
-from ..capture.recording import Capture, capturing
+from ..capture.session import Capture, capture_session
 from ..failures import never_raise
 from . import collector
 from .backward import BackwardTimer, LocalRank, StepTap
@@ -105,13 +105,13 @@ def dataparallel_note(run: Run) -> None:
 
 @contextmanager
 def followed(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
-    """`capturing(run, capture)` followed across processes: ranks forked inside it stream their
+    """`capture_session(run, capture)` followed across processes: ranks forked inside it stream their
     steps to this run (their summaries are on it once it ends), and on one rank of several
     (torchrun) its own backward() is timed for the summary gathered at the end."""
     capture = capture or Capture(run)
     with ExitStack() as stack:
         stack.callback(capture_ended, run, capture)  # after the capture closed; never raises
-        stack.enter_context(capturing(run, capture))
+        stack.enter_context(capture_session(run, capture))
         stack.enter_context(watching(run, capture))
         yield capture
 

@@ -6,7 +6,7 @@ torch, IPython or the capture: a result is built from a recording once, or read 
 from __future__ import annotations
 
 from .codec import SCHEMA_VERSION, LoadError, from_dict, resources_dict, to_dict
-from .render import also, box, text
+from .render import box, lines_after_verdict, text
 from .value import DataFeed, Gpu, KernelRead, Loop, Resources, RunResult, Steps, jsonable
 
 __all__ = [
@@ -19,10 +19,10 @@ __all__ = [
     "Resources",
     "RunResult",
     "Steps",
-    "also",
     "box",
     "from_dict",
     "jsonable",
+    "lines_after_verdict",
     "resources_dict",
     "text",
     "to_dict",

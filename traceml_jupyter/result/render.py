@@ -16,7 +16,7 @@ def box(result: RunResult) -> str:
     return verdict_box(result.verdict.label, result.summary)
 
 
-def also(result: RunResult) -> list[tuple[str, str]]:
+def lines_after_verdict(result: RunResult) -> list[tuple[str, str]]:
     """(severity, text) of the lines after the verdict: the rest of the step, advice by the
     part that dominates, each epoch's start-up, the trend over the run."""
     loop = result.loop
@@ -38,7 +38,7 @@ def text(result: RunResult) -> str:
     split = parts_sentence(summary)
     if split:
         lines.append(f"Parts: {split}")
-    lines.extend(f"Also: {line}" for _, line in also(result))
+    lines.extend(f"Also: {line}" for _, line in lines_after_verdict(result))
     if result.ranks:
         lines.append(rank_table(result.ranks, result.straggler, summary.get("rank_notes") or []))
     lines.extend(f"Phase: {phase_sentence(phase)}" for phase in result.data.phases)

@@ -1,5 +1,5 @@
 """A finished run as a value: `RunResult`, made of one frozen section per feature. Built once
-when a run finishes (`Recording.freeze`) or read back from its JSON (codec.from_dict); nothing
+when a run finishes (`Run.finish`) or read back from its JSON (codec.from_dict); nothing
 sets a field of it afterwards — the kernel's reading (the checklist, the cells it quotes) makes a
 new value (`with_reading`). Its per-step arrays are read-only, its lists are tuples, its
 mappings read-only views."""

@@ -57,7 +57,7 @@ class TuneError(ValueError):
 def _remember(loader: Any, result: TuneResult) -> None:
     """Keep the result for the checklist, and refresh the checklist of the last run that trained
     on this loader: its num_workers item now quotes the rates measured."""
-    from ..kernel.code_facts import keep_checklist
+    from ..kernel.code_facts import read_kernel_at_end
     from ..kernel_state import remember_tune, tuned_for
     from ..run import runs
 
@@ -65,7 +65,7 @@ def _remember(loader: Any, result: TuneResult) -> None:
     for run in reversed(runs()):
         ref = run.loader_ref
         if ref is not None and tuned_for(ref()) is not None:
-            keep_checklist(run)
+            read_kernel_at_end(run)
             break
 
 

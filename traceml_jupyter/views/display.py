@@ -33,7 +33,7 @@ class ReportDisplay:
 
     def __init__(self, run: Run, reading: KernelReading | None = None) -> None:
         self.run = run
-        self.reading = reading  # the code around the run and its checklist, read once (keep_checklist)
+        self.reading = reading  # the code around the run and its checklist, read once (read_kernel_at_end)
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         from ..result import text
@@ -58,12 +58,12 @@ def register_views() -> None:
 def show_report(run: Run, view: LiveView | None = None) -> None:
     """Stop the live view (its chart stays, with the final data), evaluate the checklist once
     (it stays on the run: `run.checklist`) and show the report below the chart."""
-    from ..kernel.code_facts import keep_checklist
+    from ..kernel.code_facts import read_kernel_at_end
 
     if view is not None:
         with never_raise():
             view.close()
-    reading = keep_checklist(run)
+    reading = read_kernel_at_end(run)
     if ipython_shell() is None:
         print_whole(run.text())
         return

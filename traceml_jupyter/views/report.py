@@ -180,7 +180,7 @@ def _step_bar(summary: Mapping[str, Any]) -> str:
 def _also(result: RunResult) -> str:
     """The lines after the verdict: the rest of the step (its own verdict line), advice by the
     part that dominates, each epoch's start-up, the trend over the run (or that there is none)."""
-    lines = render.also(result)
+    lines = render.lines_after_verdict(result)
     out = "".join(
         f'<div class="tml-also tml-{esc(severity)}" style="margin-top:6px;padding:6px 10px;'
         f"border-radius:6px;color:{SEVERITY[severity][0]};background-color:{SEVERITY[severity][1]}\">"

@@ -19,7 +19,7 @@ from IPython.utils.capture import capture_output
 from stand_in_cells import machine
 
 from traceml_jupyter.capture.gpu import cuda_graphs
-from traceml_jupyter.capture.gpu.cuda_clock import CudaSteps, Marks
+from traceml_jupyter.capture.gpu.cuda_clock import CudaStepClock, Marks
 from traceml_jupyter.capture.steps.recorder import Recorder
 
 # -- the stand-in's capture rules -------------------------------------------------------------
@@ -95,7 +95,7 @@ def test_the_old_gpu_clock_inside_a_capture_breaks_the_users_capture() -> None:
     """What the review found, on the stand-in: a step closed inside the documentation's
     whole-network capture (its optimizer.step()) polls events, and the capture is lost."""
     gpu = machine()
-    steps = CudaSteps(Recorder(), 0, Marks(gpu.event, lambda: gpu.current_stream(0), lambda ev, on: ev.record(on)))
+    steps = CudaStepClock(Recorder(), 0, Marks(gpu.event, lambda: gpu.current_stream(0), lambda ev, on: ev.record(on)))
     steps.open(0)
     steps.step_closed(0, 0)  # a step before the capture, still pending
     gpu.launch(5.0)

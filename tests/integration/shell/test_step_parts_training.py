@@ -129,7 +129,7 @@ def test_heavy_logging_after_the_step_is_the_rest_and_its_line_is_named(shell: A
     truth, got = plain_then_traced(shell, setup, cell, ("Net",))
     expected = assert_parts_match(got, truth)
     assert expected["rest"] > 0.3
-    (severity, line), *_ = got.also()
+    (severity, line), *_ = got.lines_after_verdict()
     assert severity == "critical"
     assert line.startswith("The rest of the step takes ") and "line 7 `log_step(i, loss)`" in line
     assert "Also: The rest of the step" in got.text()
@@ -158,7 +158,7 @@ def test_an_optimizer_heavy_step_gets_fused_or_foreach(shell: Any) -> None:
     truth, got = plain_then_traced(shell, setup, cell, ("Many",))
     expected = assert_parts_match(got, truth)
     assert expected["optimizer"] > 0.4
-    advice = [text for _, text in got.also() if text.startswith("The optimizer takes")]
+    advice = [text for _, text in got.lines_after_verdict() if text.startswith("The optimizer takes")]
     assert advice and "Adam: 600 tensors, one at a time, in 1 parameter group" in advice[0]
     assert "Adam(..., fused=True) or foreach=True" in advice[0]
 
@@ -261,7 +261,7 @@ def test_a_run_whose_steps_slow_down_reports_the_trend_and_what_moved(shell: Any
     assert found["direction"] == "slower" and found["change"] > 0.25
     moved = found["moved"][0]
     assert moved["what"] == "forward" and moved["delta"] == pytest.approx(grew, rel=0.25)
-    assert any(text.startswith("Steps got ") and "forward +" in text for _, text in got.also())
+    assert any(text.startswith("Steps got ") and "forward +" in text for _, text in got.lines_after_verdict())
 
 
 def test_a_flat_run_with_noise_reports_no_trend(shell: Any) -> None:
@@ -282,7 +282,7 @@ def test_a_flat_run_with_noise_reports_no_trend(shell: Any) -> None:
     got = traced(shell, cell)
     found = got.summary["trend"]
     assert found is not None and found["direction"] is None
-    assert not any(text.startswith("Steps got") for _, text in got.also())
+    assert not any(text.startswith("Steps got") for _, text in got.lines_after_verdict())
 
 
 EPOCHS = '''
@@ -342,7 +342,7 @@ def test_epochs_whose_workers_restart_report_their_start_up_and_persistent_ones_
     assert found["cause"] == "workers restart" and found["wait_ms"] > 200
     assert len(restarts) == 5
     assert found["wait_ms"] == pytest.approx(statistics.median(restarts[1:]), rel=0.3)
-    line = next(text for _, text in got.also() if text.startswith("Each epoch starts with"))
+    line = next(text for _, text in got.lines_after_verdict() if text.startswith("Each epoch starts with"))
     assert "(workers restart, " in line and "persistent_workers=True" in line
     item = {i["key"]: i for i in checklist_for(got)}["persistent_workers"]
     assert item["status"] == "fix" and item["reason"].startswith("Each epoch starts with a")
@@ -350,6 +350,6 @@ def test_epochs_whose_workers_restart_report_their_start_up_and_persistent_ones_
     run(shell, EPOCHS.format(persistent=True))
     kept = traced(shell, EPOCH_CELL)
     assert kept.n_steps == 20 and not (kept.summary["epoch_startup"] or {}).get("reported")
-    assert not any(text.startswith("Each epoch starts") for _, text in kept.also())
+    assert not any(text.startswith("Each epoch starts") for _, text in kept.lines_after_verdict())
     item = {i["key"]: i for i in checklist_for(kept)}["persistent_workers"]
     assert item["status"] == "ok"

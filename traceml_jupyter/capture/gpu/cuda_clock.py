@@ -106,7 +106,7 @@ class StepEvents:
     valid: bool = True
 
 
-class CudaSteps:
+class CudaStepClock:
     """Events per step, resolved in step order once every event of the step has completed.
 
     GPU data wait = the summed GPU time between the events around each fetch (the part of the

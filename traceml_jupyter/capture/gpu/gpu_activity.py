@@ -75,7 +75,7 @@ def bytes_moved(before: Mapping[int, tuple[int, int]], after: Mapping[int, tuple
     return {d for d, now in after.items() if now != before.get(d, (0, 0)) and any(now)}
 
 
-class WorkSeen:
+class QueuedWork:
     """Work the loop launched on each device, seen while its device is decided: graph
     replays, and work still queued when the loop ended a training event or waited for the GPU.
 

@@ -168,7 +168,7 @@ class StepParts:
     ) -> None:
         self.model = model
         self.thread = thread
-        self.cuda_of = cuda_of  # the capture's GPU clock (CudaSteps) or None
+        self.cuda_of = cuda_of  # the capture's GPU clock (CudaStepClock) or None
         self.code_of = code_of  # the traced code: the namespace's names it uses are looked at first
         self.on = False  # a sampled step runs: what backward() and the optimizer hook read
         self.active = False

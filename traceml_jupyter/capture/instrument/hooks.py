@@ -24,7 +24,7 @@ LINES = "__traceml_lines__"
 NAMES = (LOOP, ALOOP, FETCH, LINES)
 
 
-class Recording(Protocol):
+class HookTarget(Protocol):
     """What a capture offers the hooks (capture.Capture)."""
 
     token: int
@@ -46,7 +46,7 @@ class Recording(Protocol):
 # time in a process (a nested one puts the outer one back when it ends). A module global, not a
 # threading.local: a global read and get_ident() cost a third of a thread-local lookup, and this
 # runs on every step.
-active: Recording | None = None
+active: HookTarget | None = None
 
 
 def loop(iterable: Any, token: int) -> Any:

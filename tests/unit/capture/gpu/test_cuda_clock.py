@@ -1,4 +1,4 @@
-"""The GPU clock's events (cuda_clock.CudaSteps) on the stand-in GPU: steps resolve in order
+"""The GPU clock's events (cuda_clock.CudaStepClock) on the stand-in GPU: steps resolve in order
 without blocking, on the loop's device and stream (not the current device's), every event of a
 step queried before it is read, and one wait at the end."""
 
@@ -11,8 +11,8 @@ from fake_gpu import FakeGpu, HostClock
 from traceml_jupyter.capture.steps.recorder import Recorder
 
 cuda_clock = pytest.importorskip("traceml_jupyter.capture.gpu.cuda_clock")
-if not hasattr(cuda_clock, "CudaSteps"):  # the capture core's API is being rewritten
-    pytest.skip("cuda_clock.CudaSteps not there", allow_module_level=True)
+if not hasattr(cuda_clock, "CudaStepClock"):  # the capture core's API is being rewritten
+    pytest.skip("cuda_clock.CudaStepClock not there", allow_module_level=True)
 
 
 def marks_on(gpu: FakeGpu, device: int) -> object:
@@ -38,7 +38,7 @@ def test_steps_resolve_in_order_without_blocking_and_all_at_the_end() -> None:
     gpu = FakeGpu(clock)
     rec = Recorder()
     rec.origin_ns = 0
-    steps = cuda_clock.CudaSteps(rec, 0, marks_on(gpu, 0))
+    steps = cuda_clock.CudaStepClock(rec, 0, marks_on(gpu, 0))
     run_steps(gpu, steps, rec, 5, fetch_ms=1.0, body_ms=4.0)
     # The host ran ahead: the GPU is still on an early step; nothing was waited for.
     assert clock() == 5_000_000
@@ -58,7 +58,7 @@ def test_a_loop_on_another_device_than_the_current_one_is_timed_there() -> None:
     gpu = FakeGpu(clock, devices=2)
     rec = Recorder()
     rec.origin_ns = 0
-    steps = cuda_clock.CudaSteps(rec, 1, marks_on(gpu, 1))
+    steps = cuda_clock.CudaStepClock(rec, 1, marks_on(gpu, 1))
     assert gpu.current_device == 0  # training on cuda:1 without set_device
     for k in range(4):
         t0 = clock()
@@ -77,7 +77,7 @@ def test_a_stream_switched_inside_a_step_is_read_only_once_every_event_is_done()
     gpu = FakeGpu(clock)
     rec = Recorder()
     rec.origin_ns = 0
-    steps = cuda_clock.CudaSteps(rec, 0, marks_on(gpu, 0))
+    steps = cuda_clock.CudaStepClock(rec, 0, marks_on(gpu, 0))
     side = gpu.new_stream(0)
     t0 = clock()
     gpu.launch(10.0)  # the default stream is busy for 10 ms: the fetch's marks wait behind it
@@ -101,7 +101,7 @@ def test_every_step_reads_its_own_events_when_the_first_fetch_opens_the_run() ->
     gpu = FakeGpu(clock)
     rec = Recorder()
     rec.origin_ns = 0
-    steps = cuda_clock.CudaSteps(rec, 0, marks_on(gpu, 0))
+    steps = cuda_clock.CudaStepClock(rec, 0, marks_on(gpu, 0))
     for k in range(8):  # a fetch of 1 ms on an idle GPU, then 3 ms of body with a short kernel
         t0 = clock()
         steps.before_fetch(k)

@@ -10,8 +10,8 @@ import pytest
 
 from traceml_jupyter import kernel_state
 from traceml_jupyter.capture import recording as capture_module
-from traceml_jupyter.capture.gpu.cuda_clock import CudaSteps, Marks, busiest_device
-from traceml_jupyter.capture.recording import Capture, capturing
+from traceml_jupyter.capture.gpu.cuda_clock import CudaStepClock, Marks, busiest_device
+from traceml_jupyter.capture.session import Capture, capture_session
 from traceml_jupyter.capture.steps.recorder import Recorder
 from traceml_jupyter.run import Run
 
@@ -58,7 +58,7 @@ class Event:
 def test_steps_resolve_in_order_only_when_all_their_events_are_done() -> None:
     s = Stream()
     rec = Recorder()
-    cuda = CudaSteps(rec, 0, s.marks())
+    cuda = CudaStepClock(rec, 0, s.marks())
     for k in range(4):
         rec.add(k * 10, k * 10 + 1, k * 10 + 10)
         cuda.before_fetch(k)
@@ -79,7 +79,7 @@ def test_steps_resolve_in_order_only_when_all_their_events_are_done() -> None:
 def test_a_phase_kept_out_of_a_step_is_kept_out_of_its_gpu_time() -> None:
     s = Stream()
     rec = Recorder()
-    cuda = CudaSteps(rec, 0, s.marks())
+    cuda = CudaStepClock(rec, 0, s.marks())
     rec.add(0, 1, 10)
     cuda.before_fetch(0)
     s.t += 1.0
@@ -131,7 +131,7 @@ def loop_steps(run: Run, cap: Capture, state: dict[str, Any], n: int, device: in
 def test_a_cpu_loop_next_to_a_stale_gpu_tensor_stays_on_the_cpu_clock(fake_cuda: dict[str, Any]) -> None:
     run = Run("cpu loop")
     try:
-        with capturing(run, Capture(run, marks=fake_cuda["marks"])) as cap:
+        with capture_session(run, Capture(run, marks=fake_cuda["marks"])) as cap:
             loop_steps(run, cap, fake_cuda, 8, None)
         run.finish()
         assert run.cuda_device is None and not run._gpu_used and run.clock == "cpu"
@@ -142,7 +142,7 @@ def test_a_cpu_loop_next_to_a_stale_gpu_tensor_stays_on_the_cpu_clock(fake_cuda:
 def test_a_loop_on_another_device_is_timed_there(fake_cuda: dict[str, Any]) -> None:
     run = Run("cuda:1 loop")
     try:
-        with capturing(run, Capture(run, marks=fake_cuda["marks"])) as cap:
+        with capture_session(run, Capture(run, marks=fake_cuda["marks"])) as cap:
             loop_steps(run, cap, fake_cuda, 12, 1)
         run.finish()
         assert run.cuda_device == 1 and run._gpu_used
@@ -162,7 +162,7 @@ def test_an_error_in_the_gpu_bookkeeping_turns_the_gpu_clock_off_with_a_note(fak
 
     run = Run("broken")
     try:
-        with capturing(run, Capture(run, marks=broken)) as cap:
+        with capture_session(run, Capture(run, marks=broken)) as cap:
             done = [i for i in cap.loop(range(6))]
         run.finish()
         assert done == list(range(6)) and run.n_steps == 6 and run.clock == "cpu"

@@ -28,7 +28,7 @@ from ..failures import failure_text, never_raise
 from .data.dataloaders import note_site
 from .gpu import cuda_graphs, gpu_activity
 from .gpu.cuda_clock import (
-    CudaSteps,
+    CudaStepClock,
     Marks,
     allocation_counts,
     busiest_device,
@@ -73,7 +73,7 @@ class Capture(StepHooks):
         self.lines: Any = None  # line_costs.LineClock, set by the traced cell
         self.call_labels: dict[int, str] = {}  # fetch call site -> "`next(it)` on line 4"
         self.active = False
-        self.cuda: CudaSteps | None = None
+        self.cuda: CudaStepClock | None = None
         self.gpu_note: str | None = None
         self.optimizer_name: str | None = None
         self.backward_seen = False
@@ -95,7 +95,7 @@ class Capture(StepHooks):
         # CUDA graphs (cuda_graphs.py) and the loop's device without the allocator's counts
         # (gpu_activity.py): replays are steps, nothing of ours runs inside a capture.
         self.graphs = cuda_graphs.GraphWatch(self.thread, self._graph_replayed)
-        self.work = gpu_activity.WorkSeen(lambda ds: busy_devices(ds), lambda: current_device(), self.thread)
+        self.work = gpu_activity.QueuedWork(lambda ds: busy_devices(ds), lambda: current_device(), self.thread)
         self._bytes_before: dict[int, tuple[int, int]] = {}
         self._own_ns = 0  # our GPU bookkeeping's host time in the open step (the GPU watch sums it)
         # The per-step path (stamps.py): while `deferred`, the hooks stamp instead of reporting;
@@ -229,7 +229,7 @@ class Capture(StepHooks):
 
     def _use_device(self, device: int, confirmed: bool) -> None:
         try:
-            self.cuda = CudaSteps(self.run.recorder, device, self._marks(device))
+            self.cuda = CudaStepClock(self.run.recorder, device, self._marks(device))
         except Exception as exc:
             self._gpu_failed(exc)
             return
@@ -454,7 +454,7 @@ def _guarded(run: Run, what: str, step: Callable[[], Any]) -> None:
 
 
 @contextmanager
-def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
+def capture_session(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
     """Record `run` on this thread for the duration: the hook names in builtins, the patches,
     the GPU clock. Everything is undone on exit (nested captures restore the outer one)."""
     capture = capture or Capture(run)
@@ -496,4 +496,4 @@ def capturing(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
                 run.thread_cpu_ms = sched_ended[0] - sched_began[0]
                 run.thread_wait_ms = sched_ended[1] - sched_began[1]
             _guarded(run, "reading the CUDA graphs", lambda: _graphs_read(run, capture))
-            _guarded(run, "reading the capture", lambda: run.captured(capture, perf_counter_ns() - began))
+            _guarded(run, "reading the capture", lambda: run.read_capture(capture, perf_counter_ns() - began))
