@@ -798,7 +798,7 @@ def install_fake_cuda(monkeypatch: Any, gpu: FakeGpu) -> None:
     # The capture core's seams (whichever of them this core has): CUDA initialised, the
     # allocations each device saw (how the loop's device is decided), events on a device.
     try:
-        from traceml_jupyter.capture import recording as capture_module
+        from traceml_jupyter.capture import session as capture_module
     except ImportError:
         capture_module = None
     if capture_module is not None and hasattr(cuda_clock, "Marks"):

@@ -37,7 +37,7 @@ def measure() -> list[Table]:
     import torch
 
     from traceml_jupyter import kernel_state
-    from traceml_jupyter.capture import recording
+    from traceml_jupyter.capture import session as recording
     from traceml_jupyter.capture.gpu import cuda_graphs
     from traceml_jupyter.capture.steps.step_model import OPTIMIZER
     from traceml_jupyter.run import Run

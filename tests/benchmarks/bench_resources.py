@@ -34,7 +34,7 @@ CELL = "%%traceml --no-live --lines off\nfor x in items_{n}:\n    pass\n"
 @contextlib.contextmanager
 def watch_off() -> Iterator[None]:
     """The capture without its resource watch (what the loop costs when nothing is sampled)."""
-    from traceml_jupyter.capture import recording
+    from traceml_jupyter.capture import session as recording
 
     original = recording.resources_watched
 

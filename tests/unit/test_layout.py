@@ -287,7 +287,7 @@ def test_docs_layout_names_every_module() -> None:
 
 def test_the_layout_reading_bites() -> None:
     tree = (
-        "traceml_jupyter/\n  run.py   the run\n  capture/   while it runs: recording.py\n"
+        "traceml_jupyter/\n  run.py   the run\n  capture/   while it runs: session.py\n"
         "    gpu/   the GPU\n      h2d.py syncs.py   copies;\n                    and h2d_more.py\n"
         "    finder.py   which loop\ntests/\n  helpers.py\n"
     )

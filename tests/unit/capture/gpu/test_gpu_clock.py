@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from traceml_jupyter import kernel_state
-from traceml_jupyter.capture import recording as capture_module
+from traceml_jupyter.capture import session as capture_module
 from traceml_jupyter.capture.gpu.cuda_clock import CudaStepClock, Marks, busiest_device
 from traceml_jupyter.capture.session import Capture, capture_session
 from traceml_jupyter.capture.steps.recorder import Recorder
