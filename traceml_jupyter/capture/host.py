@@ -27,6 +27,7 @@ objects copies show in its USS).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -224,6 +225,16 @@ def minor_faults(pid: int) -> int | None:
             text = f.read()
         return int(text[text.rindex(b")") + 2 :].split()[7])
     except (OSError, ValueError, IndexError):
+        return None
+
+
+def torch_threads() -> int | None:
+    """torch's intra-op threads in this process (torch.get_num_threads(): the CPU's thread pool,
+    never CUDA); None when the process has not imported torch."""
+    torch = sys.modules.get("torch")
+    try:
+        return int(torch.get_num_threads()) if torch is not None else None
+    except (AttributeError, RuntimeError, TypeError, ValueError):
         return None
 
 
@@ -502,5 +513,6 @@ class HostSampler:
             "usable_cores": self.usable_cores,
             "machine_cpus": len(self.cpus) if self.cpus is not None else None,
             "uss_cost_ms": self.uss_cost_s * 1e3,
+            "torch_threads": torch_threads(),
             "notes": list(self.notes),
         }

@@ -6,6 +6,7 @@ with the attribute), a loss kept with its graph grows the process (named with th
 from __future__ import annotations
 
 import json
+import os
 import time
 from functools import partial
 from typing import Any
@@ -113,6 +114,43 @@ def test_workers_that_burn_every_core_saturate_the_cpu_and_get_no_more_workers(s
     assert part.count('<svg class="tml-resource-plot"') == 2  # CPU per second, host memory
     assert "CPU cores busy" in part and 'class="tml-workers"' in part
     assert "<style" not in page and "<script" not in page
+
+
+@pytest.mark.slow
+def test_more_torch_threads_than_cores_beside_workers_are_named_with_the_fix(shell: Any) -> None:
+    # torch's intra-op threads set to one more than the CPUs this process may use, beside 2
+    # workers that burn CPU: the threads take turns with the workers, whatever else runs. The
+    # figures are the test's own: the threads it set, the CPUs it may use.
+    cpus = len(os.sched_getaffinity(0))
+    run(shell, f"threads_before = torch.get_num_threads()\ntorch.set_num_threads({cpus + 1})")
+    try:
+        run(shell, "loader = DataLoader(Burning(4 * 60, 2.0), batch_size=4, num_workers=2)")
+        shown = run(shell, TRAIN.format(name="oversubscribed")).shown
+    finally:
+        run(shell, "torch.set_num_threads(threads_before)")
+    got = traceml_jupyter.last()
+    assert got is not None
+    o = got.summary["cpu_oversubscription"]
+    assert o is not None and o["threads"] == cpus + 1 and got.summary["cpu_torch_threads"] == cpus + 1
+    assert o["usable_cores"] <= cpus and 0 <= o["busy_workers"] <= 2
+    assert o["wanted_cores"] == (cpus + 1) * (1 + o["busy_workers"])
+    assert o["suggested_threads"] == max(1, int(o["usable_cores"]) - o["busy_workers"])
+    assert "Also: CPU OVERSUBSCRIBED: torch's" in shown and f"torch.set_num_threads({o['suggested_threads']})" in shown
+    item = checklist_item(got, "torch_threads")
+    assert item["status"] == "fix" and item["to_try"] == f"torch.set_num_threads({o['suggested_threads']})"
+    assert json.loads(json.dumps(got.to_dict()))["summary"]["cpu_oversubscription"]["threads"] == cpus + 1
+
+    # One thread and no workers: the cores suffice, nothing is said.
+    run(shell, "threads_before = torch.get_num_threads()\ntorch.set_num_threads(1)")
+    try:
+        run(shell, "loader = DataLoader(Burning(4 * 30, 1.0), batch_size=4, num_workers=0)")
+        shown = run(shell, TRAIN.format(name="fits")).shown
+    finally:
+        run(shell, "torch.set_num_threads(threads_before)")
+    got = traceml_jupyter.last()
+    assert got is not None and got.summary["cpu_torch_threads"] == 1
+    assert got.summary["cpu_oversubscription"] is None and "OVERSUBSCRIBED" not in shown
+    assert not [i for i in got.checklist if i["key"] == "torch_threads"]
 
 
 @pytest.mark.slow
