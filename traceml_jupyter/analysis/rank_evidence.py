@@ -179,14 +179,18 @@ def proven(evidence: Mapping[str, Any] | None) -> bool:
     return p_value is not None and low is not None and p_value < ALPHA and low > 0
 
 
+def p_text(p_value: float) -> str:
+    """"p < 0.001", "p = 0.012", "p = 0.43"."""
+    p_value = float(p_value)
+    return "p < 0.001" if p_value < 0.001 else f"p = {p_value:.3f}" if p_value < 0.1 else f"p = {p_value:.2f}"
+
+
 def evidence_text(evidence: Mapping[str, Any]) -> str:
     """"last in 29 of 30 steps (97 %; 50 % expected, p < 0.001); the others wait 5.1 ms a step
     (95 % interval 4.8 to 5.4 ms)"."""
     n, share = int(evidence["n_paired"]), float(evidence["last_share"])
-    p_value = float(evidence["last_p"])
-    p_text = "p < 0.001" if p_value < 0.001 else f"p = {p_value:.3f}" if p_value < 0.1 else f"p = {p_value:.2f}"
     return (
         f"last in {round(share * n)} of {n} steps ({share * 100:.0f} %; {evidence['expected_share'] * 100:.0f} % "
-        f"expected, {p_text}); the others wait {evidence['gap_ms']:.1f} ms a step for it "
+        f"expected, {p_text(evidence['last_p'])}); the others wait {evidence['gap_ms']:.1f} ms a step for it "
         f"({CONFIDENCE * 100:.0f} % interval {evidence['gap_low_ms']:.1f} to {evidence['gap_high_ms']:.1f} ms)"
     )

@@ -21,7 +21,7 @@ import numpy as np
 
 from .number_text import ms as _ms
 from .number_text import pct as _pct
-from .rank_evidence import ALPHA, evidence_text, proven
+from .rank_evidence import ALPHA, evidence_text, p_text, proven
 from .verdict import MIN_ANALYSED, WARN_SHARE, Verdict, VerdictLabel, diagnose, severity_for
 
 CAUSE_SHARE = 0.5  # a phase is the cause when its excess explains at least half of the gap
@@ -260,8 +260,14 @@ def straggler_verdict(found: Mapping[str, Any], ranks: Sequence[Mapping[str, Any
         f"the others lose {_ms(found['gap_ms'])} of it ({_pct(score)}) waiting"
         + (" in backward's all-reduce." if found["phase"] == "backward" else ".")
     )
-    if found.get("evidence"):
-        why += f" Step by step, rank {r} was {evidence_text(found['evidence'])}."
+    paired = found.get("evidence")
+    if paired:
+        why += (
+            f" Step by step, rank {r} was last in {round(paired['last_share'] * paired['n_paired'])} of "
+            f"{paired['n_paired']} steps ({_pct(paired['last_share'], 0)}; {_pct(paired['expected_share'], 0)} expected, "
+            f"{p_text(paired['last_p'])}), and the others' wait a step has a 95 % interval of "
+            f"{paired['gap_low_ms']:.1f} to {paired['gap_high_ms']:.1f} ms."
+        )
     evidence = [(f"Rank {x['rank']}", rank_line(x)) for x in ranks]
     evidence += [
         ("Rank that holds the others back", f"rank {r} (cause: {found['cause']})"),
