@@ -278,6 +278,7 @@ class HostSampler:
         self._wake = threading.Event()  # new workers: sample now (their memory before they read)
         self._thread: threading.Thread | None = None
         self._uss_at = 0.0
+        self._live = 0  # live workers at the current sample (the growth reads share their budget)
 
     @property
     def running(self) -> bool:
@@ -387,6 +388,7 @@ class HostSampler:
         any_uss = False
         due = uss and (run_s >= self._uss_at or not spaced)
         uss_cost = 0.0
+        self._live = sum(1 for w in self.workers.values() if not w.exited and w.proc is not None)
         for worker in self.workers.values():
             if worker.exited or worker.proc is None:
                 continue
@@ -464,7 +466,8 @@ class HostSampler:
                 cost = time.perf_counter() - began
                 _keep_uss(worker.uss, (run_s, value))
                 worker.faults_at_uss = faults
-                worker.uss_due = run_s + max(USS_MIN_PERIOD_S, cost / USS_GROWTH_BUDGET)
+                # The budget is shared: every live worker may be read as often as this one.
+                worker.uss_due = run_s + max(USS_MIN_PERIOD_S, cost * max(1, self._live) / USS_GROWTH_BUDGET)
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             self._gone(worker)  # its CPU moves to the reaped children's once joined
             return None
