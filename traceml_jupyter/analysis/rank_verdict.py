@@ -21,6 +21,7 @@ import numpy as np
 
 from .number_text import ms as _ms
 from .number_text import pct as _pct
+from .rank_evidence import ALPHA, evidence_text, p_text, proven
 from .verdict import MIN_ANALYSED, WARN_SHARE, Verdict, VerdictLabel, diagnose, severity_for
 
 CAUSE_SHARE = 0.5  # a phase is the cause when its excess explains at least half of the gap
@@ -112,20 +113,35 @@ def usable(ranks: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 
 def compare_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     """The rank that arrives last at the synchronised phase, how long the others wait for it,
-    and why (see the module docstring). None with fewer than two comparable ranks."""
+    and why (see the module docstring). With every rank's per-step evidence (`paired`,
+    rank_evidence.py): the rank the others wait for most, its mean paired gap, its excesses per
+    step, and `holds_back` when the evidence passes its noise test and the gap is >= 10 % of the
+    step; without it, the ranks' medians, never held to hold back. None with fewer than two
+    comparable ranks."""
     ok = usable(ranks)
     if len(ok) < 2:
         return None
+    paired = all(isinstance(r.get("paired"), Mapping) for r in ok)
     in_backward = all(_value(r, "backward_ms") is not None for r in ok)
+    if paired:
+        in_backward = all(r["paired"].get("phase") == "backward" for r in ok)
     sync_key = "backward_ms" if in_backward else "compute_ms"
 
     def sync(r: Mapping[str, Any]) -> float:
         return _value(r, sync_key) or 0.0
 
-    late = min(ok, key=sync)
+    if paired:
+        late = max(ok, key=lambda r: float(r["paired"].get("gap_ms") or 0.0))
+    else:
+        late = min(ok, key=sync)
     others = [r for r in ok if r is not late]
-    gap = max(0.0, median(sync(r) for r in others) - sync(late))
-    step = median(_value(r, "step_ms") or 0.0 for r in ok)
+    evidence: Mapping[str, Any] | None = late.get("paired") if paired else None
+    if evidence is not None:
+        gap = max(0.0, float(evidence.get("gap_ms") or 0.0))
+        step = float(evidence.get("step_ms") or median(_value(r, "step_ms") or 0.0 for r in ok))
+    else:
+        gap = max(0.0, median(sync(r) for r in others) - sync(late))
+        step = median(_value(r, "step_ms") or 0.0 for r in ok)
 
     def excess(part: Any) -> float | None:
         mine = part(late)
@@ -147,6 +163,12 @@ def compare_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
         "h2d": excess(lambda r: _value(r, "h2d_ms")),
         "compute": excess(body) if in_backward else None,
     }
+    if evidence is not None:  # per step, paired: the excesses that add up to the mean gap
+        per_step = evidence.get("excess_ms") or {}
+        if per_step.get("input") is not None:
+            excesses["input"] = float(per_step["input"])
+        if in_backward and per_step.get("compute") is not None:
+            excesses["compute"] = float(per_step["compute"]) - ((excesses["h2d"] or 0.0) if copies else 0.0)
     measured = {k: v for k, v in excesses.items() if v is not None}
     cause, most = max(measured.items(), key=lambda kv: kv[1]) if measured else ("unknown", None)
     if most is None or gap <= 0 or most < CAUSE_SHARE * gap:
@@ -154,18 +176,26 @@ def compare_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     # A compute straggler: which part of its step outside backward is slower (forward,
     # optimizer, the rest), where every rank timed them.
     parts = {key[:-3]: excess(lambda r, k=key: _value(r, k)) for key in PART_KEYS}
+    score = gap / step if step > 0 else 0.0
     return {
         "part_excess_ms": {k: v for k, v in parts.items() if v is not None},
         "rank": int(late["rank"]),
         "cause": cause,
-        "score": gap / step if step > 0 else 0.0,
+        "score": score,
         "gap_ms": gap,
         "step_ms": step,
         "excess_ms": excesses,
         "phase": "backward" if in_backward else "the step",
         "waiting": [int(r["rank"]) for r in others],
         "n_analysed": min(int(r.get("n_analysed") or 0) for r in ok),
+        "evidence": dict(evidence) if evidence is not None else None,
+        "holds_back": proven(evidence) and score >= WARN_SHARE,
     }
+
+
+def holds_back(found: Mapping[str, Any] | None) -> bool:
+    """compare_ranks found a rank that holds the others back, beyond the noise and >= 10 %."""
+    return bool(found and found.get("holds_back"))
 
 
 def _rank_list(ranks: Sequence[int]) -> str:
@@ -230,12 +260,23 @@ def straggler_verdict(found: Mapping[str, Any], ranks: Sequence[Mapping[str, Any
         f"the others lose {_ms(found['gap_ms'])} of it ({_pct(score)}) waiting"
         + (" in backward's all-reduce." if found["phase"] == "backward" else ".")
     )
+    paired = found.get("evidence")
+    if paired:
+        why += (
+            f" Step by step, rank {r} was last in {round(paired['last_share'] * paired['n_paired'])} of "
+            f"{paired['n_paired']} steps ({_pct(paired['last_share'], 0)}; {_pct(paired['expected_share'], 0)} expected, "
+            f"{p_text(paired['last_p'])}), and the others' wait a step has a 95 % interval of "
+            f"{paired['gap_low_ms']:.1f} to {paired['gap_high_ms']:.1f} ms."
+        )
     evidence = [(f"Rank {x['rank']}", rank_line(x)) for x in ranks]
     evidence += [
         ("Rank that holds the others back", f"rank {r} (cause: {found['cause']})"),
-        ("Wait of the others (median per step)", _ms(found["gap_ms"])),
+        ("Wait of the others (mean per step, paired)", _ms(found["gap_ms"])),
         ("Share of the step", _pct(score)),
     ]
+    paired = found.get("evidence")
+    if paired:
+        evidence.append(("Per-step evidence", f"rank {r} was {evidence_text(paired)}"))
     return Verdict(VerdictLabel.RANK_STRAGGLER, severity_for(score, n), why, NEXT[found["cause"]].format(r=r), evidence)
 
 
@@ -283,14 +324,20 @@ def rank_notes(ranks: Sequence[Mapping[str, Any]]) -> list[str]:
         notes.append("The ranks' DataLoaders differ: " + "; ".join(differ) + ".")
     steps = [(int(r["rank"]), _value(r, "step_ms")) for r in usable(ranks)]
     measured = [(k, v) for k, v in steps if v]
+    found = compare_ranks(ranks)
     if len(measured) >= 2:
         fast, slow = min(measured, key=lambda kv: kv[1]), max(measured, key=lambda kv: kv[1])
-        found = compare_ranks(ranks)
         if slow[1] >= (1 + WARN_SHARE) * fast[1] and (found is None or found["score"] < WARN_SHARE):
             notes.append(
                 f"Step times differ between ranks (rank {slow[0]} {_ms(slow[1])}, rank {fast[0]} "
                 f"{_ms(fast[1])}) and none waits for another: the ranks do not synchronise each step."
             )
+    paired = (found or {}).get("evidence")
+    if found is not None and paired and not holds_back(found) and (found["score"] >= WARN_SHARE or paired["last_p"] < ALPHA):
+        notes.append(
+            f"No rank holds the others back beyond the noise: the likeliest, rank {found['rank']}, was "
+            f"{evidence_text(found['evidence'])}."
+        )
     return notes
 
 
@@ -328,14 +375,25 @@ def with_ranks(summary: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]]) -
     combined["ranks"] = [dict(r) for r in ranks]
     combined["rank_comparison"] = found
     combined["rank_notes"] = rank_notes(ranks)
-    if found is not None and found["score"] >= WARN_SHARE:
+    if found is not None and holds_back(found):
         # The headline numbers are the straggler's own: they show why the others wait.
         late = next(r for r in ranks if r.get("rank") == found["rank"])
         combined.update({k: late[k] for k in MEDIAN_KEYS if _value(late, k) is not None})
-        combined["straggler"] = {"rank": found["rank"], "cause": found["cause"], "score": float(found["score"])}
+        combined["straggler"] = straggler_dict(found)
         return combined, straggler_verdict(found, ranks)
     combined["straggler"] = None
     return combined, diagnose(combined)
+
+
+def straggler_dict(found: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's `straggler`: {rank, cause, score} and the per-step evidence behind it (the share
+    of steps it was last, its p-value, the paired gap and its interval)."""
+    out: dict[str, Any] = {"rank": found["rank"], "cause": found["cause"], "score": float(found["score"])}
+    paired = found.get("evidence") or {}
+    for key in ("n_paired", "last_share", "expected_share", "last_p", "gap_ms", "gap_low_ms", "gap_high_ms"):
+        if paired.get(key) is not None:
+            out[key] = paired[key]
+    return out
 
 
 CHECKLIST_VERDICTS = {"input": VerdictLabel.INPUT_BOUND, "h2d": VerdictLabel.H2D_BOUND, "compute": VerdictLabel.COMPUTE_BOUND}

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import numpy as np
 
+from .findings import Finding, Label
 from .number_text import pct
+from .threads import oversubscription
 
 PRESSURE_WARN = 0.92
 PRESSURE_CRITICAL = 0.97
@@ -54,47 +55,6 @@ HOST_RISE_MIB = 64.0
 HOST_RISE_SHARE = 0.05
 HELD_SHARE = 0.10  # earlier cells' memory worth a line of its own (always with OOM or pressure)
 BATCH_HEADROOM = 0.90  # a larger batch may fill the device up to this share
-
-
-class Label(str, Enum):
-    """The labels of resource findings (OUT OF MEMORY, HIGH PRESSURE, CPU SATURATED, ...)."""
-
-    OUT_OF_MEMORY = "OUT OF MEMORY"
-    HIGH_PRESSURE = "HIGH PRESSURE"
-    MEMORY_CREEP = "MEMORY CREEP"
-    MEMORY_RISING = "MEMORY RISING"
-    CPU_SATURATED = "CPU SATURATED"
-    WORKER_MEMORY = "WORKER MEMORY GROWTH"
-    HOST_MEMORY_CREEP = "HOST MEMORY CREEP"
-    HOST_MEMORY_RISING = "HOST MEMORY RISING"
-    HELD_BY_EARLIER_CELLS = "HELD BY EARLIER CELLS"
-    KEPT_GRAPH = "KEPT GRAPH"
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One resource finding: a label, how serious, what was seen, what to do, and the cell
-    line to change (None: none)."""
-
-    label: Label
-    severity: str  # "info", "warn" or "critical"
-    text: str
-    next: str
-    line: int | None = None
-
-    def sentence(self) -> str:
-        """The finding in one line: its label, what was seen and what to do."""
-        return f"{self.label.value}: {self.text} {self.next}".strip()
-
-    def to_dict(self) -> dict[str, Any]:
-        """The finding as JSON-ready values."""
-        return {
-            "label": self.label.value,
-            "severity": self.severity,
-            "text": self.text,
-            "next": self.next,
-            "line": self.line,
-        }
 
 
 @dataclass(frozen=True)
@@ -539,6 +499,8 @@ RESOURCE_KEYS = (
     "cpu_workers",  # median live DataLoader workers during the loop
     "cpu_workers_running",  # share of the workers' samples found running or waiting for a CPU
     "cpu_saturated",  # True / False; None when not measured
+    "cpu_torch_threads",  # torch's intra-op threads in the training process (None: torch not imported)
+    "cpu_oversubscription",  # threads x (1 + busy workers) > usable cores: the figures (else None)
     "host_rss_mib",  # the process's largest RSS
     "host_rss_growth_mib",  # RSS in the loop: last third's median - first third's
     "workers_seen",  # DataLoader worker processes sampled
@@ -560,9 +522,10 @@ def resource_summary(facts: ResourceFacts) -> dict[str, Any]:
     host, host_found = host_memory_summary(facts)
     pressing = oom is not None or any(f.label is Label.HIGH_PRESSURE for f in gpu_found)
     held, held_found = held_summary(facts, pressing)
-    for part in (gpu, cpu, host, held):
+    threads, threads_found = oversubscription(facts.host, facts.columns, facts.warmup, facts.training_loader)
+    for part in (gpu, cpu, host, held, threads):
         out.update(part)
-    found += gpu_found + cpu_found + host_found + held_found
+    found += gpu_found + cpu_found + threads_found + host_found + held_found
     carried = any(f.label in (Label.MEMORY_CREEP, Label.MEMORY_RISING, Label.HOST_MEMORY_CREEP, Label.HOST_MEMORY_RISING, Label.OUT_OF_MEMORY) for f in found)
     if facts.kept and not carried:
         k = facts.kept[0]

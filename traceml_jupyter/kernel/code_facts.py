@@ -443,6 +443,7 @@ def facts_for(
         cpu_saturated=summary.get("cpu_saturated"),
         cpu_sentence=cpu_sentence(summary) if summary.get("cpu_cores") is not None and summary.get("cpu_usable_cores") else None,
         workers_cores=summary.get("cpu_workers_cores"),
+        oversubscription=summary.get("cpu_oversubscription"),
         **_feeder_facts(run, shell, summary, ctx),
     )
 

@@ -36,8 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import ranks
-from ..analysis.rank_verdict import compare_ranks
-from ..analysis.verdict import WARN_SHARE
+from ..analysis.rank_verdict import compare_ranks, holds_back
 from ..capture.data.probes import plain_count
 from ..result.codec import host_from_json
 from . import startup_hook
@@ -350,11 +349,11 @@ def adopt_children(run: Run, collector: ChildCollector, drain_s: float) -> None:
     job = sorted((s for s in trained if s.distributed), key=lambda s: s.label)
     gathered = next((g for g in (job_ranks(s) for s in job) if g), None)  # a job over several nodes
     if len(job) >= 2 or gathered:
-        run.ranks = gathered or [s.summary(run.warmup) for s in job]
+        run.ranks = gathered or ranks.rank_summaries(list(job), run.warmup)
         if gathered:
             run.notes.append(f"Every node's ranks were gathered over the process group at its end ({len(job)} of {len(gathered)} run on this node).")
         found = compare_ranks(run.ranks)
-        late = next((s for s in job if found and found["score"] >= WARN_SHARE and s.label == found["rank"]), None)
+        late = next((s for s in job if holds_back(found) and s.label == found["rank"]), None)  # type: ignore[index]
         main = late or job[0]
         whose = f"rank {main.label}'s" + (" (the rank that holds the others back)" if late else "")
         run.notes.append(f"The steps shown are {whose}, `{main.command}`; every rank is in the per-rank table.")

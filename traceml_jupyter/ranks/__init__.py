@@ -14,7 +14,8 @@ Recorder and refreshes the run's views; when the capture ends it takes what is l
 few seconds at most for ranks still sending), closes every socket and is joined.
 
 torchrun: nothing on the per-step path; at the end of `trace()` one all_gather of a fixed vector
-of numbers per rank over the process group already there (CPU tensors on gloo, tensors on the
+of numbers per rank (its summary and its last steps, for the per-step evidence) over the process
+group already there (CPU tensors on gloo, tensors on the
 rank's CUDA device on NCCL).
 
 Both time backward() per step: data-parallel ranks wait for each other there, which is what the
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from ..processes.startup_hook import KIND, LENGTH
 from .backward import BackwardTimer, LocalRank, RankParts, StepSample, StepTap, shows_parts_of
-from .collector import DRAIN_S, RECV_BYTES, Collector, Stream, adopt, running
+from .collector import DRAIN_S, RECV_BYTES, Collector, Stream, adopt, rank_summaries, running
 from .follow import DATAPARALLEL_NOTE, capture_ended, dataparallel_note, followed, watching
 from .forks import HELPERS, become_rank, start_no_rank_channel
 from .gather import INTEGERS, decode, encode, gather, local_summary, shows_report
@@ -44,6 +45,6 @@ __all__ = [
     "STEPS_PER_FRAME", "BackwardTimer", "Collector", "LocalRank", "RankParts", "Sender",
     "StepSample", "StepTap", "Stream", "adopt", "become_rank", "capture_ended", "dataparallel_note",
     "decode", "describe_error", "dist_rank", "distributed_env", "encode", "followed", "frame",
-    "gather", "loader_facts", "local_summary", "read_frames", "running", "shows_parts_of",
+    "gather", "loader_facts", "local_summary", "rank_summaries", "read_frames", "running", "shows_parts_of",
     "shows_report", "start_no_rank_channel", "watching",
 ]

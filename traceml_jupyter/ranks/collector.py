@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..analysis.rank_verdict import compare_ranks, rank_summary
+from ..analysis.rank_evidence import paired_evidence
+from ..analysis.rank_verdict import compare_ranks, holds_back, rank_summary
 from ..analysis.summary import summarize
-from ..analysis.verdict import WARN_SHARE
 from ..capture.data.probes import plain_count
 from ..capture.steps.recorder import Recorder
 from ..failures import failure_text, never_raise
@@ -118,6 +118,25 @@ class Stream:
             loader=end.get("loader"),
             **self.parts.medians(first),
         )
+
+    def per_step(self, n: int | None = None) -> dict[str, np.ndarray]:
+        """Its steps (the last `n`, else all that the recorder keeps) as rank_evidence's COLUMNS:
+        the time in backward() beside each step's wait, compute and step time."""
+        cols = self.recorder.columns() if n is None else self.recorder.tail(n)
+        steps = np.asarray(cols["step"], dtype=np.int64)
+        sync = np.full(len(steps), np.nan)
+        sample = self.backward
+        if len(sample.steps) and len(steps):
+            idx = np.clip(np.searchsorted(sample.steps, steps), 0, len(sample.steps) - 1)
+            hit = sample.steps[idx] == steps
+            sync[hit] = sample.values[idx[hit]]
+        return {
+            "step": steps,
+            "sync_ms": sync,
+            "data_wait_ms": cols["data_wait_ms"],
+            "compute_ms": cols["compute_ms"],
+            "step_ms": cols["step_ms"],
+        }
 
     def window(self, n: int) -> dict[str, Any]:
         """The last n steps: the chart's series and the numbers that compare ranks live."""
@@ -290,6 +309,10 @@ class Collector:
         if not streams:
             return None
         series = [s.window(window) for s in streams]
+        evidence = paired_evidence({s.label: s.per_step(window) for s in streams})
+        for one in series:
+            if one["rank"] in evidence:
+                one["summary"]["paired"] = evidence[one["rank"]]
         if self.run.finished:
             found = self.run.straggler
             slowest = found["rank"] if found else None
@@ -297,7 +320,7 @@ class Collector:
             score = found["score"] if found else None
         else:
             compared = compare_ranks([w["summary"] for w in series])
-            on = compared is not None and compared["score"] >= WARN_SHARE
+            on = holds_back(compared)
             slowest = compared["rank"] if compared is not None and on else None
             cause = compared["cause"] if compared is not None and on else None
             score = compared["score"] if compared is not None and on else None
@@ -348,6 +371,18 @@ class Collector:
 running: list[Collector] = []  # the kernel's running collectors
 
 
+def rank_summaries(streams: list[Stream], warmup: int | None) -> list[dict[str, Any]]:
+    """Each rank's summary with its per-step evidence against the others (`paired`: the steps
+    after the latest warm-up among them, paired by step index)."""
+    summaries = [s.summary(warmup) for s in streams]
+    first = max((int(x.get("warmup_steps") or 0) for x in summaries), default=0)
+    evidence = paired_evidence({s.label: s.per_step() for s in streams if s.recorder.n_steps}, first)
+    for entry in summaries:
+        if entry["rank"] in evidence:
+            entry["paired"] = evidence[entry["rank"]]
+    return summaries
+
+
 def adopt(run: Run, collector: Collector, drain_s: float) -> None:
     """The forked ranks' summaries become the run's `ranks` (after waiting drain_s at most for
     ranks still sending); a kernel that did not train itself shows the steps of the rank that
@@ -361,14 +396,14 @@ def adopt(run: Run, collector: Collector, drain_s: float) -> None:
     for stream in collector.streams:
         if not stream.is_rank:
             run.notes.append(f"Process {stream.pid} (forked from the cell) reported no step.")
-    run.ranks = [s.summary(run.warmup) for s in ranks]
+    run.ranks = rank_summaries(ranks, run.warmup)
     if collector.own_recorder.n_steps:
         run.recorder = collector.own_recorder
         run.notes.append("The steps shown are the kernel's own; the ranks are in the per-rank table.")
         return
     # The run shows the steps of the rank that holds the others back, else of the lowest rank.
     found = compare_ranks(run.ranks)
-    late = next((s for s in ranks if found and found["score"] >= WARN_SHARE and s.label == found["rank"]), None)
+    late = next((s for s in ranks if holds_back(found) and s.label == found["rank"]), None)  # type: ignore[index]
     main = late or collector.main_stream() or ranks[0]
     run.recorder = main.recorder
     end = main.end or {}

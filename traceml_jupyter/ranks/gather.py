@@ -8,8 +8,10 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..analysis.rank_verdict import RANK_NUMBERS, compare_ranks, rank_summary
-from ..analysis.verdict import WARN_SHARE
+import numpy as np
+
+from ..analysis.rank_evidence import COLUMNS, paired_evidence
+from ..analysis.rank_verdict import RANK_NUMBERS, compare_ranks, holds_back, rank_summary
 from ..failures import never_raise
 from .backward import LocalRank
 from .identity import dist_rank, distributed_env, loader_facts
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
 
 
 INTEGERS = {"rank", "pid", "n_steps", "n_analysed", "warmup_steps", "num_workers", "batch_size"}
+GATHERED_STEPS = 2048  # a rank's last steps in the gather, for the per-step evidence (80 KiB a rank)
 
 def encode(summary: Mapping[str, Any]) -> list[float]:
     """A rank's summary as a fixed vector of numbers (NaN: not measured) for all_gather."""
@@ -42,6 +45,50 @@ def decode(values: Any) -> dict[str, Any]:
     out["clock"] = "gpu" if numbers[len(RANK_NUMBERS)] else "cpu"
     out.update(status="finished", error=None, loader=None)
     return out
+
+
+def encode_steps(columns: Mapping[str, Any], n: int = GATHERED_STEPS) -> np.ndarray:
+    """A rank's last `n` steps as a fixed block of numbers, column after column (COLUMNS; NaN
+    where it has fewer steps)."""
+    block = np.full((len(COLUMNS), n), np.nan)
+    steps = np.asarray(columns.get("step", ()), dtype=np.float64)[-n:]
+    for i, name in enumerate(COLUMNS):
+        values = np.asarray(columns.get(name, np.full(len(steps), np.nan)), dtype=np.float64)[-n:]
+        block[i, n - len(values) :] = values
+    return block.ravel()
+
+
+def decode_steps(values: Any, n: int = GATHERED_STEPS) -> dict[str, np.ndarray]:
+    """The steps back from the block `encode_steps` made."""
+    block = np.asarray(values, dtype=np.float64).reshape(len(COLUMNS), n)
+    kept = np.isfinite(block[0])
+    out = {name: block[i, kept] for i, name in enumerate(COLUMNS)}
+    out["step"] = out["step"].astype(np.int64)
+    return out
+
+
+def local_steps(run: Run) -> dict[str, np.ndarray]:
+    """This rank's steps with its time in backward() per step (rank_evidence's COLUMNS)."""
+    cols = run.recorder.columns()
+    steps = np.asarray(cols["step"], dtype=np.int64)
+    sync = np.full(len(steps), np.nan)
+    feed = run.rank_collector
+    if isinstance(feed, LocalRank) and len(feed.backward.steps) and len(steps):
+        sample = feed.backward
+        idx = np.clip(np.searchsorted(sample.steps, steps), 0, len(sample.steps) - 1)
+        hit = sample.steps[idx] == steps
+        sync[hit] = sample.values[idx[hit]]
+    return {"step": steps, "sync_ms": sync, "data_wait_ms": cols["data_wait_ms"], "compute_ms": cols["compute_ms"], "step_ms": cols["step_ms"]}
+
+
+def with_evidence(summaries: list[dict[str, Any]], steps: list[dict[str, np.ndarray]]) -> None:
+    """Each gathered rank's per-step evidence against the others (`paired`), after the latest
+    warm-up among them."""
+    first = max((int(x.get("warmup_steps") or 0) for x in summaries), default=0)
+    evidence = paired_evidence({int(x["rank"]): cols for x, cols in zip(summaries, steps, strict=True)}, first)
+    for entry in summaries:
+        if entry["rank"] in evidence:
+            entry["paired"] = evidence[entry["rank"]]
 
 
 def local_summary(run: Run, rank: int) -> dict[str, Any]:
@@ -77,16 +124,19 @@ def gather(run: Run, error: BaseException | None) -> None:
                 "could wait for ranks that never come)."
             )
             return
-        mine = encode(local_summary(run, rank))
+        mine = encode(local_summary(run, rank)) + encode_steps(local_steps(run)).tolist()
         device = torch.device("cpu")
         if str(dist.get_backend()) == "nccl" and torch.cuda.is_initialized():
             device = torch.device("cuda", torch.cuda.current_device())
         tensor = torch.tensor(mine, dtype=torch.float64, device=device)
         out = [torch.empty_like(tensor) for _ in range(world)]
         dist.all_gather(out, tensor)
-        run.ranks = [decode(t.cpu().tolist()) for t in out]
+        size = len(RANK_NUMBERS) + 1
+        values = [t.cpu().tolist() for t in out]
+        run.ranks = [decode(v[:size]) for v in values]
+        with_evidence(run.ranks, [decode_steps(v[size:]) for v in values])
         found = compare_ranks(run.ranks)
-        if found is not None and found["score"] >= WARN_SHARE and found["rank"] != rank:
+        if found is not None and holds_back(found) and found["rank"] != rank:
             run.notes.append(
                 f"The box shows the medians of rank {found['rank']} (the rank that holds the "
                 f"others back); the steps and the evidence are this rank's (rank {rank})."

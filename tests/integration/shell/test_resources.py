@@ -6,6 +6,8 @@ with the attribute), a loss kept with its graph grows the process (named with th
 from __future__ import annotations
 
 import json
+import os
+import time
 from functools import partial
 from typing import Any
 
@@ -115,6 +117,43 @@ def test_workers_that_burn_every_core_saturate_the_cpu_and_get_no_more_workers(s
 
 
 @pytest.mark.slow
+def test_more_torch_threads_than_cores_beside_workers_are_named_with_the_fix(shell: Any) -> None:
+    # torch's intra-op threads set to one more than the CPUs this process may use, beside 2
+    # workers that burn CPU: the threads take turns with the workers, whatever else runs. The
+    # figures are the test's own: the threads it set, the CPUs it may use.
+    cpus = len(os.sched_getaffinity(0))
+    run(shell, f"threads_before = torch.get_num_threads()\ntorch.set_num_threads({cpus + 1})")
+    try:
+        run(shell, "loader = DataLoader(Burning(4 * 60, 2.0), batch_size=4, num_workers=2)")
+        shown = run(shell, TRAIN.format(name="oversubscribed")).shown
+    finally:
+        run(shell, "torch.set_num_threads(threads_before)")
+    got = traceml_jupyter.last()
+    assert got is not None
+    o = got.summary["cpu_oversubscription"]
+    assert o is not None and o["threads"] == cpus + 1 and got.summary["cpu_torch_threads"] == cpus + 1
+    assert o["usable_cores"] <= cpus and 0 <= o["busy_workers"] <= 2
+    assert o["wanted_cores"] == (cpus + 1) * (1 + o["busy_workers"])
+    assert o["suggested_threads"] == max(1, int(o["usable_cores"]) - o["busy_workers"])
+    assert "Also: CPU OVERSUBSCRIBED: torch's" in shown and f"torch.set_num_threads({o['suggested_threads']})" in shown
+    item = checklist_item(got, "torch_threads")
+    assert item["status"] == "fix" and item["to_try"] == f"torch.set_num_threads({o['suggested_threads']})"
+    assert json.loads(json.dumps(got.to_dict()))["summary"]["cpu_oversubscription"]["threads"] == cpus + 1
+
+    # One thread and no workers: the cores suffice, nothing is said.
+    run(shell, "threads_before = torch.get_num_threads()\ntorch.set_num_threads(1)")
+    try:
+        run(shell, "loader = DataLoader(Burning(4 * 30, 1.0), batch_size=4, num_workers=0)")
+        shown = run(shell, TRAIN.format(name="fits")).shown
+    finally:
+        run(shell, "torch.set_num_threads(threads_before)")
+    got = traceml_jupyter.last()
+    assert got is not None and got.summary["cpu_torch_threads"] == 1
+    assert got.summary["cpu_oversubscription"] is None and "OVERSUBSCRIBED" not in shown
+    assert not [i for i in got.checklist if i["key"] == "torch_threads"]
+
+
+@pytest.mark.slow
 def test_workers_that_sleep_leave_the_cpu_idle_and_more_workers_are_advised(shell: Any) -> None:
     # 2 workers waiting 8 ms a sample (I/O): the CPU is idle, so more workers overlap more waiting.
     run(shell, "loader = DataLoader(Sleeping(4 * 120, 8.0), batch_size=4, num_workers=2)")
@@ -154,6 +193,39 @@ def test_a_python_list_read_by_forked_workers_grows_their_private_memory(shell: 
     assert "numpy arrays" in found["next"]
     assert "copy-on-read" in found["text"]
     shell.user_ns.pop("loader", None)  # its persistent workers end with it
+
+
+@pytest.mark.slow
+def test_a_short_run_whose_workers_copy_a_list_is_reported_every_time(shell: Any) -> None:
+    # The same copy-on-read in a run of about 2.5 s (5-7 s on a loaded machine) whose workers end
+    # with their one pass (not persistent: no read after the loop): 1.2 million (float, int, str)
+    # tuples, each worker reading half of them. Their page faults say they grow; their USS is read
+    # again while they grow, so the growth is seen in every run, not only when a spaced read
+    # happened to fall late enough. The bound is the test's own: what the list's objects weigh.
+    run(
+        shell,
+        "import sys\n"
+        "class Rows(Records):\n"
+        "    def __init__(self, n, chunk):\n"
+        "        self.records, self.chunk = [(float(i), i, str(i)) for i in range(n)], chunk\n"
+        "short = Rows(1_200_000, 960)\n"
+        "held_mib = sum(sum(map(sys.getsizeof, (r, *r))) for r in short.records) / 2**20\n"
+        "loader = DataLoader(short, batch_size=1, num_workers=2, shuffle=True)",
+    )
+    held = float(shell.user_ns["held_mib"])
+    for i in range(3):
+        run(shell, "cell_t0 = time.perf_counter()\n")
+        run(shell, TRAIN.format(name=f"short{i}"))
+        wall = time.perf_counter() - float(shell.user_ns["cell_t0"])
+        got = traceml_jupyter.last()
+        assert got is not None
+        workers = (got.host or {})["workers"]
+        growth = got.summary["worker_uss_growth_mib"]
+        assert growth is not None and 64 <= growth <= held, (wall, held, workers)
+        labels = [f["label"] for f in got.summary["resource_findings"]]
+        assert "WORKER MEMORY GROWTH" in labels, (wall, workers)
+    shell.user_ns.pop("loader", None)
+    shell.user_ns.pop("short", None)
 
 
 @pytest.mark.slow

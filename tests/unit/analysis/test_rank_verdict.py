@@ -1,6 +1,7 @@
-"""The rank verdict on synthetic per-rank numbers: the rank that arrives last at backward's
-all-reduce holds the others back, for the reason its numbers show; balanced ranks get the usual
-verdict on their medians; what the numbers alone do not say is said."""
+"""The rank verdict on synthetic per-rank numbers and steps: the rank that arrives last at
+backward's all-reduce step after step holds the others back, for the reason its numbers show;
+balanced ranks get the usual verdict on their medians, even when their medians differ; what the
+numbers alone do not say is said."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from traceml_jupyter.analysis.rank_evidence import paired_evidence
 from traceml_jupyter.analysis.rank_verdict import (
     backward_median,
     compare_ranks,
+    holds_back,
     rank_notes,
     straggler_sentence,
     with_ranks,
@@ -41,6 +44,28 @@ def rank(r: int, wait: float, compute: float, backward: float | None, step: floa
     return out
 
 
+def stepped(ranks: list[dict[str, Any]], jitter: float = 0.2, seed: int = 0) -> list[dict[str, Any]]:
+    """`ranks` with per-step evidence: each rank's steps scatter (uniformly, +-jitter ms) about
+    its medians, step by step, as a rank's stream would carry them."""
+    rng = np.random.default_rng(seed)
+    columns = {}
+    for r in ranks:
+        n = int(r["n_steps"])
+
+        def around(value: float | None, n: int = n) -> np.ndarray:
+            return np.full(n, np.nan) if value is None else value + rng.uniform(-jitter, jitter, n)
+
+        columns[r["rank"]] = {
+            "step": np.arange(n),
+            "sync_ms": around(r["backward_ms"]),
+            "data_wait_ms": around(r["data_wait_ms"]),
+            "compute_ms": around(r["compute_ms"]),
+            "step_ms": np.full(n, r["step_ms"]),
+        }
+    evidence = paired_evidence(columns, 4)
+    return [{**r, "paired": evidence[r["rank"]]} for r in ranks]
+
+
 def own_summary(wait: float, compute: float, n: int = 40) -> dict[str, Any]:
     """A rank's full summary (what the run shows), from steady synthetic steps."""
     steps = np.arange(n)
@@ -60,31 +85,37 @@ def own_summary(wait: float, compute: float, n: int = 40) -> dict[str, Any]:
 
 def test_the_rank_that_waits_for_data_holds_the_others_back() -> None:
     # rank 1 waits 38 ms for data; ranks 0, 2, 3 then wait for it in backward (all-reduce).
-    ranks = [rank(0, 0.5, 46.0, 40.0), rank(1, 38.0, 8.5, 2.0), rank(2, 0.6, 46.0, 40.1), rank(3, 0.4, 46.1, 39.9)]
+    ranks = stepped([rank(0, 0.5, 46.0, 40.0), rank(1, 38.0, 8.5, 2.0), rank(2, 0.6, 46.0, 40.1), rank(3, 0.4, 46.1, 39.9)])
     found = compare_ranks(ranks)
     assert found is not None
     assert found["rank"] == 1 and found["cause"] == "input"
     assert found["waiting"] == [0, 2, 3]
     assert found["score"] == pytest.approx(38.0 / 46.5, rel=0.02)
-    assert straggler_sentence(found) == "ranks 0, 2, 3 wait for rank 1 in backward: it waits 37.5 ms a step for data"
+    assert found["evidence"]["last_share"] == 1.0 and found["evidence"]["last_p"] < 1e-6
+    assert straggler_sentence(found).startswith("ranks 0, 2, 3 wait for rank 1 in backward: it waits 37.")
 
     summary, verdict = with_ranks(own_summary(0.5, 46.0), ranks)
     assert verdict.label == "RANK STRAGGLER" and verdict.severity == "critical"
-    assert summary["straggler"] == {"rank": 1, "cause": "input", "score": pytest.approx(found["score"])}
+    straggler = summary["straggler"]
+    assert {k: straggler[k] for k in ("rank", "cause")} == {"rank": 1, "cause": "input"}
+    assert straggler["score"] == pytest.approx(found["score"])
+    assert straggler["n_paired"] == 36 and straggler["last_share"] == 1.0 and straggler["last_p"] < 1e-6
+    assert 37.5 < straggler["gap_low_ms"] <= straggler["gap_ms"] <= straggler["gap_high_ms"] < 38.5
+    assert "Step by step, rank 1 was last in 36 of 36 steps (100 %; 25 % expected" in verdict.why
     assert summary["data_wait_ms"] == 38.0  # the headline is the straggler's own
     assert "Feed rank 1 faster" in verdict.next
 
 
 def test_a_rank_that_computes_more_is_a_compute_straggler() -> None:
     # rank 0's forward is 20 ms slower: it waits least in backward, its data wait is the same.
-    ranks = [rank(0, 1.0, 50.0, 5.0), rank(1, 1.0, 50.0, 25.0)]
+    ranks = stepped([rank(0, 1.0, 50.0, 5.0), rank(1, 1.0, 50.0, 25.0)])
     found = compare_ranks(ranks)
-    assert found is not None and found["rank"] == 0 and found["cause"] == "compute"
+    assert found is not None and found["rank"] == 0 and found["cause"] == "compute" and holds_back(found)
     assert "outside backward" in straggler_sentence(found)
 
 
 def test_copies_explain_a_gap_only_when_measured_on_every_rank() -> None:
-    ranks = [rank(0, 1.0, 50.0, 5.0, h2d_ms=21.0), rank(1, 1.0, 50.0, 25.0, h2d_ms=1.0)]
+    ranks = stepped([rank(0, 1.0, 50.0, 5.0, h2d_ms=21.0), rank(1, 1.0, 50.0, 25.0, h2d_ms=1.0)])
     found = compare_ranks(ranks)
     assert found is not None and found["cause"] == "h2d"
     ranks[1]["h2d_ms"] = None
@@ -95,12 +126,12 @@ def test_no_phase_explains_the_gap_cause_unknown() -> None:
     ranks = [rank(0, 1.0, 50.0, 25.0), rank(1, 1.0, 50.0, 5.0)]
     ranks[1]["compute_ms"] = 50.0  # same body, same wait: only the arrival differs
     ranks[0]["compute_ms"] = 70.0
-    found = compare_ranks(ranks)
+    found = compare_ranks(stepped(ranks))
     assert found is not None and found["rank"] == 1 and found["cause"] == "unknown"
 
 
 def test_balanced_ranks_get_the_usual_verdict_on_their_medians() -> None:
-    ranks = [rank(0, 30.0, 12.0, 5.0), rank(1, 31.0, 12.0, 5.3)]
+    ranks = stepped([rank(0, 30.0, 12.0, 5.0), rank(1, 31.0, 12.0, 5.3)])
     summary, verdict = with_ranks(own_summary(30.0, 12.0), ranks)
     assert summary["straggler"] is None
     assert verdict.label == "INPUT-BOUND"
@@ -109,7 +140,7 @@ def test_balanced_ranks_get_the_usual_verdict_on_their_medians() -> None:
 
 @pytest.mark.parametrize(("gap", "severity"), [(2.0, None), (6.0, "warn"), (12.0, "critical")])
 def test_score_is_the_gap_as_a_share_of_the_step(gap: float, severity: str | None) -> None:
-    ranks = [rank(0, 0.0, 50.0, 10.0 + gap), rank(1, gap, 50.0 - gap, 10.0, step=50.0)]
+    ranks = stepped([rank(0, 0.0, 50.0, 10.0 + gap), rank(1, gap, 50.0 - gap, 10.0, step=50.0)])
     _, verdict = with_ranks(own_summary(0.0, 50.0), ranks)
     if severity is None:
         assert verdict.label != "RANK STRAGGLER"
@@ -118,8 +149,8 @@ def test_score_is_the_gap_as_a_share_of_the_step(gap: float, severity: str | Non
 
 
 def test_without_backward_the_step_body_stands_in() -> None:
-    found = compare_ranks([rank(0, 0.0, 40.0, None), rank(1, 30.0, 10.0, None)])
-    assert found is not None and found["rank"] == 1 and found["cause"] == "input"
+    found = compare_ranks(stepped([rank(0, 0.0, 40.0, None), rank(1, 30.0, 10.0, None)]))
+    assert found is not None and found["rank"] == 1 and found["cause"] == "input" and holds_back(found)
     assert found["phase"] == "the step"
 
 

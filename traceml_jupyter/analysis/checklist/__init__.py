@@ -7,6 +7,7 @@ analysis/cell_code.py reads the code they quote."""
 
 from __future__ import annotations
 
+from .cpu_items import torch_threads_item
 from .facts import CHECK, FIX, OK, CopySeen, Facts, Item, LineSeen
 from .gpu_items import (
     batch_size_item,
@@ -38,6 +39,7 @@ __all__ = [
     "launch_overhead_item", "non_blocking_item", "num_workers_item", "per_item_item",
     "per_sample_item", "per_step_bytes", "persistent_workers_item", "pin_memory_item",
     "prefetch_factor_item", "start_method_item", "storage_item", "suggested_workers", "sync_item",
+    "torch_threads_item",
 ]
 
 
@@ -70,6 +72,9 @@ def evaluate(f: Facts) -> list[Item]:
         items.append(collate_item(f))
     items.append(per_item_item(f, source) if source is not None else per_sample_item(f))
     items.append(storage_item(f))
+    threads = torch_threads_item(f)
+    if threads is not None:
+        items.append(threads)
     if f.loader is not None:
         items.append(start_method_item(f, workers_advised=workers.status == FIX))
     return sorted(items, key=lambda item: not item.bears_on_verdict)

@@ -121,6 +121,7 @@ class Facts:
     cpu_saturated: bool | None = None  # CPU SATURATED (analysis/resources.py); None: not measured
     cpu_sentence: str | None = None  # the cores busy, in words ("the training process and ...")
     workers_cores: float | None = None  # median cores the DataLoader workers kept busy
+    oversubscription: Mapping[str, Any] | None = None  # CPU OVERSUBSCRIBED's figures (analysis/threads.py)
     # What fed the steps when it is no DataLoader (a generator, a list, an iterator, get_batch()),
     # where it is, and the code behind it (its costly calls), when found.
     feeder: Feeder | None = None

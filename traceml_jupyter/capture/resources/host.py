@@ -4,11 +4,15 @@ a low-rate sampler thread ("traceml-host") of the training process and its DataL
 
 Why a thread rather than the run's ticks: a tick comes only when a step closes, and a step can
 last seconds; and the figure that shows a worker's copy-on-read growth, its private memory (USS,
-from /proc/PID/smaps_rollup), costs the kernel a walk of the worker's page tables: 13 ms for a
-worker that holds a 1-million-item list, 26 ms at 3 million (here, psutil 7.2). One cheap sample
-of the process and two workers (CPU times and RSS) costs about 0.13 ms. On the thread, at 4 Hz
-the cheap samples take 0.05 % of a core, and the private-memory reads are spaced so that they
-take at most USS_BUDGET of a core; the kernel's walk runs with the GIL released.
+one read of /proc/PID/smaps_rollup; psutil's memory_full_info where it is absent), costs the
+kernel a walk of the worker's page tables: 13 ms for a worker that holds a 1-million-item list,
+26 ms at 3 million (psutil 7.2 reads the same file: the walk, not the parsing, is the cost). One
+cheap sample of the process and two workers (CPU times and RSS) costs about 0.13 ms. On the
+thread, at 4 Hz the cheap samples take 0.05 % of a core, and the private-memory reads are spaced
+so that they take at most USS_BUDGET of a core; a worker whose minor page faults (a copy-on-write
+copy is one; /proc/PID/stat, microseconds) grew by GROWTH_FAULTS since its last read is read
+again as soon as USS_GROWTH_BUDGET allows, so a growth of two seconds is read while it grows,
+before the worker exits at the end of its pass. The kernel's walk runs with the GIL released.
 
 CPU: the process's own time (all its threads), plus its reaped children's (psutil's
 children_user/children_system: workers of a finished epoch), plus the live workers' own time;
@@ -23,6 +27,7 @@ objects copies show in its USS).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -38,7 +43,9 @@ SAMPLE_PERIOD_S = 0.25  # the run's tick rate: 4 samples a second
 CAPACITY = 2048  # samples kept; when full, every other one goes and the period doubles
 THREAD_NAME = "traceml-host"
 USS_BUDGET = 0.02  # the workers' private-memory reads take at most 2 % of one core
+USS_GROWTH_BUDGET = 0.05  # ... or 5 % of one core for a worker whose page faults say it grew
 USS_MIN_PERIOD_S = 0.5
+GROWTH_FAULTS = 4096  # minor page faults (16 MiB of 4 KiB pages) since a worker's last USS read
 MIB = 2**20
 
 HOST_COLUMNS = (
@@ -153,7 +160,8 @@ class Worker:
     exited: bool = False
     proc: Any = None
     cpu_last: float | None = None
-    uss_due: float = 0.0
+    uss_due: float = 0.0  # run time from which a grown worker's USS may be read again
+    faults_at_uss: int | None = None  # its minor page faults at its last USS read
 
     def to_dict(self) -> dict[str, Any]:
         """The worker's figures as JSON-ready values: pid, when it was seen, CPU seconds, memory
@@ -189,6 +197,45 @@ def _keep_reading(worker: Worker, cpu: float, rss: float, run_s: float) -> None:
     worker.rss_mib = [rss, rss, rss] if not worker.rss_mib else [
         worker.rss_mib[0], rss, max(worker.rss_mib[2], rss)
     ]
+
+
+def private_mib(pid: int) -> float | None:
+    """A process's private memory (USS, MiB) from one read of /proc/PID/smaps_rollup (its
+    Private_* lines); None where it cannot be read (absent, gone, denied): then psutil's
+    memory_full_info says which."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    kib = 0
+    found = False
+    for line in text.splitlines():
+        if line.startswith(b"Private_"):  # Private_Clean, Private_Dirty, Private_Hugetlb (kB)
+            kib += int(line.split()[1])
+            found = True
+    return kib / 1024 if found else None
+
+
+def minor_faults(pid: int) -> int | None:
+    """A process's minor page faults so far (/proc/PID/stat; a copy-on-write copy is one):
+    a few microseconds to read; None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+        return int(text[text.rindex(b")") + 2 :].split()[7])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def torch_threads() -> int | None:
+    """torch's intra-op threads in this process (torch.get_num_threads(): the CPU's thread pool,
+    never CUDA); None when the process has not imported torch."""
+    torch = sys.modules.get("torch")
+    try:
+        return int(torch.get_num_threads()) if torch is not None else None
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
 
 
 def _keep_uss(reads: list[tuple[float, float]], new: tuple[float, float]) -> None:
@@ -231,6 +278,7 @@ class HostSampler:
         self._wake = threading.Event()  # new workers: sample now (their memory before they read)
         self._thread: threading.Thread | None = None
         self._uss_at = 0.0
+        self._live = 0  # live workers at the current sample (the growth reads share their budget)
 
     @property
     def running(self) -> bool:
@@ -340,6 +388,7 @@ class HostSampler:
         any_uss = False
         due = uss and (run_s >= self._uss_at or not spaced)
         uss_cost = 0.0
+        self._live = sum(1 for w in self.workers.values() if not w.exited and w.proc is not None)
         for worker in self.workers.values():
             if worker.exited or worker.proc is None:
                 continue
@@ -402,11 +451,23 @@ class HostSampler:
                 w_rss = worker.proc.memory_info().rss / MIB
                 runnable = worker.proc.status() == psutil.STATUS_RUNNING
             recent = bool(worker.uss) and run_s - worker.uss[-1][0] < USS_MIN_PERIOD_S
-            if (due and not (not spaced and recent)) or not worker.uss:
+            faults = minor_faults(worker.pid)
+            grown = (
+                faults is not None
+                and worker.faults_at_uss is not None
+                and faults - worker.faults_at_uss >= GROWTH_FAULTS
+                and run_s >= worker.uss_due
+            )
+            if (due and not (not spaced and recent)) or not worker.uss or grown:
                 began = time.perf_counter()
-                value = worker.proc.memory_full_info().uss / MIB
+                value = private_mib(worker.pid)
+                if value is None:
+                    value = worker.proc.memory_full_info().uss / MIB
                 cost = time.perf_counter() - began
                 _keep_uss(worker.uss, (run_s, value))
+                worker.faults_at_uss = faults
+                # The budget is shared: every live worker may be read as often as this one.
+                worker.uss_due = run_s + max(USS_MIN_PERIOD_S, cost * max(1, self._live) / USS_GROWTH_BUDGET)
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             self._gone(worker)  # its CPU moves to the reaped children's once joined
             return None
@@ -455,5 +516,6 @@ class HostSampler:
             "usable_cores": self.usable_cores,
             "machine_cpus": len(self.cpus) if self.cpus is not None else None,
             "uss_cost_ms": self.uss_cost_s * 1e3,
+            "torch_threads": torch_threads(),
             "notes": list(self.notes),
         }
