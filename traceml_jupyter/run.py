@@ -30,8 +30,6 @@ from .run_summary import analyse
 if TYPE_CHECKING:
     import numpy as np
 
-    from .ranks import Collector, LocalRank
-
 __all__ = ["SCHEMA_VERSION", "Observer", "Run", "RunResult", "clear", "find_run", "last", "runs"]
 REFRESH_NS = 250_000_000  # observers (the live view) run at most 4 times a second
 
@@ -154,7 +152,9 @@ class Run:
         self.held_before: dict[str, Any] | None = None
         self.oom: dict[str, Any] | None = None
         self.ranks: list[dict[str, Any]] | None = None
-        self.rank_collector: Collector | LocalRank | None = None
+        # ranks.Collector or ranks.LocalRank, which check what they are given (isinstance): the
+        # run names no type of the ranks above it.
+        self.rank_collector: object = None
         self.processes: list[dict[str, Any]] | None = None
         self.loader_site: dict[str, Any] | None = None
         self.dataset_site: dict[str, Any] | None = None

@@ -30,8 +30,17 @@ processes), gather.py (torchrun).
 from __future__ import annotations
 
 from ..processes.startup_hook import KIND, LENGTH
-from .backward import BackwardTimer, LocalRank, RankParts, StepSample, StepTap, shows_parts_of
-from .collector import DRAIN_S, RECV_BYTES, Collector, Stream, adopt, rank_summaries, running
+from .backward import BackwardTimer, LocalRank, RankParts, StepSample, StepTap
+from .collector import (
+    DRAIN_S,
+    RECV_BYTES,
+    Collector,
+    Stream,
+    adopt,
+    rank_summaries,
+    running,
+    shows_parts_of,
+)
 from .follow import DATAPARALLEL_NOTE, capture_ended, dataparallel_note, followed, watching
 from .forks import HELPERS, become_rank, start_no_rank_channel
 from .gather import INTEGERS, decode, encode, gather, local_summary, shows_report

@@ -6,21 +6,16 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..analysis.rank_verdict import backward_median
-from ..capture.data.probes import plain_count
 from ..capture.session import Capture
 from ..capture.steps.recorder import Recorder
 from ..capture.steps.step_model import BACKWARD
 from ..failures import never_raise
 from .wire import PART_ROWS, ROWS
-
-if TYPE_CHECKING:
-    from ..run import Run
-    from .collector import Stream
 
 
 class BackwardTimer:
@@ -144,15 +139,6 @@ class RankParts:
     def facts(self) -> dict[str, Any]:
         """What the rank said of its parts (at its end)."""
         return dict(self.facts_seen)
-
-
-def shows_parts_of(run: Run, stream: Stream) -> None:
-    """The run shows `stream`'s steps: their parts too, the facts its END said of them, and
-    where its passes over the training loader began (each epoch's start-up)."""
-    end = stream.end or {}
-    stream.parts.facts_seen = dict(end.get("parts") or {})
-    run.step_parts = stream.parts
-    run.pass_starts = [k for k in end.get("pass_steps") or [] if plain_count(k) is not None]
 
 
 class StepTap:

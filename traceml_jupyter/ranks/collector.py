@@ -21,7 +21,7 @@ from ..analysis.summary import summarize
 from ..capture.data.probes import plain_count
 from ..capture.steps.recorder import Recorder
 from ..failures import failure_text, never_raise
-from .backward import RankParts, StepSample, shows_parts_of
+from .backward import RankParts, StepSample
 from .wire import END, HELLO, STEPS, read_frames
 
 if TYPE_CHECKING:
@@ -419,3 +419,12 @@ def adopt(run: Run, collector: Collector, drain_s: float) -> None:
         run.loader_info = dict(info) if isinstance(info, dict) else None
     whose = f"rank {main.label}'s" + (" (the rank that holds the others back)" if late else "")
     run.notes.append(f"The steps shown are {whose}; every rank is in the per-rank table.")
+
+
+def shows_parts_of(run: Run, stream: Stream) -> None:
+    """The run shows `stream`'s steps: their parts too, the facts its END said of them, and
+    where its passes over the training loader began (each epoch's start-up)."""
+    end = stream.end or {}
+    stream.parts.facts_seen = dict(end.get("parts") or {})
+    run.step_parts = stream.parts
+    run.pass_starts = [k for k in end.get("pass_steps") or [] if plain_count(k) is not None]
