@@ -297,7 +297,7 @@ def test_a_failure_of_ours_while_the_cell_ends_never_replaces_the_users_error(
     def broken(self: Any, capture: Any, wall_ns: int) -> None:
         raise RuntimeError("a bug of ours")
 
-    monkeypatch.setattr(Run, "captured", broken)
+    monkeypatch.setattr(Run, "read_capture", broken)
     r = run(ip, "%%traceml --no-live\nfor v in [1, 2, 3]:\n    if v == 2:\n        raise ValueError('the user')\n")
     assert isinstance(r.error_in_exec, ValueError) and str(r.error_in_exec) == "the user"
     got = traceml_jupyter.last()
