@@ -217,3 +217,17 @@ def test_a_gpu_that_throttles_shows_in_what_moved() -> None:
     assert found is not None and found["direction"] == "slower"
     text = trend_sentence(found)
     assert text is not None and "GPU clock 1882 -> 1478 MHz" in text and "backward +4.0 ms" in text
+
+
+def test_the_share_of_later_slower_pairs_is_counted_without_the_table_of_pairs() -> None:
+    """later_share (the trend's test that the last third is slower than the first) gives what
+    the n x n table of pairs gives, ties half, for any lengths."""
+    from traceml_jupyter.analysis.step_parts import later_share
+
+    rng = np.random.default_rng(7)
+    for _ in range(100):
+        first = rng.integers(0, 12, rng.integers(1, 40)).astype(float)
+        last = rng.integers(0, 12, rng.integers(1, 40)).astype(float)
+        table = (last[:, None] > first[None, :]).mean() + 0.5 * (last[:, None] == first[None, :]).mean()
+        assert later_share(first, last) == pytest.approx(float(table), abs=1e-12)
+    assert later_share(np.array([1.0, 2.0]), np.array([3.0, 4.0])) == 1.0
