@@ -9,6 +9,7 @@ function past MAX_FUNCTION_LINES, but for the few listed (each with why it is st
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -76,8 +77,14 @@ def imports_of(path: Path, for_types: bool = False) -> set[str]:
     return found
 
 
+@functools.lru_cache(maxsize=2)
+def _graph(for_types: bool) -> tuple[tuple[str, frozenset[str]], ...]:
+    return tuple((module_name(p), frozenset(imports_of(p, for_types))) for p in PACKAGE.rglob("*.py"))
+
+
 def graph(for_types: bool = False) -> dict[str, set[str]]:
-    return {module_name(p): imports_of(p, for_types) for p in PACKAGE.rglob("*.py")}
+    """The package's imports, module by module (read once a test session; a fresh copy each call)."""
+    return {module: set(targets) for module, targets in _graph(for_types)}
 
 
 def layer(module: str) -> str:
