@@ -4,7 +4,9 @@ elements around them and their visible text (`Page(html).one("tml-verdict").text
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from html.parser import HTMLParser
+from typing import Any
 
 VOID = {"br", "hr", "img", "input", "meta", "link", "wbr"}
 
@@ -74,3 +76,27 @@ def heat_of(page: Page, number: int) -> tuple[float | None, str | None, float | 
         elif "tml-heat-ms" in e.classes:
             label = e.text
     return width, label, host
+
+
+def assert_cost_bars(page: Page, costs: Mapping[str, Any]) -> None:
+    """The cost per line beside the code of a loop on lines 2-7 whose line 3 is the dearest and
+    whose lines 5-6 are one statement (`if ...: continue`): each timed line shows its ms per step
+    and a bar on one scale, the loop line its data wait, line 1 (outside the loop) nothing."""
+    from traceml_jupyter.analysis.number_text import ms_fine
+
+    rows = {r["line"]: r for r in costs["statements"]}
+    for line, row in rows.items():
+        width, label, host = heat_of(page, line)
+        assert label == ms_fine(row["ms_per_step"]) and host is None
+        assert page.line(line).text.startswith(f"{line} {label} ")  # number, ms, then the code
+    widths = {line: heat_of(page, line)[0] for line in rows}
+    assert widths[3] == 100.0 and max(widths, key=lambda line: widths[line] or 0.0) == 3  # the dearest line
+    assert 0 < (widths[7] or 0) < widths[3]
+    # The statement on lines 5-6: line 6 carries the same bar, without a label.
+    assert heat_of(page, 6) == (widths[5], "", None)
+    # The loop line carries its data wait on the same scale; lines outside the loop, nothing.
+    assert heat_of(page, 2)[1] == ms_fine(costs["fetch_ms_per_step"])
+    assert heat_of(page, 1) == (None, None, None)
+    note = page.one("tml-heat-note").text
+    assert "(wall clock)" in note and f"over {costs['timed_steps']} timed steps" in note
+    assert "ms per step" in page.one("tml-code-pane").text

@@ -92,7 +92,7 @@ def load(path: str) -> Run:
 def clear() -> int:
     """Forget every run of this kernel; their live charts become static pictures of their
     final state (their widgets are closed). Returns how many runs were forgotten."""
-    from .run import clear as _clear
+    from .kernel_state import clear as _clear
     from .views.display import release_charts
 
     release_charts()

@@ -1,5 +1,5 @@
 """A traced run: the recording its capture writes into while the cell runs, the handle users
-read, and this kernel's runs (runs, last, find_run, clear). `finish()` freezes the run's result
+read, and this kernel's runs (runs, last, find_run). `finish()` freezes the run's result
 (result/: the RunResult value, its codec and text renderers); the capture does the measuring;
 views render the result."""
 
@@ -30,7 +30,7 @@ from .run_summary import analyse
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["SCHEMA_VERSION", "Observer", "Run", "RunResult", "clear", "find_run", "last", "runs"]
+__all__ = ["SCHEMA_VERSION", "Observer", "Run", "RunResult", "find_run", "last", "runs"]
 REFRESH_NS = 250_000_000  # observers (the live view) run at most 4 times a second
 
 
@@ -56,11 +56,6 @@ def last() -> Run | None:
 def find_run(name: str) -> Run | None:
     """The latest run of this kernel with that name, or None."""
     return next((run for run in reversed(kernel_state.RUNS) if run.name == name), None)
-
-
-def clear() -> int:
-    """Forget every run of this kernel (their charts stay on screen). Returns how many."""
-    return kernel_state.clear()
 
 
 COPIES_KEPT = 4  # copies of the run's newest DataLoaders kept while it runs (kernel_state)
@@ -132,7 +127,6 @@ class Run:
         self.notes: list[str] = []
         self.error: str | None = None
         self.error_before_first_step = False
-        self.finished = False
         self.cuda_device: int | None = None
         self.capture_thread: int | None = None
         self.extra_columns: dict[str, Callable[[np.ndarray], np.ndarray]] = {}

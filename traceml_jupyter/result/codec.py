@@ -56,6 +56,7 @@ PATHS = {
     "resources.held_before": "resources.held_before", "resources.oom": "resources.oom",
     "reading.checklist": "checklist", "reading.quoted_cells": "quoted_cells",
 }  # fmt: skip
+FIELD_AT = {path: field for field, path in PATHS.items()}  # the field a document's key holds
 DERIVED = ("straggler", "trend", "epoch_startup", "resources.findings", "schema_version")
 
 
@@ -262,13 +263,12 @@ class _Reader:
     def __init__(self, document: Mapping[str, Any]) -> None:
         self.document = document
         self.missing: set[str] = set()
-        self._field = {path: name for name, path in PATHS.items()}
 
     def value(self, dotted: str) -> Any:
         value: Any = self.document
         for key in dotted.split("."):
             if not isinstance(value, Mapping) or key not in value:
-                self.missing.add(self._field.get(dotted, dotted))
+                self.missing.add(FIELD_AT.get(dotted, dotted))
                 return None
             value = value[key]
         return value
@@ -307,7 +307,7 @@ def _float(value: Any) -> float | None:
 
 
 def _known_paths() -> set[str]:
-    return {path.split(".")[0] for path in PATHS.values()} | {p.split(".")[0] for p in DERIVED} | {"cpu"}
+    return {path.split(".")[0] for path in PATHS.values()} | {p.split(".")[0] for p in DERIVED}
 
 
 def _unknown(document: Mapping[str, Any], odd_columns: Mapping[str, Any]) -> dict[str, Any]:

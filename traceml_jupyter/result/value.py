@@ -38,8 +38,6 @@ def jsonable(value: Any) -> Any:
         return jsonable(value.item())
     if is_dataclass(value) and not isinstance(value, type):
         return {f.name: jsonable(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, frozenset):
-        return sorted(value)
     return value
 
 

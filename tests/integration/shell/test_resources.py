@@ -116,18 +116,24 @@ def test_workers_that_burn_every_core_saturate_the_cpu_and_get_no_more_workers(s
     assert "<style" not in page and "<script" not in page
 
 
+def trained_with_threads(shell: Any, threads: int, loader: str, name: str) -> str:
+    """What the traced TRAIN cell named `name` shows over `loader` with torch's intra-op threads
+    set to `threads` (put back after)."""
+    run(shell, f"threads_before = torch.get_num_threads()\ntorch.set_num_threads({threads})")
+    try:
+        run(shell, f"loader = {loader}")
+        return str(run(shell, TRAIN.format(name=name)).shown)
+    finally:
+        run(shell, "torch.set_num_threads(threads_before)")
+
+
 @pytest.mark.slow
 def test_more_torch_threads_than_cores_beside_workers_are_named_with_the_fix(shell: Any) -> None:
     # torch's intra-op threads set to one more than the CPUs this process may use, beside 2
     # workers that burn CPU: the threads take turns with the workers, whatever else runs. The
     # figures are the test's own: the threads it set, the CPUs it may use.
     cpus = len(os.sched_getaffinity(0))
-    run(shell, f"threads_before = torch.get_num_threads()\ntorch.set_num_threads({cpus + 1})")
-    try:
-        run(shell, "loader = DataLoader(Burning(4 * 60, 2.0), batch_size=4, num_workers=2)")
-        shown = run(shell, TRAIN.format(name="oversubscribed")).shown
-    finally:
-        run(shell, "torch.set_num_threads(threads_before)")
+    shown = trained_with_threads(shell, cpus + 1, "DataLoader(Burning(4 * 60, 2.0), batch_size=4, num_workers=2)", "oversubscribed")
     got = traceml_jupyter.last()
     assert got is not None
     o = got.summary["cpu_oversubscription"]
@@ -141,12 +147,7 @@ def test_more_torch_threads_than_cores_beside_workers_are_named_with_the_fix(she
     assert json.loads(json.dumps(got.to_dict()))["summary"]["cpu_oversubscription"]["threads"] == cpus + 1
 
     # One thread and no workers: the cores suffice, nothing is said.
-    run(shell, "threads_before = torch.get_num_threads()\ntorch.set_num_threads(1)")
-    try:
-        run(shell, "loader = DataLoader(Burning(4 * 30, 1.0), batch_size=4, num_workers=0)")
-        shown = run(shell, TRAIN.format(name="fits")).shown
-    finally:
-        run(shell, "torch.set_num_threads(threads_before)")
+    shown = trained_with_threads(shell, 1, "DataLoader(Burning(4 * 30, 1.0), batch_size=4, num_workers=0)", "fits")
     got = traceml_jupyter.last()
     assert got is not None and got.summary["cpu_torch_threads"] == 1
     assert got.summary["cpu_oversubscription"] is None and "OVERSUBSCRIBED" not in shown

@@ -5,7 +5,6 @@ and optimizer are found in a namespace full of earlier ones."""
 from __future__ import annotations
 
 import textwrap
-import time
 from functools import partial
 from typing import Any
 
@@ -13,24 +12,10 @@ import pytest
 import torch
 from helpers import traced as traced_with
 from IPython.utils.capture import capture_output
+from sleepy_model import Sleepy
 from torch import nn
 
 from traceml_jupyter.run import Run
-
-
-class Sleepy(nn.Module):
-    """A model whose call costs about `ms`."""
-
-    def __init__(self, ms: float = 0.0) -> None:
-        super().__init__()
-        self.ms = ms
-        self.fc = nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor, extra_ms: float = 0.0) -> torch.Tensor:
-        if self.ms or extra_ms:
-            time.sleep((self.ms + extra_ms) / 1000)
-        return self.fc(x)
-
 
 traced = partial(traced_with, options="--no-live --lines off")
 

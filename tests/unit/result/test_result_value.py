@@ -118,7 +118,7 @@ def test_each_field_of_the_result_has_its_place_in_the_json() -> None:
     for field, path in PATHS.items():
         assert _has(document, path), f"{field}: {path} is not written"
     written = set(document)
-    placed = {p.split(".")[0] for p in [*PATHS.values(), *DERIVED]} | {"cpu"}
+    placed = {p.split(".")[0] for p in [*PATHS.values(), *DERIVED]}
     assert written == placed
 
 

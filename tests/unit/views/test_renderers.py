@@ -11,7 +11,7 @@ from html import unescape
 from typing import Any
 
 import pytest
-from report_page import Page, heat_of
+from report_page import Page, assert_cost_bars
 from result_factory import CANNED, CHECKLIST, LINE_COSTS, QUOTED, result_of
 
 from traceml_jupyter.analysis.checklist import Item
@@ -147,22 +147,7 @@ def test_a_cell_that_writes_html_shows_as_text() -> None:
 def test_the_cost_per_line_sits_beside_each_body_line() -> None:
     result = CANNED["cost per line"]()
     page = Page(render_html(result))
-    rows = {r["line"]: r for r in LINE_COSTS["statements"]}
-    for line, row in rows.items():
-        width, label, host = heat_of(page, line)
-        assert label == ms_fine(row["ms_per_step"]) and host is None
-        assert page.line(line).text.startswith(f"{line} {label} ")  # number, ms, then the code
-    widths = {line: heat_of(page, line)[0] for line in rows}
-    assert widths[3] == 100.0 and max(widths, key=lambda line: widths[line] or 0.0) == 3  # the 5 ms sleep
-    assert 0 < (widths[7] or 0) < widths[3]
-    # `if loss > 0: continue` spans lines 5-6: line 6 carries the same bar, without a label.
-    assert heat_of(page, 6) == (widths[5], "", None)
-    # The loop line carries its data wait on the same scale; lines outside the loop, nothing.
-    assert heat_of(page, 2)[1] == ms_fine(LINE_COSTS["fetch_ms_per_step"])
-    assert heat_of(page, 1) == (None, None, None)
-    note = page.one("tml-heat-note").text
-    assert "(wall clock)" in note and f"over {LINE_COSTS['timed_steps']} timed steps" in note
-    assert "ms per step" in page.one("tml-code-pane").text
+    assert_cost_bars(page, LINE_COSTS)  # line 3 (the 5 ms sleep) dearest; `if loss > 0: continue` on 5-6
 
 
 def test_without_a_cost_per_line_there_are_no_heat_bars() -> None:

@@ -10,32 +10,18 @@ import copy
 import inspect
 import pickle
 import threading
-import time
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from sleepy_model import Sleepy
 from torch import nn
 
 import traceml_jupyter
 from traceml_jupyter.capture.inside.line_costs import FULL_STEPS
 from traceml_jupyter.capture.inside.part_store import FORWARD_OK, OPTIMIZER_OK, PartStore
 from traceml_jupyter.run import Run
-
-
-class Sleepy(nn.Module):
-    """A model whose call costs about `ms`."""
-
-    def __init__(self, ms: float = 0.0) -> None:
-        super().__init__()
-        self.ms = ms
-        self.fc = nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor, extra_ms: float = 0.0) -> torch.Tensor:
-        if self.ms or extra_ms:
-            time.sleep((self.ms + extra_ms) / 1000)
-        return self.fc(x)
 
 
 def parts(run: Run) -> dict[str, np.ndarray]:
