@@ -136,8 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Running {args.notebook} in a {KERNEL} kernel ...", flush=True)
     nb, seconds, error = execute(args.notebook.resolve(), args.timeout, env)
     print(
-        "\nEach run's verdict: per step, the median time the loop waited for its batch (data\n"
-        "wait), spent in the loop body (compute), and both together (step time)."
+        "\nEach run's verdict: per step, the mean time the loop waited for its batch (data wait),\n"
+        "spent in the loop body (compute), and both together (step time): they add up, and\n"
+        "steps x step time is the loop's time. The lines under them: the warm-up steps the\n"
+        "verdict leaves out (their time of the whole loop's), and the steps' shape where a mean\n"
+        "alone would mislead."
     )
     from traceml_jupyter.demo import STORY
 
