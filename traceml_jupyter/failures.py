@@ -7,7 +7,12 @@ so hooks that run every step keep their own try/except."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+D = TypeVar("D")
 
 
 def failure_text(exc: BaseException) -> str:
@@ -43,3 +48,14 @@ class never_raise:  # lower case: it reads as a statement, `with never_raise(run
         if self.notes is not None:
             self.notes.append(f"{self.what}: {failure_text(exc)}" if self.what else failure_text(exc))
         return True
+
+
+def read_or(default: D, read: Callable[..., T], *args: Any) -> T | D:
+    """`read(*args)`, or `default` when it raises an Exception: the one guard for reading the
+    user's objects (a loader's settings, a dataset's `__len__`, a property of the user's class),
+    whose code may raise anything. Not for our own code: a failure of ours raises to the edge
+    that guards it (a hook's entry, the live view's tick, finish, a sampler thread)."""
+    try:
+        return read(*args)
+    except Exception:
+        return default

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from traceml_jupyter.failures import failure_text, never_raise
+from traceml_jupyter.failures import failure_text, never_raise, read_or
 
 
 def test_an_error_in_the_block_becomes_a_note_in_the_words_users_read() -> None:
@@ -59,3 +59,29 @@ def test_the_users_interrupts_and_exits_pass_through(kind: type[BaseException]) 
 def test_failure_text_is_the_kind_and_the_message() -> None:
     assert failure_text(TypeError("bad operand")) == "TypeError: bad operand"
     assert failure_text(KeyError("x")) == "KeyError: 'x'"
+
+
+class Loader:
+    """A user's object whose reads fail the way users' objects do."""
+
+    @property
+    def num_workers(self) -> int:
+        raise RuntimeError("not set up yet")
+
+    def __len__(self) -> int:
+        raise TypeError("an IterableDataset has no len")
+
+
+def test_a_read_of_the_users_object_that_raises_gives_the_default() -> None:
+    loader = Loader()
+    assert read_or(None, lambda: loader.num_workers) is None
+    assert read_or(-1, len, loader) == -1
+    assert read_or(None, len, [1, 2, 3]) == 3  # a read that works gives its value
+
+
+def test_a_read_lets_the_users_interrupt_through() -> None:
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        read_or(None, interrupted)
