@@ -13,6 +13,7 @@ import numpy as np
 from ..analysis.rank_verdict import backward_median
 from ..capture.session import Capture
 from ..capture.steps.recorder import Recorder
+from ..capture.steps.step_history import StepHistory
 from ..capture.steps.step_model import BACKWARD
 from ..failures import never_raise
 from .wire import PART_ROWS, ROWS
@@ -71,26 +72,39 @@ class StepSample:
 
     CAP = 1 << 17
 
-    def __init__(self) -> None:
-        self.steps = np.empty(0, dtype=np.int64)
-        self.values = np.empty(0)
-        self.stride = 1
+    def __init__(self, cap: int = CAP) -> None:
+        self._kept = StepHistory(cap, "d")
+        self._read: tuple[np.ndarray, np.ndarray] | None = None  # numpy copies, until the next add
+
+    @property
+    def stride(self) -> int:
+        """1 while every step is kept; k when one step in k is kept."""
+        return self._kept.stride
+
+    @property
+    def steps(self) -> np.ndarray:
+        """The kept steps (ascending)."""
+        return self._arrays()[0]
+
+    @property
+    def values(self) -> np.ndarray:
+        """Their values."""
+        return self._arrays()[1]
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._read is None:
+            self._read = (self._kept.steps_from(), self._kept.column(0))
+        return self._read
 
     def add(self, steps: np.ndarray, values: np.ndarray) -> None:
         """Values of these steps, one step in `stride` kept (the stride doubles past CAP)."""
-        steps = np.asarray(steps).astype(np.int64)
-        keep = steps % self.stride == 0
-        self.steps = np.concatenate([self.steps, steps[keep]])
-        self.values = np.concatenate([self.values, np.asarray(values, dtype=np.float64)[keep]])
-        while len(self.steps) > self.CAP:
-            self.stride *= 2
-            keep = self.steps % self.stride == 0
-            self.steps, self.values = self.steps[keep], self.values[keep]
+        self._kept.extend(np.asarray(steps).astype(np.int64), np.asarray(values, dtype=np.float64))
+        self._read = None
 
     def drop_from(self, first: int) -> None:
         """Forget steps from `first` on (they were merged and come again)."""
-        keep = self.steps < first
-        self.steps, self.values = self.steps[keep], self.values[keep]
+        self._kept.drop_from(first)
+        self._read = None
 
     def median(self, first_step: int) -> float | None:
         """The median from `first_step` on (after the warm-up); None without values."""

@@ -63,8 +63,7 @@ def test_backward_time_goes_to_the_step_it_started_in() -> None:
 
 
 def test_backward_sample_stays_bounded_and_uniform() -> None:
-    sample = ranks.StepSample()
-    sample.CAP = 1000  # type: ignore[misc]
+    sample = ranks.StepSample(cap=1000)
     for start in range(0, 10_000, 500):
         steps = np.arange(start, start + 500)
         sample.add(steps, np.full(500, 2.0))

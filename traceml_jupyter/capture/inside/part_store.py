@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from ..steps.step_history import StepHistory
+
 FORWARD, BACKWARD, OPTIMIZER, CLOSURE = 0, 1, 2, 3  # a closure's own time is no part (it is the rest)
 PARTS = ("forward", "backward", "optimizer")
 PART_COLUMNS = ("forward_ms", "backward_ms", "optimizer_ms", "rest_ms")
@@ -37,9 +39,7 @@ class PartStore:
         self.rec_flags: array[int] = array("b")
         self.rec_spans: dict[int, list[tuple[int, int]]] = {}
         self.no_forward = False  # the run's forward was not found: NaN everywhere
-        self._kept_steps = np.empty(0, dtype=np.int64)
-        self._kept = np.empty((2 * len(PARTS), 0))
-        self._stride = 1
+        self._kept = StepHistory(KEPT_CAP, "d" * (2 * len(PARTS)))  # rows as in `sums`
 
     # -- writing (sampled steps only) ----------------------------------------------------------
     def record(self, step: int, flags: int, spans: list[tuple[int, int]] | None) -> None:
@@ -66,8 +66,7 @@ class PartStore:
         del self.rec_step[keep:]
         del self.rec_end[keep:]
         del self.rec_flags[keep:]
-        k = int(np.searchsorted(self._kept_steps, first))
-        self._kept_steps, self._kept = self._kept_steps[:k], self._kept[:, :k]
+        self._kept.drop_from(first)
         if not open_sampled:
             self.truncate(int(self.rec_end[-1]) if len(self.rec_end) else 0)
             return None
@@ -128,16 +127,7 @@ class PartStore:
         if n_rec <= 0:
             return
         steps, values = self.sums(n_rec)
-        keep = steps % self._stride == 0
-        steps, values = steps[keep], values[:, keep]
-        while len(self._kept_steps) + len(steps) > KEPT_CAP:
-            self._stride *= 2
-            old = self._kept_steps % self._stride == 0
-            self._kept_steps, self._kept = self._kept_steps[old], self._kept[:, old]
-            new = steps % self._stride == 0
-            steps, values = steps[new], values[:, new]
-        self._kept_steps = np.concatenate([self._kept_steps, steps])
-        self._kept = np.concatenate([self._kept, values], axis=1)
+        self._kept.extend(steps, *values)
         used = int(self.rec_end[n_rec - 1])
         for buf in (self.kind, self.t0, self.own):
             del buf[:used]
@@ -154,9 +144,10 @@ class PartStore:
         """Every sampled step kept (history and raw): its index, and its parts (rows as in
         `sums`)."""
         steps, values = self.sums()
-        if len(self._kept_steps):
-            steps = np.concatenate([self._kept_steps, steps])
-            values = np.concatenate([self._kept, values], axis=1)
+        kept = self._kept
+        if len(kept):
+            steps = np.concatenate([kept.steps_from(), steps])
+            values = np.concatenate([np.stack([kept.column(c) for c in range(len(kept.columns))]), values], axis=1)
         if self.no_forward:
             values[0] = values[len(PARTS)] = np.nan
         return steps, values
@@ -185,4 +176,4 @@ class PartStore:
     def nbytes(self) -> int:
         """The memory the store holds, in bytes."""
         raw = sum(a.buffer_info()[1] * a.itemsize for a in (self.kind, self.t0, self.own, self.rec_step, self.rec_end, self.rec_flags))
-        return raw + int(self._kept_steps.nbytes + self._kept.nbytes)
+        return raw + self._kept.nbytes()

@@ -7,10 +7,12 @@ from typing import Any
 
 import numpy as np
 
+from .step_history import StepHistory
+
 # Steps are appended to a raw chunk of int64 timestamps (24 bytes a step). A full chunk is
-# folded into the kept history, also raw int64 timestamps in arrays allocated once: every step
-# while the history has room (HISTORY_CAP), then a uniform sample (every `stride`-th step),
-# decimated in place, with exact running totals. Milliseconds are derived when read.
+# folded into the kept history, also raw int64 timestamps (arrays that grow with it): every step
+# while the history has room (HISTORY_CAP), then a uniform sample (every `stride`-th step,
+# a StepHistory), with exact running totals. Milliseconds are derived when read.
 CHUNK = 1 << 16
 HISTORY_CAP = 1 << 17
 NAN = float("nan")
@@ -35,10 +37,8 @@ class Recorder:
         self.has_gpu = False
         self.origin_ns: int | None = None
         self._base = 0  # global index of the chunk's first step
-        self._stride = 1
-        self._kept_t: np.ndarray | None = None  # (3, HISTORY_CAP) int64, allocated at the first fold
-        self._kept_gpu: np.ndarray | None = None  # (2, HISTORY_CAP) float64, only with GPU timings
-        self._n_kept = 0
+        # The kept history: the three timestamps, then (from the first GPU timing) the GPU's two.
+        self._history = StepHistory(HISTORY_CAP, "qqq", every_step=True)
         self._totals_ns = [0, 0]  # exact sums of data wait and compute over folded steps
         self._totals_gpu = [0.0, 0.0]
 
@@ -92,10 +92,16 @@ class Recorder:
             return
         self._totals_gpu[0] += wait_ms
         self._totals_gpu[1] += compute_ms
-        if step % self._stride == 0 and step // self._stride < self._n_kept:
-            if self._kept_gpu is None:
-                self._kept_gpu = np.full((2, HISTORY_CAP), np.nan)
-            self._kept_gpu[:, step // self._stride] = (wait_ms, compute_ms)
+        row = self._history.index(step)
+        if row is not None:
+            self._kept_gpu_columns()
+            self._history.columns[3][row] = wait_ms
+            self._history.columns[4][row] = compute_ms
+
+    def _kept_gpu_columns(self) -> None:
+        if len(self._history.columns) == 3:  # GPU timings from now on: NaN for the steps before
+            self._history.add_column("d", NAN)
+            self._history.add_column("d", NAN)
 
     def pop_tail(self, n: int) -> tuple[int, int, int] | None:
         """Remove the last n steps (all still in the chunk) for merging them into the step that
@@ -123,7 +129,7 @@ class Recorder:
     @property
     def stride(self) -> int:
         """1 while every step is kept; k when one step in k is kept."""
-        return self._stride
+        return self._history.stride
 
     def _chunk_raw(self, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """The chunk's timestamps (3, n) and GPU timings (2, n; NaN where not yet resolved)."""
@@ -151,18 +157,20 @@ class Recorder:
         }
 
     def _kept(self, first: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        k = self._n_kept
-        if self._kept_t is None or first >= k:
+        history = self._history
+        k = len(history)
+        if first >= k:
             return np.empty(0, dtype=np.int64), np.empty((3, 0), np.int64), np.empty((2, 0))
-        steps = np.arange(first, k, dtype=np.int64) * self._stride
-        gpu = self._kept_gpu[:, first:k] if self._kept_gpu is not None else np.full((2, k - first), np.nan)
-        return steps, self._kept_t[:, first:k], gpu
+        t = np.stack([history.column(c, first) for c in range(3)])
+        has_gpu = len(history.columns) == 5
+        gpu = np.stack([history.column(c, first) for c in (3, 4)]) if has_gpu else np.full((2, k - first), np.nan)
+        return history.steps_from(first), t, gpu
 
     def columns(self) -> dict[str, np.ndarray]:
         """Every kept step (all steps until the history cap, then a uniform sample)."""
         k_steps, k_t, k_gpu = self._kept()
         t, gpu = self._chunk_raw()
-        sel = slice((-self._base) % self._stride, None, self._stride)
+        sel = slice((-self._base) % self.stride, None, self.stride)
         steps = np.arange(self._base, self.n_steps, dtype=np.int64)[sel]
         return self._derive(
             np.concatenate([k_steps, steps]),
@@ -175,7 +183,7 @@ class Recorder:
         gives them, without building every column (None: no such step)."""
         k_steps, k_t, _ = self._kept()
         t, _ = self._chunk_raw()
-        sel = slice((-self._base) % self._stride, None, self._stride)
+        sel = slice((-self._base) % self.stride, None, self.stride)
         steps = np.concatenate([k_steps, np.arange(self._base, self.n_steps, dtype=np.int64)[sel]])
         raw = np.concatenate([k_t, t[:, sel]], axis=1)
         analysed = steps >= first
@@ -190,8 +198,8 @@ class Recorder:
         have = len(self._t0)
         t, gpu = self._chunk_raw(max(0, have - n))
         steps = np.arange(self.n_steps - t.shape[1], self.n_steps, dtype=np.int64)
-        if have < n and self._n_kept:
-            k_steps, k_t, k_gpu = self._kept(max(0, self._n_kept - (n - have)))
+        if have < n and len(self._history):
+            k_steps, k_t, k_gpu = self._kept(max(0, len(self._history) - (n - have)))
             steps = np.concatenate([k_steps, steps])
             t = np.concatenate([k_t, t], axis=1)
             gpu = np.concatenate([k_gpu, gpu], axis=1)
@@ -233,23 +241,9 @@ class Recorder:
             gpu = [chunk_gpu[0], chunk_gpu[1]]
             self._totals_gpu[0] += float(np.nansum(gpu[0]))
             self._totals_gpu[1] += float(np.nansum(gpu[1]))
-            if self._kept_gpu is None:
-                self._kept_gpu = np.full((2, HISTORY_CAP), np.nan)
-        if self._kept_t is None:
-            self._kept_t = np.empty((3, HISTORY_CAP), dtype=np.int64)
-        while True:
-            sel = slice((-self._base) % self._stride, None, self._stride)
-            m = len(range(n)[sel])
-            if self._n_kept + m <= HISTORY_CAP:
-                break
-            self._halve()
-        k = self._n_kept
-        for row, col in enumerate((t0, t1, t2)):
-            self._kept_t[row, k : k + m] = col[sel]
-        if self._kept_gpu is not None and gpu:
-            for row, col in enumerate(gpu):
-                self._kept_gpu[row, k : k + m] = col[sel]
-        self._n_kept = k + m
+            self._kept_gpu_columns()
+        # One step in `stride` into the history (the stride doubled first when it is full).
+        self._history.extend(np.arange(self._base, self._base + n, dtype=np.int64), t0, t1, t2, *gpu)
         del t0, t1, t2  # release the views before the buffers are replaced
         self._base += n
         self._t0, self._t1, self._t2 = array("q"), array("q"), array("q")
@@ -257,23 +251,12 @@ class Recorder:
         # fold never waits for the GPU.
         self._gpu_wait, self._gpu_compute = array("d"), array("d")
 
-    def _halve(self) -> None:
-        """Keep every other kept step (in place) and double the stride."""
-        k = self._n_kept
-        half = (k + 1) // 2
-        for kept in (self._kept_t, self._kept_gpu):
-            if kept is not None:
-                kept[:, :half] = kept[:, 0:k:2].copy()
-        self._n_kept = half
-        self._stride *= 2
-
     def nbytes(self) -> int:
         """The memory the recorder's buffers hold, in bytes."""
         arrays: list[array[Any]] = [self._t0, self._t1, self._t2, self._gpu_wait, self._gpu_compute]
         raw = sum(a.buffer_info()[1] * a.itemsize for a in arrays)
-        kept = sum(a.nbytes for a in (self._kept_t, self._kept_gpu) if a is not None)
-        return raw + kept
+        return raw + self._history.nbytes()
 
     def describe(self) -> dict[str, Any]:
         """Its size: {"n_steps", "stride", "nbytes"}."""
-        return {"n_steps": self.n_steps, "stride": self._stride, "nbytes": self.nbytes()}
+        return {"n_steps": self.n_steps, "stride": self.stride, "nbytes": self.nbytes()}

@@ -3,12 +3,12 @@ flat columns with the Recorder's memory bound, and aligned to the Recorder's ste
 
 from __future__ import annotations
 
-from array import array
 from bisect import bisect_left
 
 import numpy as np
 
 from .recorder import HISTORY_CAP
+from .step_history import StepHistory
 
 
 class StepTally:
@@ -28,9 +28,14 @@ class StepTally:
         self.cap = cap
         self.first_step: int | None = None  # the first step watched (dense tallies)
         self.total = 0.0
-        self.stride = 1
-        self._steps: array[int] = array("q")
-        self._values: array[float] = array("d")
+        self._kept = StepHistory(cap, "d")
+        self._steps = self._kept.steps  # the same arrays for the whole run (halved in place)
+        self._values = self._kept.columns[0]
+
+    @property
+    def stride(self) -> int:
+        """1 while every step is kept; k when one step in k is kept."""
+        return self._kept.stride
 
     def watch_from(self, step: int) -> None:
         """Steps from `step` on are watched (dense: a step with nothing added measured 0.0)."""
@@ -49,12 +54,7 @@ class StepTally:
             if i < len(steps) and steps[i] == step:
                 self._values[i] += value
             return
-        if step % self.stride:
-            return
-        steps.append(step)
-        self._values.append(value)
-        if len(steps) > self.cap:
-            self._decimate()
+        self._kept.add(step, value)
 
     def merge_from(self, step: int) -> None:
         """The steps from `step` on became one step, `step` (the capture's step model merges
@@ -72,12 +72,6 @@ class StepTally:
         if self.dense and step % self.stride == 0:
             steps.append(step)
             values.append(merged)
-
-    def _decimate(self) -> None:
-        self.stride *= 2
-        keep = [i for i, s in enumerate(self._steps) if s % self.stride == 0]
-        self._steps = array("q", (self._steps[i] for i in keep))
-        self._values = array("d", (self._values[i] for i in keep))
 
     def __len__(self) -> int:
         return len(self._steps)
