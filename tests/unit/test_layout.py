@@ -456,9 +456,7 @@ HAND_WRITTEN_EXCEPTS = {
     "capture/gpu/gpu_watch.py": 5,  # patches undone on failure; per step (backlog); a fallback
     "capture/gpu/h2d.py": 5,  # per copy / per wait: the watch turns itself off
     "capture/gpu/hidden_waits.py": 1,  # a fallback (False)
-    "capture/resources/host.py": 2,  # fallbacks (None)
     "capture/inside/line_costs.py": 4,  # per step: the GPU clock turns itself off
-    "capture/resources/nvml.py": 9,  # fallbacks; NVML's failure kept as the sampler's note and detail
     "capture/data/probes.py": 6,  # guarded reads of the user's objects (the module's job)
     "capture/data/sources.py": 4,  # guarded reads of the user's objects
     "capture/gpu/syncs.py": 2,  # per sync: the watch turns itself off; a fallback

@@ -28,16 +28,16 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
-from ...failures import never_raise
-from .samples import SampleBuffer
+from ...failures import failure_text
+from ..steps.step_history import StepHistory
+from .samples import SampleBuffer, Sampler
 
 SAMPLE_PERIOD_S = 0.25  # the run's tick rate: 4 samples a second
 CAPACITY = 2048  # samples kept; when full, every other one goes and the period doubles
@@ -47,6 +47,7 @@ USS_GROWTH_BUDGET = 0.05  # ... or 5 % of one core for a worker whose page fault
 USS_MIN_PERIOD_S = 0.5
 GROWTH_FAULTS = 4096  # minor page faults (16 MiB of 4 KiB pages) since a worker's last USS read
 MIB = 2**20
+USS_KEPT = 64  # private-memory reads kept per worker (first and last always)
 
 HOST_COLUMNS = (
     "time_s",
@@ -146,6 +147,40 @@ def usable_cpus() -> int:
 # -- the sampler ------------------------------------------------------------------------------
 
 
+class WorkerFacts(TypedDict):
+    """A DataLoader worker as the run keeps it (docs/resources.md): its pid, when it was seen,
+    CPU seconds, memory first, last and at peak (MiB; None before a read), the DataLoader."""
+
+    pid: int
+    first_s: float | None
+    last_s: float | None
+    cpu_s: float
+    rss_first_mib: float | None
+    rss_last_mib: float | None
+    rss_max_mib: float | None
+    uss_first_mib: float | None
+    uss_last_mib: float | None
+    uss_max_mib: float | None
+    uss_reads: int
+    exited: bool
+    loader: int  # id() of the DataLoader whose iterator started it
+
+
+class HostFacts(TypedDict):
+    """What the run keeps of the host (docs/resources.md): the samples (HOST_COLUMNS, numpy
+    columns), each worker, the cores this process may use and the machine's, the memory
+    available at the end (MiB), the last private-memory reads' cost, torch's threads, notes."""
+
+    available_mib: float | None
+    samples: dict[str, np.ndarray]
+    workers: list[WorkerFacts]
+    usable_cores: float
+    machine_cpus: int | None
+    uss_cost_ms: float
+    torch_threads: int | None
+    notes: list[str]
+
+
 @dataclass
 class Worker:
     """What the sampler saw of one DataLoader worker process."""
@@ -156,17 +191,18 @@ class Worker:
     last_s: float | None = None
     cpu_s: float = 0.0  # CPU seconds while sampled
     rss_mib: list[float] = field(default_factory=list)  # first, last, max
-    uss: list[tuple[float, float]] = field(default_factory=list)  # (run time, MiB), bounded
+    # (run time, MiB) of its private-memory reads; when full, every other one goes
+    uss: StepHistory = field(default_factory=lambda: StepHistory(USS_KEPT, "dd", every_step=True))
     exited: bool = False
     proc: Any = None
     cpu_last: float | None = None
     uss_due: float = 0.0  # run time from which a grown worker's USS may be read again
     faults_at_uss: int | None = None  # its minor page faults at its last USS read
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> WorkerFacts:
         """The worker's figures as JSON-ready values: pid, when it was seen, CPU seconds, memory
-        first and last."""
-        uss = [v for _, v in self.uss]
+        first and last, its DataLoader."""
+        uss = self.uss.column(1).tolist()
         return {
             "pid": self.pid,
             "first_s": self.first_s,
@@ -180,10 +216,8 @@ class Worker:
             "uss_max_mib": max(uss) if uss else None,
             "uss_reads": len(uss),
             "exited": self.exited,
+            "loader": self.loader,
         }
-
-
-USS_KEPT = 64  # private-memory reads kept per worker (first and last always)
 
 
 def _keep_reading(worker: Worker, cpu: float, rss: float, run_s: float) -> None:
@@ -238,13 +272,7 @@ def torch_threads() -> int | None:
         return None
 
 
-def _keep_uss(reads: list[tuple[float, float]], new: tuple[float, float]) -> None:
-    reads.append(new)
-    if len(reads) > USS_KEPT:
-        del reads[1:-1:2]
-
-
-class HostSampler:
+class HostSampler(Sampler):
     """Samples the training process and the DataLoader workers the capture tells it of
     (`add_workers`, on a pass's iter()), on a thread named "traceml-host". `start()` and
     `stop()` (joins) run on the main thread; `sample_once()` is one reading (tests call it)."""
@@ -255,10 +283,9 @@ class HostSampler:
         period_s: float = SAMPLE_PERIOD_S,
         clock: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
+        super().__init__(THREAD_NAME, SampleBuffer(HOST_COLUMNS, CAPACITY), period_s)
         self.clock = clock
         self.origin_ns = origin_ns if origin_ns is not None else clock()
-        self.period_s = period_s
-        self.samples = SampleBuffer(HOST_COLUMNS, CAPACITY)
         self.workers: dict[int, Worker] = {}
         self.notes: list[str] = []
         self.usable_cores = usable_cores()
@@ -274,22 +301,14 @@ class HostSampler:
         self._offset = 0.0  # CPU of workers that ran before the sampler could see them
         self._departed = 0.0  # CPU of workers gone but not yet reaped (not in children's yet)
         self._children = 0.0
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # new workers: sample now (their memory before they read)
-        self._thread: threading.Thread | None = None
         self._uss_at = 0.0
         self._live = 0  # live workers at the current sample (the growth reads share their budget)
-
-    @property
-    def running(self) -> bool:
-        """The sampler's thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
 
     def add_workers(self, pids: Iterable[int], loader: int) -> None:
         """Worker processes of a DataLoader iterator (called on the main thread, once a pass)."""
         for pid in pids:
             self._pending.append((int(pid), loader))
-        self._wake.set()
+        self.wake()  # sample now: their memory before they read
 
     def start(self) -> bool:
         """Start the thread; False (with a note) without psutil."""
@@ -299,40 +318,30 @@ class HostSampler:
             self.notes.append("CPU and memory were not sampled: psutil is not installed (pip install psutil).")
             return False
         self._psutil = psutil
-        with never_raise(self.notes, "CPU and memory were not sampled") as guard:
+        try:
             self._me = psutil.Process()
             self.sample_once()  # the baseline: CPU use is counted from here
-        if guard.error is not None:
+        except (psutil.Error, OSError) as exc:
+            self.notes.append(f"CPU and memory were not sampled: {failure_text(exc)}")
             return False
-        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
-        self._thread.start()
+        self.start_thread()
         return True
 
     def stop(self) -> None:
         """Stop the sampler (its last sample taken, the thread joined) and let go of the workers'
         handles."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
+        self.stop_thread()
         for worker in self.workers.values():
             worker.proc = None  # no psutil handle outlives the run
 
-    def _run(self) -> None:
-        period = self.period_s
-        with never_raise(self.notes, "CPU and memory sampling stopped"):  # never let the sampler's error reach anyone
-            while True:
-                self._wake.wait(period)
-                self._wake.clear()
-                if self._stop.is_set():
-                    break
-                kept = self.samples.decimations
-                self.sample_once()
-                if self.samples.decimations != kept:
-                    period *= 2
-            # The end of the run: workers still alive (persistent ones) get a last
-            # private-memory read, unless they had one in the last USS_MIN_PERIOD_S.
-            self.sample_once(uss=True, spaced=False)
+    def last_sample(self) -> None:
+        """The end of the run: workers still alive (persistent ones) get a last private-memory
+        read, unless they had one in the last USS_MIN_PERIOD_S."""
+        self.sample_once(uss=True, spaced=False)
+
+    def failed(self, error: Exception) -> None:
+        """A sample raised: sampling stops, and a note says why."""
+        self.notes.append(f"CPU and memory sampling stopped: {failure_text(error)}")
 
     # -- one sample --------------------------------------------------------------------------
     def _adopt(self, now_wall: float, since: float | None) -> None:
@@ -403,7 +412,7 @@ class HostSampler:
             _keep_reading(worker, cpu, w_rss, run_s)
             workers_rss += w_rss
             if worker.uss:
-                workers_uss += worker.uss[-1][1]
+                workers_uss += worker.uss.columns[1][-1]
                 any_uss = True
         if due:
             self.uss_cost_s = uss_cost
@@ -450,7 +459,7 @@ class HostSampler:
                 t = worker.proc.cpu_times()
                 w_rss = worker.proc.memory_info().rss / MIB
                 runnable = worker.proc.status() == psutil.STATUS_RUNNING
-            recent = bool(worker.uss) and run_s - worker.uss[-1][0] < USS_MIN_PERIOD_S
+            recent = bool(worker.uss) and run_s - worker.uss.columns[0][-1] < USS_MIN_PERIOD_S
             faults = minor_faults(worker.pid)
             grown = (
                 faults is not None
@@ -464,7 +473,7 @@ class HostSampler:
                 if value is None:
                     value = worker.proc.memory_full_info().uss / MIB
                 cost = time.perf_counter() - began
-                _keep_uss(worker.uss, (run_s, value))
+                worker.uss.append(run_s, value)
                 worker.faults_at_uss = faults
                 # The budget is shared: every live worker may be read as often as this one.
                 worker.uss_due = run_s + max(USS_MIN_PERIOD_S, cost * max(1, self._live) / USS_GROWTH_BUDGET)
@@ -481,16 +490,14 @@ class HostSampler:
         """CPU seconds every process has spent on our CPUs so far (None: not known)."""
         if self.cpus is None:
             return None
-        try:
-            per_cpu = self._psutil.cpu_times(percpu=True)
-            busy = 0.0
-            for i in self.cpus:
-                t = per_cpu[i]
-                total = sum(t)
-                busy += total - t.idle - getattr(t, "iowait", 0.0)
-            return busy
-        except Exception:
+        per_cpu = self._psutil.cpu_times(percpu=True)
+        if max(self.cpus) >= len(per_cpu):  # a CPU brought online since the run started
             return None
+        busy = 0.0
+        for i in self.cpus:
+            t = per_cpu[i]
+            busy += sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        return busy
 
     # -- what views and the run read ---------------------------------------------------------
     def latest(self) -> dict[str, float] | None:
@@ -500,19 +507,16 @@ class HostSampler:
             return None
         return row
 
-    def result(self) -> dict[str, Any]:
+    def result(self) -> HostFacts:
         """What the run keeps: the samples (numpy columns), each worker, the usable cores, and
         the memory the machine had available at the end."""
         available = None
         if self._psutil is not None:
-            try:
-                available = float(self._psutil.virtual_memory().available) / MIB
-            except Exception:
-                available = None
+            available = float(self._psutil.virtual_memory().available) / MIB
         return {
             "available_mib": available,
             "samples": self.samples.columns(),
-            "workers": [w.to_dict() | {"loader": w.loader} for w in self.workers.values()],
+            "workers": [w.to_dict() for w in self.workers.values()],
             "usable_cores": self.usable_cores,
             "machine_cpus": len(self.cpus) if self.cpus is not None else None,
             "uss_cost_ms": self.uss_cost_s * 1e3,

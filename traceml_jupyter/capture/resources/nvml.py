@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ...failures import failure_text, never_raise
+from ...failures import failure_text
 from ..gpu.cuda_state import cuda_initialized, torch_cuda
-from .samples import SampleBuffer
+from .samples import SampleBuffer, Sampler
 
 SAMPLE_PERIOD_S = 0.2  # at most 5 samples a second
 CAPACITY = 2048  # samples kept; when full, every other one goes and the period doubles
@@ -52,11 +51,9 @@ def pci_bus_id(props: Any) -> str | None:
 
 def cuda_available() -> bool:
     """torch is imported and built with CUDA (asks the build, never the driver: no CUDA init)."""
-    torch = sys.modules.get("torch")
-    try:
-        return bool(torch is not None and torch.backends.cuda.is_built())
-    except Exception:
-        return False
+    cuda = getattr(getattr(sys.modules.get("torch"), "backends", None), "cuda", None)
+    is_built = getattr(cuda, "is_built", None)
+    return callable(is_built) and bool(is_built())
 
 
 def cuda_device_of_loop(device: int | None = None) -> tuple[str, str | int, str | None] | None:
@@ -66,16 +63,19 @@ def cuda_device_of_loop(device: int | None = None) -> tuple[str, str | int, str 
     if not cuda_initialized():
         return None
     cuda = torch_cuda()
+    index = int(cuda.current_device()) if device is None else int(device)
+    props = cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    uuid_text = str(uuid) if uuid is not None else None
+    bus = pci_bus_id(props)
+    if bus is not None:
+        return ("pci", bus, uuid_text)
+    nvml_index = getattr(cuda, "_get_nvml_device_index", None)  # torch's, private: may be gone
+    if nvml_index is None:
+        return None
     try:
-        index = int(cuda.current_device()) if device is None else int(device)
-        props = cuda.get_device_properties(index)
-        uuid = getattr(props, "uuid", None)
-        uuid_text = str(uuid) if uuid is not None else None
-        bus = pci_bus_id(props)
-        if bus is not None:
-            return ("pci", bus, uuid_text)
-        return ("index", int(cuda._get_nvml_device_index(index)), uuid_text)
-    except Exception:
+        return ("index", int(nvml_index(index)), uuid_text)
+    except (RuntimeError, ValueError):  # CUDA_VISIBLE_DEVICES that torch cannot map to NVML
         return None
 
 
@@ -87,7 +87,7 @@ def open_nvml() -> tuple[Any, str | None]:
         return None, "pynvml is not installed (pip install nvidia-ml-py)"
     try:
         pynvml.nvmlInit()
-    except Exception as exc:  # pynvml.NVMLError and its subclasses, or a broken install
+    except pynvml.NVMLError as exc:  # no driver, no library, no permission
         return None, failure_text(exc)
     return pynvml, None
 
@@ -102,12 +102,21 @@ NAN = float("nan")
 def clock_and_temperature(nvml: Any, handle: Any) -> tuple[float, float]:
     """The SM clock (MHz) and the temperature (°C) of the device, NaN where NVML has none: the
     trend over the run says when a GPU slowed down because it throttled."""
-    clock = temp = NAN
-    with never_raise():
-        clock = float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
-    with never_raise():
-        temp = float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
-    return clock, temp
+    return (
+        _nvml_read(nvml, "nvmlDeviceGetClockInfo", handle, "NVML_CLOCK_SM"),
+        _nvml_read(nvml, "nvmlDeviceGetTemperature", handle, "NVML_TEMPERATURE_GPU"),
+    )
+
+
+def _nvml_read(nvml: Any, function: str, handle: Any, which: str) -> float:
+    """One figure NVML may not have (an older pynvml, a device without it): NaN then."""
+    read, kind = getattr(nvml, function, None), getattr(nvml, which, None)
+    if read is None or kind is None:
+        return NAN
+    try:
+        return float(read(handle, kind))
+    except nvml.NVMLError:  # not supported on this device
+        return NAN
 
 
 class GpuSamples(SampleBuffer):
@@ -169,7 +178,7 @@ def at_steps(
     return out
 
 
-class GpuSampler:
+class GpuSampler(Sampler):
     """Samples the loop's GPU at most 5 times a second on a thread named "traceml-nvml".
 
     `start_when_ready(device)` runs on the main thread (the live view calls it on each refresh):
@@ -187,10 +196,10 @@ class GpuSampler:
         clock: Callable[[], int] = time.perf_counter_ns,
         device_of_loop: Callable[[], int | None] | None = None,
     ) -> None:
+        self.samples: GpuSamples = GpuSamples(capacity)
+        super().__init__(THREAD_NAME, self.samples, max(period_s, SAMPLE_PERIOD_S))
         self.clock = clock
         self.origin_ns = origin_ns if origin_ns is not None else clock()
-        self.period_s = max(period_s, SAMPLE_PERIOD_S)
-        self.samples = GpuSamples(capacity)
         self.note: str | None = None  # why there are no GPU figures (None while they come)
         self.detail: str | None = None  # the error behind the note, for the report
         self.device: str | None = None  # "NVIDIA H200, 0000:17:00.0, 143771 MiB"
@@ -200,16 +209,10 @@ class GpuSampler:
         self.window_s = UTIL_WINDOW_S
         self._device_of_loop = device_of_loop
         self._decided = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._where: tuple[str, str | int, str | None] | None = None
         self._nvml: Any = None
         self._handle: Any = None
         self._mem_handle: Any = None
-
-    @property
-    def running(self) -> bool:
-        """The sampler's thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
 
     def start_when_ready(self, device: int | None = None) -> None:
         """Start sampling once the loop's GPU is known (the capture saw it, or `device`); until
@@ -223,8 +226,7 @@ class GpuSampler:
                 self.note, self.detail = NO_NVML, why
                 return
             self.note = NO_CUDA
-            with never_raise():
-                nvml.nvmlShutdown()
+            _shutdown(nvml)
             return
         if device is None and self._device_of_loop is not None:
             device = self._device_of_loop()
@@ -237,14 +239,12 @@ class GpuSampler:
             return
         self._decided = True
         self.note = None
-        self._thread = threading.Thread(target=self._run, args=(where,), name=THREAD_NAME, daemon=True)
-        self._thread.start()
+        self._where = where
+        self.start_thread()
 
     def stop(self) -> None:
         """Stop sampling and wait for the thread; a run that never used CUDA says so."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
+        self.stop_thread()
         if not self._decided and self.note == NOT_YET_ON_GPU:
             self.note = NOT_ON_GPU
         self._decided = True
@@ -252,40 +252,54 @@ class GpuSampler:
             self.note = NOT_ON_GPU if self._thread is None else "GPU n/a (no sample taken)"
 
     # -- on the sampler's thread ------------------------------------------------------------
+    def begin(self) -> bool:
+        """On the thread: NVML opened on the loop's GPU, then the first sample."""
+        if self._where is None or not self.open(self._where):
+            return False
+        self.sample_once()
+        return True
+
     def open(self, where: tuple[str, str | int, str | None]) -> bool:
-        """NVML's handle of the loop's GPU (and of its MIG slice); False with a note on error."""
+        """NVML's handle of the loop's GPU (and of its MIG slice); False with a note without
+        NVML (an NVML error raises: on the thread, its edge notes it)."""
         nvml, why = open_nvml()
         if nvml is None:
             self.note, self.detail = NO_NVML, why
             return False
         self._nvml = nvml
-        try:
-            kind, key, uuid = where
-            if kind == "pci":
-                handle = nvml.nvmlDeviceGetHandleByPciBusId(str(key).encode())
-            else:
-                handle = nvml.nvmlDeviceGetHandleByIndex(int(key))
-            self._handle = self._mem_handle = handle
-            if self._mig(nvml, handle):
-                self.util_note = MIG_NO_UTIL
-                self._mem_handle = self._mig_handle(nvml, uuid) or handle
-            total = float(nvml.nvmlDeviceGetMemoryInfo(self._mem_handle).total) / 2**20
-            self.mem_total_mib = total
-            self.device = f"{_text(nvml.nvmlDeviceGetName(handle))}, {key}, {total:.0f} MiB"
-            if self.util_note:
-                self.device += " (MIG slice)"
-            self.shared_note = self._others(nvml, handle)
-        except Exception as exc:
-            self.note, self.detail = NVML_FAILED, failure_text(exc)
-            self.close()
-            return False
+        kind, key, uuid = where
+        if kind == "pci":
+            handle = nvml.nvmlDeviceGetHandleByPciBusId(str(key).encode())
+        else:
+            handle = nvml.nvmlDeviceGetHandleByIndex(int(key))
+        self._handle = self._mem_handle = handle
+        if self._mig(nvml, handle):
+            self.util_note = MIG_NO_UTIL
+            self._mem_handle = self._mig_handle(nvml, uuid) or handle
+        total = float(nvml.nvmlDeviceGetMemoryInfo(self._mem_handle).total) / 2**20
+        self.mem_total_mib = total
+        self.device = f"{_text(nvml.nvmlDeviceGetName(handle))}, {key}, {total:.0f} MiB"
+        if self.util_note:
+            self.device += " (MIG slice)"
+        self.shared_note = self._others(nvml, handle)
         return True
+
+    def failed(self, error: Exception) -> None:
+        """NVML failed on the thread: no more samples, and the note and detail say why."""
+        self.note, self.detail = NVML_FAILED, failure_text(error)
+
+    def end(self) -> None:
+        """Let go of NVML."""
+        self.close()
 
     @staticmethod
     def _mig(nvml: Any, handle: Any) -> bool:
+        read = getattr(nvml, "nvmlDeviceGetMigMode", None)  # an older pynvml has none
+        if read is None:
+            return False
         try:
-            current = nvml.nvmlDeviceGetMigMode(handle)[0]
-        except Exception:  # not supported (a GPU without MIG), or an old driver
+            current = read(handle)[0]
+        except nvml.NVMLError:  # not supported (a GPU without MIG), or an old driver
             return False
         return bool(current == getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1))
 
@@ -298,16 +312,19 @@ class GpuSampler:
         for name in names:
             try:
                 return nvml.nvmlDeviceGetHandleByUUID(name.encode())
-            except Exception:
+            except nvml.NVMLError:  # not a name NVML knows: the next one
                 continue
         return None
 
     @staticmethod
     def _others(nvml: Any, handle: Any) -> str | None:
         """A note when other processes compute on the GPU (NVML's figures are device-wide)."""
+        read = getattr(nvml, "nvmlDeviceGetComputeRunningProcesses", None)
+        if read is None:
+            return None
         try:
-            procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        except Exception:
+            procs = read(handle)
+        except nvml.NVMLError:  # not supported, or not allowed
             return None
         pids = {int(getattr(p, "pid", -1)) for p in procs}
         others = pids - {os.getpid()}
@@ -326,7 +343,7 @@ class GpuSampler:
         if self.util_note is None:
             try:
                 util = float(nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
-            except Exception as exc:
+            except nvml.NVMLError as exc:
                 if "NotSupported" not in type(exc).__name__ and "Not Supported" not in str(exc):
                     raise
                 self.util_note = "GPU utilisation n/a (NVML: not supported on this device)"
@@ -339,22 +356,12 @@ class GpuSampler:
     def close(self) -> None:
         """Let go of NVML (never raises)."""
         if self._nvml is not None:
-            with never_raise():
-                self._nvml.nvmlShutdown()
+            _shutdown(self._nvml)
             self._nvml = None
 
-    def _run(self, where: tuple[str, str | int, str | None]) -> None:
-        if not self.open(where):
-            return
-        try:
-            period = self.period_s
-            while not self._stop.is_set():
-                kept = self.samples.decimations
-                self.sample_once()
-                if self.samples.decimations != kept:
-                    period *= 2
-                self._stop.wait(period)
-        except Exception as exc:
-            self.note, self.detail = NVML_FAILED, failure_text(exc)
-        finally:
-            self.close()
+
+def _shutdown(nvml: Any) -> None:
+    try:
+        nvml.nvmlShutdown()
+    except nvml.NVMLError:  # NVML already gone: nothing left to let go of
+        pass
