@@ -365,7 +365,7 @@ class Run:
         if self._machine is None and self.finished:
             self._machine = {}  # what is kept if it fails: never cost the run its result
             with never_raise(self.notes, "The machine could not be described"):
-                self._machine = describe_machine(usable_cpus(), self.cuda_device, self.gpu_device)
+                self._machine = dict(describe_machine(usable_cpus(), self.cuda_device, self.gpu_device))
         return self._machine
 
     def _read_columns(self) -> dict[str, np.ndarray]:

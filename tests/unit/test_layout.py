@@ -452,7 +452,7 @@ HAND_WRITTEN_EXCEPTS = {
     "capture/gpu/cuda_state.py": 1,  # a fallback (False)
     "capture/data/dataloaders.py": 5,  # guarded reads of the user's loader: None, or the next item
     "capture/gpu/gpu_activity.py": 5,  # fallbacks; per sync (look); patches undone on failure
-    "capture/resources/gpu_memory.py": 11,  # guarded reads of the user's namespace and of torch; per step
+    "capture/resources/gpu_memory.py": 2,  # the watch's entries: the loop's start, per step
     "capture/gpu/gpu_watch.py": 5,  # patches undone on failure; per step (backlog); a fallback
     "capture/gpu/h2d.py": 5,  # per copy / per wait: the watch turns itself off
     "capture/gpu/hidden_waits.py": 1,  # a fallback (False)

@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, TypedDict
 
-from ...failures import failure_text, never_raise
+from ...failures import failure_text, read_or
 from ..gpu.cuda_state import cuda_initialized, torch_cuda
 from ..steps.step_tally import StepTally
 
@@ -45,6 +45,64 @@ READ_EVERY_MAX = 1024
 SCAN_BUDGET_S = 0.05  # the scan of the namespace for what earlier cells hold stops after this
 SCAN_MAX_ITEMS = 10_000  # elements of one list, tuple, set or dict looked at
 TOP_HOLDERS = 5
+
+
+class GpuMemoryFacts(TypedDict):
+    """What the run keeps of the GPU memory watch (docs/resources.md): the device, its capacity
+    (MiB), whether the peak was reset each step, how many steps were read, one in how many,
+    a read's host cost (µs), and why the figures stopped (None: they did not)."""
+
+    device: int | None
+    capacity_mib: float | None
+    peak_reset_each_step: bool
+    steps_read: int
+    read_every: int
+    read_us: float
+    note: str | None
+
+
+class Holder(TypedDict):
+    """A name of the namespace and the device memory it holds (MiB)."""
+
+    name: str
+    mib: float
+
+
+class HeldDevice(TypedDict):
+    """What a device had allocated when the cell started (MiB), its capacity, the biggest
+    holders by name, what they hold together, whether the scan stopped at its budget."""
+
+    device: int
+    allocated_mib: float
+    capacity_mib: float | None
+    holders: list[Holder]
+    named_mib: float
+    scan_stopped: bool
+
+
+class HeldBefore(TypedDict):
+    """What earlier cells hold on the GPUs when a traced cell starts, and the scan's cost (ms)."""
+
+    devices: list[HeldDevice]
+    scan_ms: float
+
+
+class _OomStep(TypedDict, total=False):
+    step: int  # the step it happened in (1-based), once the watch knows it
+    completed_steps: int
+
+
+class OomFacts(_OomStep):
+    """An out-of-memory error's facts (MiB; None where unknown): the request, the device and
+    its capacity, what was free, allocated, reserved and the peak; then the step it hit."""
+
+    requested_mib: float | None
+    device: int | None
+    capacity_mib: float | None
+    free_mib: float | None
+    allocated_mib: float | None
+    reserved_mib: float | None
+    peak_mib: float | None
 
 
 # The CUDA module the memory watch reads (a seam: tests put a fake GPU here).
@@ -66,10 +124,8 @@ def _stat(stats: Mapping[str, Any], name: str, which: str) -> float:
 
 def capacity_mib(cuda: Any, device: int) -> float | None:
     """The device's memory (`get_device_properties(d).total_memory`), MiB; a MIG slice's own."""
-    try:
-        return float(cuda.get_device_properties(device).total_memory) / MIB
-    except Exception:
-        return None
+    total = getattr(cuda.get_device_properties(device), "total_memory", None)
+    return float(total) / MIB if total is not None else None
 
 
 class GpuMemory:
@@ -175,7 +231,7 @@ class GpuMemory:
         """The per-step columns of GPU memory (peak, allocated, reserved), by name."""
         return {name: tally.column for name, tally in self.tallies.items()}
 
-    def result(self) -> dict[str, Any]:
+    def result(self) -> GpuMemoryFacts:
         """What the run keeps of the GPU memory: the device, its capacity, how often it was read and
         at what cost."""
         return {
@@ -204,12 +260,12 @@ class Kinds:
 def torch_kinds() -> Kinds | None:
     """torch's tensor, module and optimizer classes, when torch is imported; else None."""
     torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    try:
-        return Kinds((torch.Tensor,), (torch.nn.Module,), (torch.optim.Optimizer,))
-    except Exception:
-        return None
+    tensor = getattr(torch, "Tensor", None)
+    module = getattr(getattr(torch, "nn", None), "Module", None)
+    optimizer = getattr(getattr(torch, "optim", None), "Optimizer", None)
+    if not (isinstance(tensor, type) and isinstance(module, type) and isinstance(optimizer, type)):
+        return None  # no torch, or a half-imported one
+    return Kinds((tensor,), (module,), (optimizer,))
 
 
 def module_names(namespace: Mapping[str, Any] | None, kinds: Kinds | None = None) -> list[str]:
@@ -217,10 +273,10 @@ def module_names(namespace: Mapping[str, Any] | None, kinds: Kinds | None = None
     kinds = kinds or torch_kinds()
     if not namespace or kinds is None or not kinds.module:
         return []
-    try:
-        return [k for k, v in list(namespace.items()) if not k.startswith("_") and isinstance(v, kinds.module)]
-    except Exception:
-        return []
+    module = kinds.module
+    return read_or(  # the user's namespace and objects (a class whose __class__ raises)
+        [], lambda: [k for k, v in list(namespace.items()) if not k.startswith("_") and isinstance(v, module)]
+    )
 
 
 def on_cuda_device(device: int) -> Callable[[Any], bool]:
@@ -250,17 +306,19 @@ class _Scan:
         self.stopped = False
 
     def tensor(self, t: Any) -> int:
-        try:
-            if not self.on_device(t):
-                return 0
-            storage = t.untyped_storage()
-            key = (str(t.device), int(storage.data_ptr()))
-            if key in self.seen:
-                return 0
-            self.seen.add(key)
-            return int(storage.nbytes())
-        except Exception:
+        """The bytes of a tensor's storage on the device, the first time it is seen (a
+        tensor-like object of the user's that cannot say: 0)."""
+        return read_or(0, self._tensor, t)
+
+    def _tensor(self, t: Any) -> int:
+        if not self.on_device(t):
             return 0
+        storage = t.untyped_storage()
+        key = (str(t.device), int(storage.data_ptr()))
+        if key in self.seen:
+            return 0
+        self.seen.add(key)
+        return int(storage.nbytes())
 
     def tensors(self, items: Iterable[Any]) -> int:
         total = 0
@@ -272,54 +330,53 @@ class _Scan:
         return total
 
     def walk(self, obj: Any, depth: int) -> int:
+        """The device bytes `obj` holds, `depth` containers deep (an object of the user's that
+        raises when looked at holds none)."""
         if time.perf_counter() > self.deadline:
             self.stopped = True
             return 0
-        try:
-            kinds, held = self.kinds, obj  # `held`: Any, not narrowed by isinstance
-            if isinstance(obj, kinds.tensor):
-                return self.tensors([obj])
-            if kinds.module and isinstance(obj, kinds.module):
-                return self.tensors(held.parameters()) + self.tensors(held.buffers())
-            if kinds.optimizer and isinstance(obj, kinds.optimizer):
-                return sum(int(self.walk(state, 1)) for state in list(held.state.values()))
-            if depth <= 0 or id(obj) in self.visited:
-                return 0
-            self.visited.add(id(obj))
-            kind = type(obj)
-            if kind in (list, tuple, set, frozenset):
-                return sum(self.walk(x, depth - 1) for x in islice(obj, SCAN_MAX_ITEMS))
-            if kind is dict:
-                return sum(self.walk(x, depth - 1) for x in islice(obj.values(), SCAN_MAX_ITEMS))
-            if isinstance(obj, type) or callable(obj) or kind.__module__ == "builtins":
-                return 0
-            attrs = getattr(obj, "__dict__", None)  # an object holding a model (a trainer)
-            if type(attrs) is dict:
-                return sum(self.walk(x, depth - 1) for x in islice(attrs.values(), SCAN_MAX_ITEMS))
-        except Exception:
+        return read_or(0, self._walk, obj, depth)
+
+    def _walk(self, obj: Any, depth: int) -> int:
+        kinds, held = self.kinds, obj  # `held`: Any, not narrowed by isinstance
+        if isinstance(obj, kinds.tensor):
+            return self.tensors([obj])
+        if kinds.module and isinstance(obj, kinds.module):
+            return self.tensors(held.parameters()) + self.tensors(held.buffers())
+        if kinds.optimizer and isinstance(obj, kinds.optimizer):
+            return sum(int(self.walk(state, 1)) for state in list(held.state.values()))
+        if depth <= 0 or id(obj) in self.visited:
             return 0
+        self.visited.add(id(obj))
+        kind = type(obj)
+        if kind in (list, tuple, set, frozenset):
+            return sum(self.walk(x, depth - 1) for x in islice(obj, SCAN_MAX_ITEMS))
+        if kind is dict:
+            return sum(self.walk(x, depth - 1) for x in islice(obj.values(), SCAN_MAX_ITEMS))
+        if isinstance(obj, type) or callable(obj) or kind.__module__ == "builtins":
+            return 0
+        attrs = getattr(obj, "__dict__", None)  # an object holding a model (a trainer)
+        if type(attrs) is dict:
+            return sum(self.walk(x, depth - 1) for x in islice(attrs.values(), SCAN_MAX_ITEMS))
         return 0
 
 
 def _attr(obj: Any, name: str) -> Any:
-    try:
-        return getattr(obj, name, None)
-    except Exception:
-        return None
+    return read_or(None, getattr, obj, name, None)
 
 
 def _candidates(namespace: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """The user's names in definition order, then the output history (`Out[5]`); IPython's own
     names (`_5`, `_oh`, `In`) are skipped."""
-    try:
-        items = list(namespace.items())
-    except Exception:
-        return []
-    out = [(k, v) for k, v in items if not k.startswith("_") and k not in ("In", "Out", "exit", "quit", "get_ipython")]
-    history = namespace.get("Out")
+    items: list[tuple[Any, Any]] = read_or([], lambda: list(namespace.items()))  # the user's mapping
+    out = [(k, v) for k, v in items if type(k) is str and not k.startswith("_") and k not in _NOT_THE_USERS]
+    history = dict(items).get("Out")
     if type(history) is dict:
         out += [(f"Out[{k}]", v) for k, v in list(history.items())]
     return out
+
+
+_NOT_THE_USERS = ("In", "Out", "exit", "quit", "get_ipython")
 
 
 def held_by_names(
@@ -354,31 +411,24 @@ def held_by_names(
 
 def held_before(
     namespace: Mapping[str, Any] | None, cuda: Any = None, kinds: Kinds | None = None
-) -> dict[str, Any] | None:
+) -> HeldBefore | None:
     """When a traced cell starts with CUDA initialised: what each device already has allocated
     and the biggest holders by name; None when CUDA is not initialised or nothing is allocated."""
     cuda = cuda if cuda is not None else cuda_module()
     if not cuda_initialized(cuda):
         return None
     kinds = kinds or torch_kinds()
-    out: dict[str, Any] = {"devices": []}
-    try:
-        n = int(cuda.device_count())
-    except Exception:
-        return None
+    devices: list[HeldDevice] = []
     began = time.perf_counter()
-    for device in range(n):
-        try:
-            allocated = float(cuda.memory_allocated(device)) / MIB
-        except Exception:
-            continue
+    for device in range(int(cuda.device_count())):
+        allocated = float(cuda.memory_allocated(device)) / MIB
         if allocated <= 0:
             continue
         holders: list[tuple[str, float]] = []
         stopped = False
         if namespace is not None and kinds is not None:
             holders, stopped = held_by_names(namespace, on_cuda_device(device), kinds)
-        out["devices"].append(
+        devices.append(
             {
                 "device": device,
                 "allocated_mib": allocated,
@@ -388,8 +438,9 @@ def held_before(
                 "scan_stopped": stopped,
             }
         )
-    out["scan_ms"] = (time.perf_counter() - began) * 1e3
-    return out if out["devices"] else None
+    if not devices:
+        return None
+    return {"devices": devices, "scan_ms": (time.perf_counter() - began) * 1e3}
 
 
 # -- out of memory ----------------------------------------------------------------------------
@@ -404,10 +455,10 @@ def is_cuda_oom(error: BaseException | None) -> bool:
         return False
     cuda = cuda_module()
     kind = getattr(cuda, "OutOfMemoryError", None) if cuda is not None else None
-    with never_raise():
-        if isinstance(kind, type) and isinstance(error, kind):
-            return "CUDA" in str(error) or cuda_initialized(cuda)
-    return type(error).__name__ == "OutOfMemoryError" and "CUDA out of memory" in str(error)
+    text = read_or("", str, error)  # the user's exception: its __str__ may raise
+    if isinstance(kind, type) and isinstance(error, kind):
+        return "CUDA" in text or cuda_initialized(cuda)
+    return type(error).__name__ == "OutOfMemoryError" and "CUDA out of memory" in text
 
 
 def _size(pattern: str, text: str) -> float | None:
@@ -417,14 +468,14 @@ def _size(pattern: str, text: str) -> float | None:
     return float(found.group(1)) * _UNITS[found.group(2)]
 
 
-def oom_facts(error: BaseException, device: int | None, cuda: Any = None) -> dict[str, Any]:
+def oom_facts(error: BaseException, device: int | None, cuda: Any = None) -> OomFacts:
     """What the error and the allocator say: the request, the device and its capacity, what
     is free, allocated, reserved and the peak (MiB; None where unknown)."""
     text = str(error)
     found = re.search(r"GPU (\d+) has a total capacity of " + _SIZE, text)
     if device is None and found is not None:
         device = int(found.group(1))
-    facts: dict[str, Any] = {
+    facts: OomFacts = {
         "requested_mib": _size(r"Tried to allocate " + _SIZE, text),
         "device": device,
         "capacity_mib": float(found.group(2)) * _UNITS[found.group(3)] if found else None,
@@ -435,11 +486,10 @@ def oom_facts(error: BaseException, device: int | None, cuda: Any = None) -> dic
     }
     cuda = cuda if cuda is not None else cuda_module()
     if device is not None and cuda_initialized(cuda):
-        with never_raise():
-            s = cuda.memory_stats_as_nested_dict(device)
-            facts["allocated_mib"] = _stat(s, "allocated_bytes", "current")
-            facts["reserved_mib"] = _stat(s, "reserved_bytes", "current")
-            facts["peak_mib"] = _stat(s, "allocated_bytes", "peak")
+        s = cuda.memory_stats_as_nested_dict(device)
+        facts["allocated_mib"] = _stat(s, "allocated_bytes", "current")
+        facts["reserved_mib"] = _stat(s, "reserved_bytes", "current")
+        facts["peak_mib"] = _stat(s, "allocated_bytes", "peak")
         if facts["capacity_mib"] is None:
             facts["capacity_mib"] = capacity_mib(cuda, device)
     return facts

@@ -6,9 +6,8 @@ from __future__ import annotations
 import platform
 import sys
 from functools import cache
-from typing import Any
+from typing import TypedDict
 
-from ...failures import never_raise
 from ..gpu.cuda_state import cuda_initialized
 
 
@@ -31,15 +30,28 @@ def gpu_name(cuda_device: int | None, nvml_device: str | None) -> str | None:
     """The run's GPU by name: torch's name for the loop's device when CUDA is initialised (by the
     user's code), else the name NVML gave ('NVIDIA H200, 0000:17:00.0, 143771 MiB' -> 'NVIDIA
     H200'); None when the run used no GPU."""
-    if cuda_device is not None and cuda_initialized():
-        with never_raise():
-            return str(sys.modules["torch"].cuda.get_device_name(cuda_device))
+    if cuda_device is not None and cuda_initialized():  # torch is imported: its CUDA answers
+        return str(sys.modules["torch"].cuda.get_device_name(cuda_device))
     return nvml_device.split(",")[0].strip() if nvml_device else None
+
+
+class MachineFacts(TypedDict):
+    """What a run ran on (None: not known): Python's, torch's and CUDA's versions, the platform,
+    the CPU's model, the cores this process may use, the GPU's name, this package's version."""
+
+    python: str
+    torch: str | None
+    cuda: str | None
+    platform: str
+    cpu: str | None
+    cpus: int | None
+    gpu: str | None
+    traceml_jupyter: str | None
 
 
 def describe_machine(
     cpus: int | None, cuda_device: int | None = None, nvml_device: str | None = None
-) -> dict[str, Any]:
+) -> MachineFacts:
     """The facts `compare` checks before it compares two runs (None: not known)."""
     torch = sys.modules.get("torch")
     version = getattr(torch, "version", None)

@@ -11,16 +11,23 @@ what the run keeps. Nothing here raises into the user's code: a failure is a not
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal
 
 from ...failures import never_raise
 from ..data.probes import user_namespace
 from ..gpu.cuda_state import cuda_initialized
 from ..steps.step_model import ITERATION
 from . import gpu_memory
-from .gpu_memory import GpuMemory, held_before, is_cuda_oom, oom_facts, reads_peak
+from .gpu_memory import (
+    GpuMemory,
+    HeldBefore,
+    OomFacts,
+    held_before,
+    is_cuda_oom,
+    oom_facts,
+    reads_peak,
+)
 from .host import HostSampler
 from .nvml import GpuSampler
 
@@ -35,8 +42,8 @@ class ResourceWatch:
         self.gpu = GpuSampler(origin, device_of_loop=lambda: run.cuda_device)
         self.host = HostSampler(origin)
         self.memory = GpuMemory(resets=not reads_peak(run.cell_source, run.loop_cell_source))
-        self.held: dict[str, Any] | None = None
-        self.oom: dict[str, Any] | None = None
+        self.held: HeldBefore | None = None
+        self.oom: OomFacts | None = None
         self.notes: list[str] = []
 
     def start(self) -> None:
@@ -67,7 +74,8 @@ class ResourceWatch:
             recorded = int(self.run.recorder.n_steps)
             closed = self.capture.model.level == ITERATION and recorded > 0
             step = recorded if closed else recorded + 1
-            self.oom.update(step=step, completed_steps=step - 1)
+            self.oom["step"] = step
+            self.oom["completed_steps"] = step - 1
 
     def stop(self) -> None:
         """Stop every sampler (threads joined) and leave what they saw on the run."""
@@ -96,19 +104,26 @@ class ResourceWatch:
             run.notes.append(memory.off)
 
 
-@contextmanager
-def resources_watched(run: Any, capture: Any) -> Iterator[ResourceWatch]:
-    """Sample the run's resources for the duration (see the module docstring)."""
-    watch = ResourceWatch(run, capture)
-    run.resource_watch = watch
-    with never_raise(run.notes, "Resources were not sampled"):
-        watch.start()
-    try:
-        yield watch
-    except BaseException as exc:
-        watch.failed(exc)
-        raise
-    finally:
-        run.resource_watch = None
-        with never_raise(run.notes, "Resources not reported"):  # as the cell ends: never mask the user's error
-            watch.stop()
+class resources_watched:  # lower case: it reads as a statement, `with resources_watched(run, capture):`
+    """Sample the run's resources for the duration (see the module docstring). The edges of
+    the watch: its start, the cell's error, its stop; a failure of ours there is a note."""
+
+    def __init__(self, run: Any, capture: Any) -> None:
+        self.run = run
+        self.watch = ResourceWatch(run, capture)
+
+    def __enter__(self) -> ResourceWatch:
+        self.run.resource_watch = self.watch
+        with never_raise(self.run.notes, "Resources were not sampled"):
+            self.watch.start()
+        return self.watch
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
+        if error is not None:
+            self.watch.failed(error)
+        self.run.resource_watch = None
+        with never_raise(self.run.notes, "Resources not reported"):  # as the cell ends: never mask the user's error
+            self.watch.stop()
+        return False  # the cell's error goes on as it was
