@@ -38,7 +38,7 @@ import numpy as np
 from .. import ranks
 from ..analysis.rank_verdict import compare_ranks, holds_back
 from ..capture.data.probes import plain_count
-from ..result.codec import host_from_json
+from ..result import RunResult
 from . import startup_hook
 from .startup_hook import CHANNEL, LOOP, NOTE, PACKAGE, TOKEN
 
@@ -368,10 +368,8 @@ def adopt_children(run: Run, collector: ChildCollector, drain_s: float) -> None:
 
 def job_ranks(stream: ChildStream) -> list[dict[str, Any]] | None:
     """Every rank's summary of a job over several nodes, as one of its ranks gathered them."""
-    found = (stream.end or {}).get("job_ranks")
-    if not isinstance(found, list) or len(found) < 2 or not all(isinstance(r, dict) for r in found):
-        return None
-    return [dict(r) for r in found]
+    found = stream.result.ranks if stream.result is not None else None
+    return [dict(r) for r in found] if found is not None and len(found) >= 2 else None
 
 
 def steps(stream: ranks.Stream) -> str:
@@ -381,51 +379,42 @@ def steps(stream: ranks.Stream) -> str:
 
 
 def become(run: Run, stream: ChildStream, ranked: bool) -> None:
-    """The run shows `stream`'s steps, with what its END said: what a step was, the batches,
-    the loader and where it was built, the passes kept out, its notes, and how it ended."""
+    """The run shows `stream`'s steps, with what its END said (its result, read by the codec):
+    what a step was, the batches, the loader and where it was built, the passes kept out, the
+    child's CPU and memory, its notes, and how it ended."""
     run.recorder = stream.recorder
     ranks.shows_parts_of(run, stream)
-    end = stream.end or {}
-    if plain_count(end.get("loop_line")) is not None and isinstance(end.get("loop_where"), str):
-        run.loop_line, run.loop_where = plain_count(end["loop_line"]), end["loop_where"]  # --loop FILE:LINE
-    kind, definition = end.get("step_kind"), end.get("step_definition")
-    if isinstance(kind, str) and isinstance(definition, str):
-        run.step_kind = kind
-        run.step_definition = definition + (", on each rank" if ranked else "")
-    run.batch_size = plain_count(end.get("batch_size"))
-    per_step = end.get("batches_per_step")
-    run.batches_per_step = float(per_step) if isinstance(per_step, (int, float)) else None
-    run.batch_kind = end.get("batch_kind") if isinstance(end.get("batch_kind"), str) else None
-    info = end.get("loader_info")
-    run.loader_info = dict(info) if isinstance(info, dict) else None
-    run.expected_steps = plain_count((run.loader_info or {}).get("len"))
-    run.sources = [dict(s) for s in end.get("sources") or [] if isinstance(s, dict)]
-    run.phases = [dict(p) for p in end.get("phases") or [] if isinstance(p, dict)]
-    run.loader_site = _site(end.get("loader_site"))
-    run.dataset_site = _site(end.get("dataset_site"))
-    found = end.get("resources")
-    resources: dict[str, Any] = found if isinstance(found, dict) else {}
-    host = host_from_json(resources.get("host"))  # the child's CPU and memory, not the kernel's
-    run.host = dict(host) if host is not None else None
-    gpu_memory, oom = resources.get("gpu_memory"), resources.get("oom")
-    run.gpu_memory = dict(gpu_memory) if isinstance(gpu_memory, dict) else None
-    run.oom = dict(oom) if isinstance(oom, dict) else None
-    run.held_before = None
-    run.notes.extend(str(n) for n in end.get("notes") or [] if isinstance(n, str))
-    if isinstance(end.get("note"), str):
-        run.notes.append(f"`{stream.command}`: {end['note']}")
+    child = stream.result
+    if child is not None:
+        shows_result(run, child, ranked)
+    if stream.end is not None and stream.end.get("note"):
+        run.notes.append(f"`{stream.command}`: {stream.end.get('note')}")
     if stream.status != "finished" and run.error is None:
         run.error = ended_how(stream)
 
 
-def _site(site: Any) -> dict[str, Any] | None:
-    """A site a child sent, checked: {"file", "line"[, "class"]}."""
-    if not isinstance(site, dict) or not isinstance(site.get("file"), str) or plain_count(site.get("line")) is None:
-        return None
-    out: dict[str, Any] = {"file": site["file"], "line": int(site["line"])}
-    if isinstance(site.get("class"), str):
-        out["class"] = site["class"]
-    return out
+def shows_result(run: Run, child: RunResult, ranked: bool) -> None:
+    """What the run shows of a child's result besides its steps (the steps came in STEPS
+    frames): its loop when --loop named one, what a step was, its batches, loader, data sources
+    and passes, where the loader was built, the child's own CPU and memory (not the kernel's),
+    and its notes."""
+    steps, data, used = child.steps, child.data, child.resources
+    if child.loop.line is not None and child.loop.where is not None:  # --loop FILE:LINE
+        run.loop_line, run.loop_where = child.loop.line, child.loop.where
+    run.step_kind = steps.kind
+    run.step_definition = steps.definition + (", on each rank" if ranked else "")
+    run.batch_size, run.batches_per_step, run.batch_kind = steps.batch_size, steps.batches_per_step, steps.batch_kind
+    run.loader_info = dict(data.loader) if data.loader is not None else None
+    run.expected_steps = plain_count((run.loader_info or {}).get("len"))
+    run.sources = [dict(s) for s in data.sources]
+    run.phases = [dict(p) for p in data.phases]
+    run.loader_site = dict(data.loader_site) if data.loader_site is not None else None
+    run.dataset_site = dict(data.dataset_site) if data.dataset_site is not None else None
+    run.host = dict(used.host) if used.host is not None else None
+    run.gpu_memory = dict(used.gpu_memory) if used.gpu_memory is not None else None
+    run.oom = dict(used.oom) if used.oom is not None else None
+    run.held_before = None  # the kernel's earlier cells hold nothing of the child's GPU
+    run.notes.extend(child.notes)
 
 
 def ended_how(stream: ChildStream) -> str:

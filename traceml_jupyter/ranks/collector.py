@@ -11,7 +11,7 @@ import socket
 import threading
 from collections.abc import Mapping
 from time import monotonic, perf_counter_ns
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -21,8 +21,9 @@ from ..analysis.summary import summarize
 from ..capture.data.probes import plain_count
 from ..capture.steps.recorder import Recorder
 from ..failures import failure_text, never_raise
+from ..result import RunResult
 from .backward import RankParts, StepSample
-from .wire import END, HELLO, STEPS, read_frames
+from .wire import END, HELLO, STEPS, End, end_result, read_frames
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -46,7 +47,8 @@ class Stream:
         self.recorder.origin_ns = origin_ns
         self.backward = StepSample()
         self.parts = RankParts()
-        self.end: dict[str, Any] | None = None
+        self.end: End | None = None
+        self.result: RunResult | None = None  # what its END said it measured (the codec's)
         self.eof = False
 
     @property
@@ -83,8 +85,10 @@ class Stream:
         elif kind == STEPS and rows is not None:
             self._add(rows)
         elif kind == END:
-            self.end = dict(meta)
-            self.pid = plain_count(meta.get("pid")) or self.pid
+            end = cast(End, dict(meta))  # JSON from the process: its result is checked by the codec
+            self.result = end_result(end, f"the end of process {self.pid}")
+            self.end = end
+            self.pid = plain_count(end.get("pid")) or self.pid
 
     def _add(self, rows: np.ndarray) -> None:
         rec = self.recorder
@@ -334,8 +338,7 @@ class Collector:
                 sock.close()
             except OSError:
                 pass
-        with never_raise():
-            self._selector.close()
+        self._selector.close()
 
     def stop(self, drain_s: float) -> None:
         """Wait (drain_s at most) for the ranks still sending, read what is left, close every
@@ -406,17 +409,16 @@ def adopt(run: Run, collector: Collector, drain_s: float) -> None:
     late = next((s for s in ranks if holds_back(found) and s.label == found["rank"]), None)  # type: ignore[index]
     main = late or collector.main_stream() or ranks[0]
     run.recorder = main.recorder
-    end = main.end or {}
     shows_parts_of(run, main)
-    if run.step_kind == "none" and end.get("step_kind"):
-        run.step_kind = str(end["step_kind"])
-        run.step_definition = f"{end.get('step_definition')}, on each rank"
-    if run.batch_size is None and end.get("batch_size"):
-        run.batch_size = plain_count(end.get("batch_size"))
-        run.batches_per_step = end.get("batches_per_step")
-    if run.loader_info is None:  # the checklist reads the loader of the rank that holds back
-        info = (main.end or {}).get("loader_info")
-        run.loader_info = dict(info) if isinstance(info, dict) else None
+    if main.result is not None:
+        steps, loader = main.result.steps, main.result.data.loader
+        if run.step_kind == "none" and steps.kind != "none":
+            run.step_kind = steps.kind
+            run.step_definition = f"{steps.definition}, on each rank"
+        if run.batch_size is None and steps.batch_size:
+            run.batch_size, run.batches_per_step = steps.batch_size, steps.batches_per_step
+        if run.loader_info is None and loader is not None:  # the checklist reads the loader of the rank that holds back
+            run.loader_info = dict(loader)
     whose = f"rank {main.label}'s" + (" (the rank that holds the others back)" if late else "")
     run.notes.append(f"The steps shown are {whose}; every rank is in the per-rank table.")
 
