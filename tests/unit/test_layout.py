@@ -466,8 +466,8 @@ HAND_WRITTEN_EXCEPTS = {
     "demo.py": 1,  # a fallback (no device count)
     "history.py": 1,  # the error in the user's words on stderr
     "kernel/code_facts.py": 3,  # guarded reads of the user's loader and dataset (None)
-    # The children's sitecustomize imports nothing of the package (not even failures.py).
-    "processes/startup_hook.py": 9,
+    # The children's sitecustomize imports nothing of the package (not even failures.py): its guarded().
+    "processes/startup_hook.py": 1,
     "syntax_cells.py": 2,  # someone else's input transformer fails: the magic decides
     "tuning/measure.py": 2,  # a fallback (None); a candidate's error becomes its row
     "tuning/model_rate.py": 3,  # fallbacks: no loader, no summary, no model rate

@@ -28,10 +28,10 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
@@ -72,7 +72,8 @@ class Channel:
         self.dir = tempfile.mkdtemp(prefix="traceml-")  # mode 0700: only this user gets in
         self.token = os.urandom(16).hex()
         self.loop = loop  # --loop FILE:LINE for the children (script_loop)
-        try:
+        with ExitStack() as undo:  # the directory goes if the channel cannot be made
+            undo.callback(shutil.rmtree, self.dir, ignore_errors=True)
             write_hook(self.dir)
             listener, self.address = _unix_listener(self.dir) if not tcp else (None, "")
             if listener is None:  # no Unix sockets here, or a temp path too long for one
@@ -82,9 +83,7 @@ class Channel:
             self.listener: socket.socket = listener
             self.listener.listen(MAX_KNOCKS)
             self.listener.setblocking(False)
-        except BaseException:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            raise
+            undo.pop_all()
 
     def env(self, environ: Mapping[str, str]) -> dict[str, str]:
         """What the children's environment gets: the channel, the token, the hook's directory
@@ -167,6 +166,22 @@ class Knock:
     buf: bytes = b""
 
 
+class ProcessRow(TypedDict):
+    """A process the cell started, as `run.processes` keeps it (docs/api.md): its pid, command
+    line, rank (None: not one of a job), the steps it sent, how it ended (finished, failed,
+    stopped: closed without an end, not traced, running), its exit status and error, and why it
+    was not traced."""
+
+    pid: int | None
+    command: str
+    rank: int | None
+    n_steps: int
+    status: str
+    exit_status: int | None
+    error: str | None
+    note: str | None
+
+
 class ChildStream(ranks.Stream):
     """A child process: a stream that says how it was started (its command line)."""
 
@@ -201,9 +216,8 @@ class ChildStream(ranks.Stream):
         world = plain_count(self.world)
         return self.rank is not None and world is not None and world > 1
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> ProcessRow:
         """What `run.processes` keeps of it."""
-        end = self.end or {}
         status = self.status
         if status == "stopped" and self.note:
             status = "not traced"
@@ -214,7 +228,7 @@ class ChildStream(ranks.Stream):
             "n_steps": self.recorder.n_steps,
             "status": status,
             "exit_status": self.exit_status,
-            "error": end.get("error"),
+            "error": self.end.get("error") if self.end is not None else None,
             "note": self.note,
         }
 
@@ -326,13 +340,13 @@ def adopt_children(run: Run, collector: ChildCollector, drain_s: float) -> None:
     children = [s for s in collector.streams if isinstance(s, ChildStream)]
     if len(children) < len(collector.streams):  # ranks forked from the cell: theirs is the run
         ranks.adopt(run, collector, drain_s)
-        run.processes = [s.record() for s in children] or None
+        run.processes = [dict(s.record()) for s in children] or None
         return
     collector.stop(drain_s)
     run.notes.extend(collector.notes)
     if not children:
         return
-    run.processes = [s.record() for s in children]
+    run.processes = [dict(s.record()) for s in children]
     for stream in children:
         line = no_step_line(collector.describe(stream), stream)
         if line is not None:
