@@ -298,7 +298,7 @@ class ChildCollector(ranks.Collector):
             return f"`{stream.command}` (pid {stream.pid})"
         return super().describe(stream)
 
-    def live(self, window: int) -> dict[str, Any] | None:
+    def live(self, window: int) -> ranks.LiveRanks | None:
         """The per-process chart for several processes (ranks: with the one that holds the others
         back); one process gets the usual chart of its steps."""
         children = [s for s in self.streams if isinstance(s, ChildStream)]
@@ -309,7 +309,8 @@ class ChildCollector(ranks.Collector):
             return None
         found = super().live(window)
         if found is not None and not any(s.distributed for s in stepped):
-            found.update(slowest=None, cause=None, score=None, text=f"{len(stepped)} processes")
+            found["slowest"], found["cause"], found["score"] = None, None, None
+            found["text"] = f"{len(stepped)} processes"
         return found
 
     def adopt_into(self, run: Run, drain_s: float) -> None:

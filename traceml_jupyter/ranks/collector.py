@@ -11,7 +11,7 @@ import socket
 import threading
 from collections.abc import Mapping
 from time import monotonic, perf_counter_ns
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import numpy as np
 
@@ -32,6 +32,47 @@ if TYPE_CHECKING:
 DRAIN_S = 3.0  # how long the end of a cell waits for ranks that are still sending steps
 
 RECV_BYTES = 1 << 16
+
+class LiveRank(TypedDict, total=False):
+    """A rank's medians over the live chart's window, as compare_ranks reads them (`paired`: its
+    per-step evidence against the others, rank_evidence.py)."""
+
+    rank: int
+    n_steps: int
+    n_analysed: int
+    data_wait_ms: float | None
+    compute_ms: float | None
+    step_ms: float | None
+    backward_ms: float | None
+    forward_ms: float | None
+    optimizer_ms: float | None
+    rest_ms: float | None
+    paired: Mapping[str, object]
+
+
+class RankWindow(TypedDict):
+    """A rank's last steps on the live chart: their series (steps from 1) and its medians."""
+
+    rank: int
+    step: np.ndarray
+    step_ms: np.ndarray
+    data_wait_ms: np.ndarray
+    n_steps: int
+    n_analysed: int
+    data_wait_ms_median: float | None
+    summary: LiveRank
+
+
+class LiveRanks(TypedDict):
+    """What the live chart draws of several processes: each one's window, and the rank that
+    holds the others back over them (None: balanced, or processes of no job), cause, score."""
+
+    series: list[RankWindow]
+    slowest: int | None
+    cause: str | None
+    score: float | None
+    text: str
+
 
 class Stream:
     """One forked process as the kernel sees it: its steps (a Recorder of their own) and its end."""
@@ -142,7 +183,7 @@ class Stream:
             "step_ms": cols["step_ms"],
         }
 
-    def window(self, n: int) -> dict[str, Any]:
+    def window(self, n: int) -> RankWindow:
         """The last n steps: the chart's series and the numbers that compare ranks live."""
         tail = self.recorder.tail(n)
         steps = tail["step"]
@@ -152,6 +193,7 @@ class Stream:
         def med(values: np.ndarray) -> float | None:
             return float(np.median(values)) if len(values) else None
 
+        parts = self.parts.medians(int(steps[0]) if len(steps) else 0)
         return {
             "rank": self.label,
             "step": steps + 1,
@@ -168,7 +210,9 @@ class Stream:
                 "compute_ms": med(tail["compute_ms"]),
                 "step_ms": med(tail["step_ms"]),
                 "backward_ms": med(backward),
-                **self.parts.medians(int(steps[0]) if len(steps) else 0),
+                "forward_ms": parts["forward_ms"],
+                "optimizer_ms": parts["optimizer_ms"],
+                "rest_ms": parts["rest_ms"],
             },
         }
 
@@ -306,7 +350,7 @@ class Collector:
         if run.tick_due(now):
             run.tick(now)
 
-    def live(self, window: int) -> dict[str, Any] | None:
+    def live(self, window: int) -> LiveRanks | None:
         """For the live chart: each rank's last `window` steps, and the rank that holds the
         others back over them (None when balanced)."""
         streams = sorted((s for s in self.streams if s.recorder.n_steps), key=lambda s: s.label)
