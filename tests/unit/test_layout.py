@@ -464,17 +464,14 @@ HAND_WRITTEN_EXCEPTS = {
     "demo.py": 1,  # a fallback (no device count)
     "history.py": 1,  # the error in the user's words on stderr
     "kernel/code_facts.py": 3,  # guarded reads of the user's loader and dataset (None)
-    "processes/child_run.py": 1,  # the error goes into the end frame's note
-    # The children's sitecustomize imports nothing of the package (not even failures.py).
-    "processes/startup_hook.py": 9,
+    # The children's sitecustomize imports nothing of the package (not even failures.py): its guarded().
+    "processes/startup_hook.py": 1,
     "syntax_cells.py": 2,  # someone else's input transformer fails: the magic decides
     "tuning/measure.py": 2,  # a fallback (None); a candidate's error becomes its row
     "tuning/model_rate.py": 3,  # fallbacks: no loader, no summary, no model rate
     "tuning/recipe.py": 1,  # a fallback (the sampler itself)
     "magic.py": 1,  # `%traceml tune EXPR`: the error in the user's words (UsageError)
     "ranks/collector.py": 1,  # a broken stream is dropped: closed, unregistered, a note
-    "ranks/follow.py": 1,  # a guarded read of the user's namespace (False)
-    "ranks/gather.py": 1,  # a fallback (no process group)
     "ranks/sender.py": 1,  # the error goes into the end frame's note
     "run.py": 1,  # a fallback: a loader whose settings cannot be read has none ({})
     "saved.py": 1,  # a field of an unexpected type: the file's one-line LoadError

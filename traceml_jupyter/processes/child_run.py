@@ -22,8 +22,7 @@ from ..capture.instrument.locate import loop_at_line
 from ..capture.instrument.patches import patched
 from ..capture.instrument.rewrite import instrument_loop
 from ..capture.session import Capture, capture_session, new_token
-from ..failures import failure_text, never_raise
-from ..result import jsonable as _jsonable
+from ..ranks.wire import End, Hello, Who
 from ..run import Run
 from .startup_hook import command_line
 
@@ -44,54 +43,43 @@ class ChildSender(ranks.Sender):
     def hello(self) -> None:
         """Introduce this process to the kernel: pid, command line, clock origin and who it is
         (rank, world size)."""
-        meta = {
+        hello: Hello = {
             "pid": self.pid,
             "index": 0,
             "command": command_line(),
             "origin_ns": self.run.recorder.origin_ns,
             **self._who(),
         }
-        self._put(ranks.frame(ranks.HELLO, meta))
+        self._put(ranks.frame(ranks.HELLO, hello))
         self._push()
 
     def __call__(self, run: Run) -> None:
         self.tripwires.tidy()
         super().__call__(run)
 
-    def _put_steps(self, who: dict[str, Any], rows: Any) -> None:
+    def _put_steps(self, who: Who, rows: Any) -> None:
         feed = self.run.rank_collector
         if rows is not None and isinstance(feed, ranks.LocalRank):  # for the gather of a job over nodes
             feed.add(rows)
         super()._put_steps(who, rows)
 
-    def _end(self) -> dict[str, Any]:
-        end: dict[str, Any] = super()._end()
-        run = self.run
-        if isinstance(end.get("loader_info"), dict):
-            end["loader_info"] = script_loader_info(end["loader_info"], self.main_file)
-        end["status"] = self.status
-        end["command"] = command_line()
-        try:
-            training = training_source(list(self.tap.capture.model.sources.values()))
-            key = training.key if training is not None and training.kind == "dataloader" else None
-            site = self.tripwires.sites.get(key) if isinstance(key, int) else None  # built before the capture
-            loader_site, dataset_site = split_site(site) if site else (run.loader_site, run.dataset_site)
-            end.update(
-                loader_site=loader_site,
-                dataset_site=dataset_site,
-                sources=_jsonable(run.sources),
-                phases=_jsonable(run.phases),
-                notes=list(run.notes),
-                wall_ms=run.wall_ms,
-                batch_kind=run.batch_kind,
-                loop_line=run.loop_line,
-                loop_where=run.loop_where,
-                job_ranks=_jsonable(run.ranks),
-                resources=_jsonable(run.resources_dict()),  # this process's CPU, memory, workers
-            )
-        except Exception as exc:
-            end["note"] = f"what fed its steps could not be read: {failure_text(exc)}"
+    def _end(self) -> End:
+        end = super()._end()
+        end["status"], end["command"] = self.status, command_line()
         return end
+
+    def _close_recording(self) -> None:
+        """Its capture closed already (at exit, before the end is sent): what the kernel's
+        checklist reads of a script is set on the run — where its training loader was built
+        when that was before the capture started, the loader's settings as a script has them."""
+        run = self.run
+        training = training_source(list(self.tap.capture.model.sources.values()))
+        key = training.key if training is not None and training.kind == "dataloader" else None
+        site = self.tripwires.sites.get(key) if isinstance(key, int) else None  # built before the capture
+        if site:
+            run.loader_site, run.dataset_site = split_site(site)
+        if run.loader_info is not None:
+            run.loader_info = script_loader_info(run.loader_info, self.main_file)
 
 
 @dataclass
@@ -104,10 +92,11 @@ class ChildCapture:
     def finish(self, exit_code: Any, exit_error: str | None) -> None:
         """At exit: close the capture (it classifies what is still open), send the last steps
         and the end."""
-        with never_raise():
+        try:
             self.stack.close()
-        self.sender.status, self.sender.error = exit_status(exit_code, exit_error)
-        self.sender.finish()
+        finally:  # the end goes whatever closing raised (the start-up hook's edge catches it)
+            self.sender.status, self.sender.error = exit_status(exit_code, exit_error)
+            self.sender.finish()
 
     def forget_in_child(self) -> None:
         """In a process forked from this one: the parent's capture records nothing here and its
@@ -126,8 +115,7 @@ def script_loader_info(info: dict[str, Any], main_file: str | None) -> dict[str,
         info["dataset_module"] = os.path.basename(main_file)
     mp = sys.modules.get("multiprocessing")
     if info.get("multiprocessing_context") is None and mp is not None:
-        with never_raise():
-            info["multiprocessing_context"] = mp.get_start_method(allow_none=True)
+        info["multiprocessing_context"] = mp.get_start_method(allow_none=True)
     return info
 
 
@@ -193,8 +181,7 @@ def gather_before_the_group_goes(run: Run) -> None:
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
         if not done:
             done.append(True)
-            with never_raise():
-                ranks.gather(run, None)
+            ranks.gather(run, None)  # never raises: a failure is a note on the run
         return original(*args, **kwargs)
 
     dist.destroy_process_group = destroy_process_group
@@ -323,6 +310,8 @@ def run_script(path: str, finder: LoopModuleFinder) -> None:
         shutdown()
     exits._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        with never_raise():
+        try:
             stream.flush()
+        except (OSError, ValueError):  # a closed pipe or file: as Python's own shutdown
+            pass
     os._exit(status & 0xFF)

@@ -28,17 +28,17 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
 from .. import ranks
 from ..analysis.rank_verdict import compare_ranks, holds_back
 from ..capture.data.probes import plain_count
-from ..result.codec import host_from_json
+from ..result import RunResult
 from . import startup_hook
 from .startup_hook import CHANNEL, LOOP, NOTE, PACKAGE, TOKEN
 
@@ -72,7 +72,8 @@ class Channel:
         self.dir = tempfile.mkdtemp(prefix="traceml-")  # mode 0700: only this user gets in
         self.token = os.urandom(16).hex()
         self.loop = loop  # --loop FILE:LINE for the children (script_loop)
-        try:
+        with ExitStack() as undo:  # the directory goes if the channel cannot be made
+            undo.callback(shutil.rmtree, self.dir, ignore_errors=True)
             write_hook(self.dir)
             listener, self.address = _unix_listener(self.dir) if not tcp else (None, "")
             if listener is None:  # no Unix sockets here, or a temp path too long for one
@@ -82,9 +83,7 @@ class Channel:
             self.listener: socket.socket = listener
             self.listener.listen(MAX_KNOCKS)
             self.listener.setblocking(False)
-        except BaseException:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            raise
+            undo.pop_all()
 
     def env(self, environ: Mapping[str, str]) -> dict[str, str]:
         """What the children's environment gets: the channel, the token, the hook's directory
@@ -167,6 +166,22 @@ class Knock:
     buf: bytes = b""
 
 
+class ProcessRow(TypedDict):
+    """A process the cell started, as `run.processes` keeps it (docs/api.md): its pid, command
+    line, rank (None: not one of a job), the steps it sent, how it ended (finished, failed,
+    stopped: closed without an end, not traced, running), its exit status and error, and why it
+    was not traced."""
+
+    pid: int | None
+    command: str
+    rank: int | None
+    n_steps: int
+    status: str
+    exit_status: int | None
+    error: str | None
+    note: str | None
+
+
 class ChildStream(ranks.Stream):
     """A child process: a stream that says how it was started (its command line)."""
 
@@ -201,9 +216,8 @@ class ChildStream(ranks.Stream):
         world = plain_count(self.world)
         return self.rank is not None and world is not None and world > 1
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> ProcessRow:
         """What `run.processes` keeps of it."""
-        end = self.end or {}
         status = self.status
         if status == "stopped" and self.note:
             status = "not traced"
@@ -214,7 +228,7 @@ class ChildStream(ranks.Stream):
             "n_steps": self.recorder.n_steps,
             "status": status,
             "exit_status": self.exit_status,
-            "error": end.get("error"),
+            "error": self.end.get("error") if self.end is not None else None,
             "note": self.note,
         }
 
@@ -284,7 +298,7 @@ class ChildCollector(ranks.Collector):
             return f"`{stream.command}` (pid {stream.pid})"
         return super().describe(stream)
 
-    def live(self, window: int) -> dict[str, Any] | None:
+    def live(self, window: int) -> ranks.LiveRanks | None:
         """The per-process chart for several processes (ranks: with the one that holds the others
         back); one process gets the usual chart of its steps."""
         children = [s for s in self.streams if isinstance(s, ChildStream)]
@@ -295,7 +309,8 @@ class ChildCollector(ranks.Collector):
             return None
         found = super().live(window)
         if found is not None and not any(s.distributed for s in stepped):
-            found.update(slowest=None, cause=None, score=None, text=f"{len(stepped)} processes")
+            found["slowest"], found["cause"], found["score"] = None, None, None
+            found["text"] = f"{len(stepped)} processes"
         return found
 
     def adopt_into(self, run: Run, drain_s: float) -> None:
@@ -326,13 +341,13 @@ def adopt_children(run: Run, collector: ChildCollector, drain_s: float) -> None:
     children = [s for s in collector.streams if isinstance(s, ChildStream)]
     if len(children) < len(collector.streams):  # ranks forked from the cell: theirs is the run
         ranks.adopt(run, collector, drain_s)
-        run.processes = [s.record() for s in children] or None
+        run.processes = [dict(s.record()) for s in children] or None
         return
     collector.stop(drain_s)
     run.notes.extend(collector.notes)
     if not children:
         return
-    run.processes = [s.record() for s in children]
+    run.processes = [dict(s.record()) for s in children]
     for stream in children:
         line = no_step_line(collector.describe(stream), stream)
         if line is not None:
@@ -368,10 +383,8 @@ def adopt_children(run: Run, collector: ChildCollector, drain_s: float) -> None:
 
 def job_ranks(stream: ChildStream) -> list[dict[str, Any]] | None:
     """Every rank's summary of a job over several nodes, as one of its ranks gathered them."""
-    found = (stream.end or {}).get("job_ranks")
-    if not isinstance(found, list) or len(found) < 2 or not all(isinstance(r, dict) for r in found):
-        return None
-    return [dict(r) for r in found]
+    found = stream.result.ranks if stream.result is not None else None
+    return [dict(r) for r in found] if found is not None and len(found) >= 2 else None
 
 
 def steps(stream: ranks.Stream) -> str:
@@ -381,51 +394,42 @@ def steps(stream: ranks.Stream) -> str:
 
 
 def become(run: Run, stream: ChildStream, ranked: bool) -> None:
-    """The run shows `stream`'s steps, with what its END said: what a step was, the batches,
-    the loader and where it was built, the passes kept out, its notes, and how it ended."""
+    """The run shows `stream`'s steps, with what its END said (its result, read by the codec):
+    what a step was, the batches, the loader and where it was built, the passes kept out, the
+    child's CPU and memory, its notes, and how it ended."""
     run.recorder = stream.recorder
     ranks.shows_parts_of(run, stream)
-    end = stream.end or {}
-    if plain_count(end.get("loop_line")) is not None and isinstance(end.get("loop_where"), str):
-        run.loop_line, run.loop_where = plain_count(end["loop_line"]), end["loop_where"]  # --loop FILE:LINE
-    kind, definition = end.get("step_kind"), end.get("step_definition")
-    if isinstance(kind, str) and isinstance(definition, str):
-        run.step_kind = kind
-        run.step_definition = definition + (", on each rank" if ranked else "")
-    run.batch_size = plain_count(end.get("batch_size"))
-    per_step = end.get("batches_per_step")
-    run.batches_per_step = float(per_step) if isinstance(per_step, (int, float)) else None
-    run.batch_kind = end.get("batch_kind") if isinstance(end.get("batch_kind"), str) else None
-    info = end.get("loader_info")
-    run.loader_info = dict(info) if isinstance(info, dict) else None
-    run.expected_steps = plain_count((run.loader_info or {}).get("len"))
-    run.sources = [dict(s) for s in end.get("sources") or [] if isinstance(s, dict)]
-    run.phases = [dict(p) for p in end.get("phases") or [] if isinstance(p, dict)]
-    run.loader_site = _site(end.get("loader_site"))
-    run.dataset_site = _site(end.get("dataset_site"))
-    found = end.get("resources")
-    resources: dict[str, Any] = found if isinstance(found, dict) else {}
-    host = host_from_json(resources.get("host"))  # the child's CPU and memory, not the kernel's
-    run.host = dict(host) if host is not None else None
-    gpu_memory, oom = resources.get("gpu_memory"), resources.get("oom")
-    run.gpu_memory = dict(gpu_memory) if isinstance(gpu_memory, dict) else None
-    run.oom = dict(oom) if isinstance(oom, dict) else None
-    run.held_before = None
-    run.notes.extend(str(n) for n in end.get("notes") or [] if isinstance(n, str))
-    if isinstance(end.get("note"), str):
-        run.notes.append(f"`{stream.command}`: {end['note']}")
+    child = stream.result
+    if child is not None:
+        shows_result(run, child, ranked)
+    if stream.end is not None and stream.end.get("note"):
+        run.notes.append(f"`{stream.command}`: {stream.end.get('note')}")
     if stream.status != "finished" and run.error is None:
         run.error = ended_how(stream)
 
 
-def _site(site: Any) -> dict[str, Any] | None:
-    """A site a child sent, checked: {"file", "line"[, "class"]}."""
-    if not isinstance(site, dict) or not isinstance(site.get("file"), str) or plain_count(site.get("line")) is None:
-        return None
-    out: dict[str, Any] = {"file": site["file"], "line": int(site["line"])}
-    if isinstance(site.get("class"), str):
-        out["class"] = site["class"]
-    return out
+def shows_result(run: Run, child: RunResult, ranked: bool) -> None:
+    """What the run shows of a child's result besides its steps (the steps came in STEPS
+    frames): its loop when --loop named one, what a step was, its batches, loader, data sources
+    and passes, where the loader was built, the child's own CPU and memory (not the kernel's),
+    and its notes."""
+    steps, data, used = child.steps, child.data, child.resources
+    if child.loop.line is not None and child.loop.where is not None:  # --loop FILE:LINE
+        run.loop_line, run.loop_where = child.loop.line, child.loop.where
+    run.step_kind = steps.kind
+    run.step_definition = steps.definition + (", on each rank" if ranked else "")
+    run.batch_size, run.batches_per_step, run.batch_kind = steps.batch_size, steps.batches_per_step, steps.batch_kind
+    run.loader_info = dict(data.loader) if data.loader is not None else None
+    run.expected_steps = plain_count((run.loader_info or {}).get("len"))
+    run.sources = [dict(s) for s in data.sources]
+    run.phases = [dict(p) for p in data.phases]
+    run.loader_site = dict(data.loader_site) if data.loader_site is not None else None
+    run.dataset_site = dict(data.dataset_site) if data.dataset_site is not None else None
+    run.host = dict(used.host) if used.host is not None else None
+    run.gpu_memory = dict(used.gpu_memory) if used.gpu_memory is not None else None
+    run.oom = dict(used.oom) if used.oom is not None else None
+    run.held_before = None  # the kernel's earlier cells hold nothing of the child's GPU
+    run.notes.extend(child.notes)
 
 
 def ended_how(stream: ChildStream) -> str:

@@ -29,8 +29,11 @@ import sys
 TYPE_CHECKING = False  # what typing says, without importing typing into every child
 if TYPE_CHECKING:
     import socket
-    from collections.abc import Mapping, Sequence
-    from typing import Any
+    from collections.abc import Callable, Mapping, Sequence
+    from typing import Any, TypeVar
+
+    T = TypeVar("T")
+    D = TypeVar("D")
 
 CHANNEL = "TRACEML_JUPYTER_CHANNEL"  # "unix:PATH" or "tcp:127.0.0.1:PORT"
 TOKEN = "TRACEML_JUPYTER_TOKEN"  # the cell's random token, sent first on every connection
@@ -72,7 +75,7 @@ def connect(address: str, token: str, timeout_s: float = CONNECT_TIMEOUT_S) -> s
         sock.settimeout(timeout_s)
         sock.connect(target)
         sock.sendall(token.encode("ascii"))
-    except BaseException:
+    except (OSError, ValueError):  # gone, timed out, or a token that is not ours
         sock.close()
         raise
     return sock
@@ -80,7 +83,7 @@ def connect(address: str, token: str, timeout_s: float = CONNECT_TIMEOUT_S) -> s
 
 def tell_kernel(note: str) -> None:
     """A child that trains but cannot be traced (another interpreter without our dependencies,
-    an error of ours) says why, once; never raises."""
+    an error of ours) says why, once; never raises (the kernel may be gone)."""
     address, token = os.environ.get(CHANNEL), os.environ.get(TOKEN)
     if not address or not token:
         return
@@ -88,8 +91,25 @@ def tell_kernel(note: str) -> None:
         with connect(address, token) as sock:
             meta = {"pid": os.getpid(), "command": command_line(), "note": note}
             sock.sendall(pack(NOTE, meta))
-    except Exception:
+    except (OSError, ValueError):  # the channel is gone or not one
         pass
+
+
+def guarded(default: D, call: Callable[..., T], *args: Any, tell: Callable[[str], None] | None = None) -> T | D:
+    """`call(*args)`, or `default` when it raises: a failure of ours never reaches the child's
+    code. The one guard of the child's start-up (this module imports nothing of the package,
+    not even failures.never_raise); `tell` gets the error as "TypeError: what it said"."""
+    try:
+        return call(*args)
+    except Exception as exc:
+        if tell is not None:
+            tell(f"{type(exc).__name__}: {exc}")
+        return default
+
+
+def tell_kernel_that(what: str) -> Callable[[str], None]:
+    """For `guarded`: the kernel is told "WHAT: the error"."""
+    return lambda error: tell_kernel(f"{what}: {error}")
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
@@ -137,10 +157,7 @@ class TorchWatcher:
 
 def arm_when_torch_is_imported() -> None:
     """Once torch is imported: the tripwires. Errors become one note to the kernel."""
-    try:
-        arm()
-    except Exception as exc:
-        tell_kernel(f"traceml could not start here: {type(exc).__name__}: {exc}")
+    guarded(None, arm, tell=tell_kernel_that("traceml could not start here"))
 
 
 def package(name: str) -> Any:
@@ -213,11 +230,8 @@ class Tripwires:
         @functools.wraps(original_init)
         def __init__(loader: Any, *args: Any, **kwargs: Any) -> None:
             original_init(loader, *args, **kwargs)
-            try:  # where it is built, for the checklist (later ones: the capture notes them)
-                if self.state is ARMED:
-                    package("traceml_jupyter.capture.data.dataloaders").note_site(self.sites, loader, sys._getframe(1))
-            except Exception:
-                pass
+            if self.state is ARMED:  # where it is built, for the checklist (later: the capture notes it)
+                guarded(None, self.note_site, loader, sys._getframe(1))
 
         @functools.wraps(original_iter)
         def __iter__(loader: Any) -> Any:
@@ -242,13 +256,17 @@ class Tripwires:
             self._patch(autograd, "backward", backward)
         try:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
-        except Exception:  # torch < 2.0: backward() and DataLoaders start it
+        except ImportError:  # torch < 2.0: backward() and DataLoaders start it
             return
 
         def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             trip()  # the capture's post hook then sees this step
 
         self.pre_hook = register_optimizer_step_pre_hook(before_step)
+
+    def note_site(self, loader: Any, frame: Any) -> None:
+        """Where `loader` is built (`frame`: its caller), kept by the loader's id."""
+        package("traceml_jupyter.capture.data.dataloaders").note_site(self.sites, loader, frame)
 
     def _patch(self, owner: Any, name: str, ours: Any) -> None:
         self.patches.append((owner, name, owner.__dict__[name], ours))
@@ -271,11 +289,7 @@ class Tripwires:
             if self.state is not ARMED or os.getpid() != self.pid:
                 return False
             self.uninstall()
-            try:
-                started = self._start()
-            except Exception as exc:
-                started = False
-                tell_kernel(f"traceml could not start: {type(exc).__name__}: {exc}")
+            started = guarded(False, self._start, tell=tell_kernel_that("traceml could not start"))
             self.state = STARTED if started else OFF
             return started
 
@@ -285,13 +299,14 @@ class Tripwires:
             return False
         try:
             sock = connect(address, token)
-        except OSError:  # the cell is over (or never was ours): stay untraced
+        except (OSError, ValueError):  # the cell is over (or never was ours): stay untraced
             return False
+        self.recording = None
         try:
             self.recording = package("traceml_jupyter.processes.child_run").start_capture(self, sock)
-        except BaseException:
-            sock.close()
-            raise
+        finally:
+            if self.recording is None:  # it failed: the kernel sees the connection close
+                sock.close()
         return True
 
     def tidy(self) -> None:
@@ -305,10 +320,7 @@ class Tripwires:
         if self.state is not STARTED or self.finished or os.getpid() != self.pid:
             return
         self.finished = True
-        try:
-            self.recording.finish(self.exit_code, self.exit_error)
-        except Exception:
-            pass
+        guarded(None, self.recording.finish, self.exit_code, self.exit_error)
 
     def forked(self) -> None:
         """In a process forked from this one: armed on its own; the parent's connection let go."""
@@ -316,13 +328,13 @@ class Tripwires:
 
         self.pid = os.getpid()
         self.lock = threading.Lock()
-        if self.state is STARTED:
-            try:
-                self.recording.forget_in_child()
-                self.install()  # over the parent's capture, which passes through here
-            except Exception:
-                return
+        if self.state is STARTED and guarded(False, self._rearm):
             self.state, self.finished, self.recording = ARMED, False, None
+
+    def _rearm(self) -> bool:
+        self.recording.forget_in_child()
+        self.install()  # over the parent's capture, which passes through here
+        return True
 
 
 _tripwires: Tripwires | None = None
@@ -366,19 +378,23 @@ def chain(here: str) -> None:
 
 def start(here: str) -> None:
     """What sitecustomize does in a child: the hidden sitecustomize first, then the watcher."""
-    try:
-        chain(here)
-    except Exception as exc:  # as site reports an error in sitecustomize
-        print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}", file=sys.stderr)
+    guarded(None, chain, here, tell=site_error)
     if not (os.environ.get(CHANNEL) and os.environ.get(TOKEN)):
         return
     if "torch" not in sys.modules:
         sys.meta_path.insert(0, TorchWatcher(arm_when_torch_is_imported))
     if os.environ.get(LOOP):  # --loop FILE:LINE (the script itself then runs from here)
-        try:
-            package("traceml_jupyter.processes.child_run").follow_loop(tripwires(), os.environ[LOOP])
-        except Exception as exc:
-            tell_kernel(f"--loop could not be followed: {type(exc).__name__}: {exc}")
+        guarded(None, follow_loop, os.environ[LOOP], tell=tell_kernel_that("--loop could not be followed"))
+
+
+def site_error(error: str) -> None:
+    """An error in the sitecustomize this one hides, as site reports one."""
+    print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{error}", file=sys.stderr)
+
+
+def follow_loop(where: str) -> None:
+    """--loop FILE:LINE: the loop's iterations are steps (child_run.follow_loop)."""
+    package("traceml_jupyter.processes.child_run").follow_loop(tripwires(), where)
 
 
 if __name__ == "sitecustomize":

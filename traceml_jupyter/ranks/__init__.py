@@ -35,6 +35,7 @@ from .collector import (
     DRAIN_S,
     RECV_BYTES,
     Collector,
+    LiveRanks,
     Stream,
     adopt,
     rank_summaries,
@@ -51,7 +52,7 @@ from .wire import END, HELLO, MAX_FRAME, PART_ROWS, ROWS, STEPS, STEPS_PER_FRAME
 __all__ = [
     "DATAPARALLEL_NOTE", "DRAIN_S", "END", "FINAL_SEND_S", "HELLO", "HELPERS", "INTEGERS", "KIND",
     "LENGTH", "MAX_FRAME", "MAX_QUEUED", "PART_ROWS", "RECV_BYTES", "ROWS", "STEPS",
-    "STEPS_PER_FRAME", "BackwardTimer", "Collector", "LocalRank", "RankParts", "Sender",
+    "STEPS_PER_FRAME", "BackwardTimer", "Collector", "LiveRanks", "LocalRank", "RankParts", "Sender",
     "StepSample", "StepTap", "Stream", "adopt", "become_rank", "capture_ended", "dataparallel_note",
     "decode", "describe_error", "dist_rank", "distributed_env", "encode", "followed", "frame",
     "gather", "loader_facts", "local_summary", "rank_summaries", "read_frames", "running", "shows_parts_of",

@@ -15,7 +15,6 @@ from ..capture.session import Capture
 from ..capture.steps.recorder import Recorder
 from ..capture.steps.step_history import StepHistory
 from ..capture.steps.step_model import BACKWARD
-from ..failures import never_raise
 from .wire import PART_ROWS, ROWS
 
 
@@ -119,7 +118,7 @@ class RankParts:
     def __init__(self) -> None:
         self.samples = {name: StepSample() for name in PART_ROWS}
         self.backward = StepSample()
-        self.facts_seen: dict[str, Any] = {}
+        self.facts_seen: dict[str, object] = {}
 
     def add(self, rows: np.ndarray) -> None:
         """The parts of the sampled steps in `rows` (ROWS columns)."""
@@ -150,7 +149,7 @@ class RankParts:
             out[name] = column
         return out
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> dict[str, object]:
         """What the rank said of its parts (at its end)."""
         return dict(self.facts_seen)
 
@@ -224,11 +223,7 @@ class StepTap:
 
     def parts_of(self, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The parts of these steps (step_parts.py), NaN where not sampled or not measured."""
-        parts = getattr(self.capture, "parts", None)
-        if parts is not None:
-            with never_raise():
-                return parts.columns(cols)  # type: ignore[no-any-return]
-        return {name: np.full(len(cols["step"]), np.nan) for name in PART_ROWS}
+        return self.capture.parts.columns(cols)
 
 
 class LocalRank:

@@ -11,7 +11,7 @@ import socket
 import threading
 from collections.abc import Mapping
 from time import monotonic, perf_counter_ns
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import numpy as np
 
@@ -21,8 +21,9 @@ from ..analysis.summary import summarize
 from ..capture.data.probes import plain_count
 from ..capture.steps.recorder import Recorder
 from ..failures import failure_text, never_raise
+from ..result import RunResult
 from .backward import RankParts, StepSample
-from .wire import END, HELLO, STEPS, read_frames
+from .wire import END, HELLO, STEPS, End, end_result, read_frames
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -31,6 +32,47 @@ if TYPE_CHECKING:
 DRAIN_S = 3.0  # how long the end of a cell waits for ranks that are still sending steps
 
 RECV_BYTES = 1 << 16
+
+class LiveRank(TypedDict, total=False):
+    """A rank's medians over the live chart's window, as compare_ranks reads them (`paired`: its
+    per-step evidence against the others, rank_evidence.py)."""
+
+    rank: int
+    n_steps: int
+    n_analysed: int
+    data_wait_ms: float | None
+    compute_ms: float | None
+    step_ms: float | None
+    backward_ms: float | None
+    forward_ms: float | None
+    optimizer_ms: float | None
+    rest_ms: float | None
+    paired: Mapping[str, object]
+
+
+class RankWindow(TypedDict):
+    """A rank's last steps on the live chart: their series (steps from 1) and its medians."""
+
+    rank: int
+    step: np.ndarray
+    step_ms: np.ndarray
+    data_wait_ms: np.ndarray
+    n_steps: int
+    n_analysed: int
+    data_wait_ms_median: float | None
+    summary: LiveRank
+
+
+class LiveRanks(TypedDict):
+    """What the live chart draws of several processes: each one's window, and the rank that
+    holds the others back over them (None: balanced, or processes of no job), cause, score."""
+
+    series: list[RankWindow]
+    slowest: int | None
+    cause: str | None
+    score: float | None
+    text: str
+
 
 class Stream:
     """One forked process as the kernel sees it: its steps (a Recorder of their own) and its end."""
@@ -46,7 +88,8 @@ class Stream:
         self.recorder.origin_ns = origin_ns
         self.backward = StepSample()
         self.parts = RankParts()
-        self.end: dict[str, Any] | None = None
+        self.end: End | None = None
+        self.result: RunResult | None = None  # what its END said it measured (the codec's)
         self.eof = False
 
     @property
@@ -83,8 +126,10 @@ class Stream:
         elif kind == STEPS and rows is not None:
             self._add(rows)
         elif kind == END:
-            self.end = dict(meta)
-            self.pid = plain_count(meta.get("pid")) or self.pid
+            end = cast(End, dict(meta))  # JSON from the process: its result is checked by the codec
+            self.result = end_result(end, f"the end of process {self.pid}")
+            self.end = end
+            self.pid = plain_count(end.get("pid")) or self.pid
 
     def _add(self, rows: np.ndarray) -> None:
         rec = self.recorder
@@ -138,7 +183,7 @@ class Stream:
             "step_ms": cols["step_ms"],
         }
 
-    def window(self, n: int) -> dict[str, Any]:
+    def window(self, n: int) -> RankWindow:
         """The last n steps: the chart's series and the numbers that compare ranks live."""
         tail = self.recorder.tail(n)
         steps = tail["step"]
@@ -148,6 +193,7 @@ class Stream:
         def med(values: np.ndarray) -> float | None:
             return float(np.median(values)) if len(values) else None
 
+        parts = self.parts.medians(int(steps[0]) if len(steps) else 0)
         return {
             "rank": self.label,
             "step": steps + 1,
@@ -164,7 +210,9 @@ class Stream:
                 "compute_ms": med(tail["compute_ms"]),
                 "step_ms": med(tail["step_ms"]),
                 "backward_ms": med(backward),
-                **self.parts.medians(int(steps[0]) if len(steps) else 0),
+                "forward_ms": parts["forward_ms"],
+                "optimizer_ms": parts["optimizer_ms"],
+                "rest_ms": parts["rest_ms"],
             },
         }
 
@@ -302,7 +350,7 @@ class Collector:
         if run.tick_due(now):
             run.tick(now)
 
-    def live(self, window: int) -> dict[str, Any] | None:
+    def live(self, window: int) -> LiveRanks | None:
         """For the live chart: each rank's last `window` steps, and the rank that holds the
         others back over them (None when balanced)."""
         streams = sorted((s for s in self.streams if s.recorder.n_steps), key=lambda s: s.label)
@@ -334,8 +382,7 @@ class Collector:
                 sock.close()
             except OSError:
                 pass
-        with never_raise():
-            self._selector.close()
+        self._selector.close()
 
     def stop(self, drain_s: float) -> None:
         """Wait (drain_s at most) for the ranks still sending, read what is left, close every
@@ -406,17 +453,16 @@ def adopt(run: Run, collector: Collector, drain_s: float) -> None:
     late = next((s for s in ranks if holds_back(found) and s.label == found["rank"]), None)  # type: ignore[index]
     main = late or collector.main_stream() or ranks[0]
     run.recorder = main.recorder
-    end = main.end or {}
     shows_parts_of(run, main)
-    if run.step_kind == "none" and end.get("step_kind"):
-        run.step_kind = str(end["step_kind"])
-        run.step_definition = f"{end.get('step_definition')}, on each rank"
-    if run.batch_size is None and end.get("batch_size"):
-        run.batch_size = plain_count(end.get("batch_size"))
-        run.batches_per_step = end.get("batches_per_step")
-    if run.loader_info is None:  # the checklist reads the loader of the rank that holds back
-        info = (main.end or {}).get("loader_info")
-        run.loader_info = dict(info) if isinstance(info, dict) else None
+    if main.result is not None:
+        steps, loader = main.result.steps, main.result.data.loader
+        if run.step_kind == "none" and steps.kind != "none":
+            run.step_kind = steps.kind
+            run.step_definition = f"{steps.definition}, on each rank"
+        if run.batch_size is None and steps.batch_size:
+            run.batch_size, run.batches_per_step = steps.batch_size, steps.batches_per_step
+        if run.loader_info is None and loader is not None:  # the checklist reads the loader of the rank that holds back
+            run.loader_info = dict(loader)
     whose = f"rank {main.label}'s" + (" (the rank that holds the others back)" if late else "")
     run.notes.append(f"The steps shown are {whose}; every rank is in the per-rank table.")
 

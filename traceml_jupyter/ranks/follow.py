@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..capture.instrument.patches import patched
 from ..capture.session import Capture, capture_session
-from ..failures import never_raise
+from ..failures import never_raise, read_or
 from . import collector
 from .backward import BackwardTimer, LocalRank, StepTap
 from .collector import Collector
@@ -93,11 +93,7 @@ def dataparallel_note(run: Run) -> None:
     if names is None:
         names = getattr(sys.modules.get("__main__"), "__dict__", {})
     for value in list(names.values()):
-        try:
-            found = isinstance(value, parallel)
-        except Exception:
-            found = False
-        if found:
+        if read_or(False, isinstance, value, parallel):  # a user's class may raise in __class__
             if DATAPARALLEL_NOTE not in run.notes:
                 run.notes.append(DATAPARALLEL_NOTE)
             return

@@ -14,7 +14,7 @@ from ..analysis.rank_evidence import COLUMNS, paired_evidence
 from ..analysis.rank_verdict import RANK_NUMBERS, compare_ranks, holds_back, rank_summary
 from ..failures import never_raise
 from .backward import LocalRank
-from .identity import dist_rank, distributed_env, loader_facts
+from .identity import dist_rank, distributed_env, loader_facts, process_group
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -104,13 +104,9 @@ def gather(run: Run, error: BaseException | None) -> None:
     """At the end of trace() on one rank of several: every rank's summary on every rank, in one
     all_gather over the existing process group. Not after an error (the others may never come
     to the collective)."""
-    dist = sys.modules.get("torch.distributed")
+    dist = process_group()
     torch = sys.modules.get("torch")
-    try:
-        ready = bool(dist is not None and dist.is_available() and dist.is_initialized())
-    except Exception:
-        ready = False
-    if not ready or torch is None or dist is None:
+    if torch is None or dist is None:
         if distributed_env():
             run.notes.append("The ranks were not gathered: no process group at the end of trace().")
         return

@@ -9,15 +9,22 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..capture.data.probes import attribute, plain_count, safe_len, type_name
-from ..failures import never_raise
+from .wire import RankLoader
+
+
+def process_group() -> Any:
+    """torch.distributed when this process has an initialised process group, else None."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
 
 
 def dist_rank() -> tuple[int | None, int | None]:
     """(rank, world size) from an initialised process group, else from RANK / WORLD_SIZE."""
-    dist = sys.modules.get("torch.distributed")
-    with never_raise():
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank()), int(dist.get_world_size())
+    dist = process_group()
+    if dist is not None:
+        return int(dist.get_rank()), int(dist.get_world_size())
     return env_count("RANK"), env_count("WORLD_SIZE")
 
 
@@ -41,7 +48,7 @@ def describe_error(exc: BaseException | None) -> str | None:
     return f"{type(exc).__name__}: {text[-1]}" if text else type(exc).__name__
 
 
-def loader_facts(info: Mapping[str, Any] | None, loader: Any) -> dict[str, Any] | None:
+def loader_facts(info: Mapping[str, Any] | None, loader: Any) -> RankLoader | None:
     """What the per-rank table compares of a rank's training loader: workers, batch size,
     sampler (and its shard for a DistributedSampler), samples."""
     if info is None and loader is None:

@@ -6,15 +6,15 @@ from __future__ import annotations
 import os
 import socket
 from collections import deque
-from time import monotonic
-from typing import TYPE_CHECKING, Any
+from time import monotonic, perf_counter_ns
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..failures import failure_text, never_raise
 from .backward import StepTap
 from .identity import dist_rank, loader_facts
-from .wire import END, HELLO, STEPS, STEPS_PER_FRAME, frame
+from .wire import END, HELLO, STEPS, STEPS_PER_FRAME, End, Hello, Who, end_document, frame
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -40,12 +40,13 @@ class Sender:
         self.closed = False
         self.ended = False
         self.error: str | None = None
-        self.told: dict[str, Any] = {}
+        self.told: Who | None = None
         sock.setblocking(False)
 
     def hello(self) -> None:
         """Tell the kernel who this rank is (pid, fork index)."""
-        self._put(frame(HELLO, {"pid": self.pid, "index": self.index}))
+        hello: Hello = {"pid": self.pid, "index": self.index}
+        self._put(frame(HELLO, hello))
         self._push()
 
     def __call__(self, run: Run) -> None:
@@ -83,35 +84,41 @@ class Sender:
         except OSError:
             pass
 
-    def _who(self) -> dict[str, Any]:
+    def _who(self) -> Who:
         rank, world = dist_rank()
         return {"rank": rank, "world": world}
 
-    def _end(self) -> dict[str, Any]:
-        from ..analysis.phases import step_definition
-        from ..capture.data.sources import describe_run_sources
-
-        end: dict[str, Any] = {**self._who(), "pid": self.pid, "error": self.error}
+    def _end(self) -> End:
+        """Who it was and how it ended, then what it measured (see wire.End); when that cannot
+        be read, the end says why and the kernel keeps the steps it has."""
+        rank, world = dist_rank()
+        end: End = {"rank": rank, "world": world, "pid": self.pid, "error": self.error}
         try:
-            facts = describe_run_sources(self.run, self.tap.capture)
-            loader = facts.loader_ref() if facts.loader_ref is not None else None
-            end.update(
-                step_kind=facts.step_kind,
-                step_definition=step_definition(
-                    facts.step_kind, facts.optimizer, facts.batches_per_step, self.run.loop_line, self.run.loop_where
-                ),
-                batch_size=facts.batch_size,
-                batches_per_step=facts.batches_per_step,
-                loader_info=facts.loader_info,
-                loader=loader_facts(facts.loader_info, loader),
-                parts=self.tap.capture.parts.facts(),
-                pass_steps=list(facts.pass_steps),
-            )
+            end.update(self._measured())
         except Exception as exc:
-            end["note"] = f"its loader could not be read: {failure_text(exc)}"
+            end["note"] = f"what fed its steps could not be read: {failure_text(exc)}"
         return end
 
-    def _put_steps(self, who: dict[str, Any], rows: np.ndarray | None) -> None:
+    def _measured(self) -> End:
+        """Its result through the one codec, and what the kernel's summary of its steps reads
+        besides: its loader as the per-rank table compares it, its parts, its passes."""
+        self._close_recording()
+        run = self.run
+        loader = run.loader_ref() if run.loader_ref is not None else None
+        return {
+            "result": end_document(run.result),
+            "loader": loader_facts(run.loader_info, loader),
+            "parts": self.tap.capture.parts.facts(),
+            "pass_steps": list(run.pass_starts),
+        }
+
+    def _close_recording(self) -> None:
+        """A forked rank's capture never closes (the rank ends with its process): what it saw is
+        read into the run here, as a closing capture does."""
+        run = self.run
+        run.read_capture(self.tap.capture, perf_counter_ns() - (run.recorder.origin_ns or 0))
+
+    def _put_steps(self, who: Who, rows: np.ndarray | None) -> None:
         """STEPS frames, each under MAX_FRAME (a fast loop closes many steps between ticks)."""
         if rows is None or rows.shape[1] <= STEPS_PER_FRAME:
             self._put(frame(STEPS, who, rows))

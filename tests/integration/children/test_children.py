@@ -17,20 +17,24 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import psutil
 import pytest
 from helpers import TESTS
 from IPython.utils.capture import capture_output
+from result_factory import result_of
 
 import traceml_jupyter
 from traceml_jupyter import kernel_state, ranks
 from traceml_jupyter.processes import children
 from traceml_jupyter.processes.child_run import exit_status
 from traceml_jupyter.processes.startup_hook import CHANNEL, NOTE, TOKEN, pack
+from traceml_jupyter.ranks.wire import End, end_document, end_result
+from traceml_jupyter.result import LoadError, RunResult
 from traceml_jupyter.run import Run
 
 SCRIPTS = TESTS / "child_scripts"
@@ -127,8 +131,35 @@ def test_a_fast_loop_sends_its_steps_in_frames_under_the_limit() -> None:
         right.close()
 
 
-def test_the_environment_is_exactly_as_before_also_when_the_cell_changed_it() -> None:
-    os.environ.pop("PYTHONPATH", None)
+def child_result(n_steps: int) -> RunResult:
+    """A child's result as its capture froze it at its end."""
+    return result_of("python train.py", [6.0] * n_steps, [4.0] * n_steps, step_kind="optimizer",
+                     step_definition="a step = one `optimizer.step()` of SGD", loader_info={"num_workers": 0, "len": 40},
+                     sources=[{"label": "`loader`", "kind": "dataloader", "training": True}],
+                     loader_site={"file": "/x/train.py", "line": 7}, notes=["the child's own note"])  # fmt: skip
+
+
+def test_a_childs_end_holds_its_result_as_the_one_codec_writes_it_without_its_steps() -> None:
+    child = child_result(50)
+    frame = ranks.frame(ranks.END, {"pid": 7, "status": 0, "result": end_document(child)})
+    [(kind, meta, rows)] = ranks.read_frames(bytearray(frame))  # JSON on the wire, no code
+    back = end_result(cast(End, meta), "its end")
+    assert kind == ranks.END and rows is None and back is not None
+    assert len(back.columns["step_ms"]) == 0 and back.n_steps == 50  # its steps came in STEPS frames
+    assert replace(back, steps=child.steps) == child  # every other field as the child had it
+    # A long run's end is no longer than a short one's: it fits a frame whatever the steps.
+    longer = ranks.frame(ranks.END, {"pid": 7, "status": 0, "result": end_document(child_result(20_000))})
+    assert len(longer) < len(frame) + 1000 < ranks.MAX_FRAME
+    # What is not a result is refused by the codec: the collector drops the stream with a note.
+    stream = ranks.Stream(socket.socket(), 0, None)
+    with pytest.raises(LoadError, match="the end of process None: not a traceml run"):
+        stream.apply(ranks.END, {"pid": 7, "result": {"name": "python train.py"}}, None)
+    stream.sock.close()
+    assert stream.end is None and stream.result is None
+
+
+def test_the_environment_is_exactly_as_before_also_when_the_cell_changed_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # put back after the test: later children import this tree
     before = dict(os.environ)
     channel = children.Channel()
     try:
@@ -203,9 +234,10 @@ def test_a_connection_without_the_token_and_a_malformed_frame_are_refused(untouc
         good = knock(address, token)
         good.sendall(ranks.frame(ranks.HELLO, {"pid": 42, "command": "python train.py", "origin_ns": 5}))
         good.sendall(ranks.frame(ranks.STEPS, {"rank": None, "world": None}, steps_rows(12, 6.0, 10.0)))
-        good.sendall(ranks.frame(ranks.END, {"pid": 42, "error": None, "status": 0, "step_kind": "optimizer",
-                                             "step_definition": "a step = one `optimizer.step()` of SGD",
-                                             "loader_site": {"file": "/x/train.py", "line": 7}}))
+        child = result_of("python train.py", [6.0] * 12, [4.0] * 12, step_kind="optimizer",
+                          step_definition="a step = one `optimizer.step()` of SGD",
+                          loader_site={"file": "/x/train.py", "line": 7})
+        good.sendall(ranks.frame(ranks.END, {"pid": 42, "error": None, "status": 0, "result": end_document(child)}))
         until(lambda: len(collector.notes) >= 3 and len(collector.streams) == 2)
         for sock in (foreign, broken, good):
             sock.close()
@@ -214,7 +246,8 @@ def test_a_connection_without_the_token_and_a_malformed_frame_are_refused(untouc
     assert len(refused) == 2
     assert any("sent what could not be read: ValueError: a frame of" in n for n in run.notes)
     assert run.n_steps == 12 and run.verdict == "INPUT-BOUND"  # only the good child's steps
-    assert run.loader_site == {"file": "/x/train.py", "line": 7}
+    assert run.loader_site == {"file": "/x/train.py", "line": 7}  # what its end's result says
+    assert run.step_definition == "a step = one `optimizer.step()` of SGD"
     assert sorted(str(p["pid"]) for p in run.processes or []) == ["42", "None"]  # the broken one said no hello
 
 
@@ -246,6 +279,22 @@ def test_who_trained_decides_what_the_run_shows(untouched: None) -> None:
     assert "`python e.py` ended without saying how (killed, or os._exit), before its first step." in notes
     statuses = sorted((p["pid"], p["status"]) for p in run.processes or [])
     assert statuses == [(1, "stopped"), (2, "stopped"), (3, "failed"), (4, "not traced"), (5, "stopped")]
+
+
+def test_a_child_whose_end_could_not_say_what_it_measured_still_shows_its_steps(untouched: None) -> None:
+    run = Run("no result")
+    with children.followed(run) as collector, ranks.followed(run):
+        address, token = os.environ[CHANNEL], os.environ[TOKEN].encode()
+        child = knock(address, token + ranks.frame(ranks.HELLO, {"pid": 9, "command": "python f.py"}))
+        child.sendall(ranks.frame(ranks.STEPS, {}, steps_rows(10, 1.0, 10.0)))
+        child.sendall(ranks.frame(ranks.END, {"pid": 9, "error": None, "status": 0,
+                                              "note": "what fed its steps could not be read: TypeError: odd loader"}))
+        until(lambda: any(s.end is not None for s in collector.streams))
+        child.close()
+    run.finish()
+    assert run.n_steps == 10 and run.step_kind == "none"  # its steps; what a step was, it could not say
+    assert "`python f.py`: what fed its steps could not be read: TypeError: odd loader" in run.notes
+    assert [(p["pid"], p["status"]) for p in run.processes or []] == [(9, "finished")]
 
 
 def test_the_exit_status_a_child_reports() -> None:
