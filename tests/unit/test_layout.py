@@ -450,7 +450,6 @@ HAND_WRITTEN_EXCEPTS = {
     "capture/gpu/cuda_clock.py": 3,  # fallbacks: no device, no stats
     "capture/gpu/cuda_graphs.py": 2,  # a fallback (False); per replay: one note at most
     "capture/gpu/cuda_state.py": 1,  # a fallback (False)
-    "capture/data/dataloaders.py": 5,  # guarded reads of the user's loader: None, or the next item
     "capture/gpu/gpu_activity.py": 5,  # fallbacks; per sync (look); patches undone on failure
     "capture/resources/gpu_memory.py": 11,  # guarded reads of the user's namespace and of torch; per step
     "capture/gpu/gpu_watch.py": 5,  # patches undone on failure; per step (backlog); a fallback
@@ -459,8 +458,6 @@ HAND_WRITTEN_EXCEPTS = {
     "capture/resources/host.py": 2,  # fallbacks (None)
     "capture/inside/line_costs.py": 4,  # per step: the GPU clock turns itself off
     "capture/resources/nvml.py": 9,  # fallbacks; NVML's failure kept as the sampler's note and detail
-    "capture/data/probes.py": 6,  # guarded reads of the user's objects (the module's job)
-    "capture/data/sources.py": 4,  # guarded reads of the user's objects
     "capture/gpu/syncs.py": 2,  # per sync: the watch turns itself off; a fallback
     "cli.py": 2,  # the error in the command line's own words on stderr
     "demo.py": 1,  # a fallback (no device count)
