@@ -482,16 +482,12 @@ HAND_WRITTEN_EXCEPTS = {
     "views/live.py": 1,  # no bqplot (ImportError) is silent, another failure a note: two outcomes
     "views/live_svg.py": 1,  # a fallback (None: no parts in the window), on each refresh
     "views/loop_passes.py": 1,  # a guarded read of the user's value (None)
-    # Fallbacks (None, False, []); a class that cannot be patched is skipped; the patches are
-    # set and taken off at each sampled step (install/remove); the scan of a session's values
-    # at once (one by one when a value's isinstance raises: a per-value guard costs 0.2 µs).
-    "capture/inside/model_calls.py": 9,
     # Per step: the GPU clock's events and the GPU watch (the clock turns itself off); the GPU
     # clock off at its start and end too; the probe stops; no patch without torch's hooks.
     "capture/session.py": 10,
-    # Per sampled step (timing a part, the sampler, the optimizer's hooks, merges): the parts or
-    # their GPU time turn themselves off; fallbacks (no torch.optim, `on` off); GPU parts off.
-    "capture/inside/step_parts.py": 12,
+    # The edges of the parts of a step: the sampler, a merge, a timed part's end, the
+    # optimizer's pre and post hooks (the parts turn themselves off); `_on_gpu` (GPU time off).
+    "capture/inside/step_parts.py": 6,
     "capture/step_hooks.py": 3,  # per fetch: the GPU clock turns itself off; a fallback (True)
     "capture/stamping.py": 1,  # the stamps' replay (per-step path): stamping off for the run
 }

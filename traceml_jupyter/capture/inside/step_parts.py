@@ -29,6 +29,13 @@ stepping); a run whose forward was never found says so (`forward_state`).
 
 On a GPU the same boundaries get CUDA events on the loop's stream (the stream the step started
 on), read once complete, never waited for: the parts on the GPU's timeline.
+
+Edges (a failure of ours stops there, turns the parts off with a note, and the user's call runs
+as without us): the step model's callback (`sample_due`) and its merges (`merged`), a timed
+part's end (`_timed`: a root's call, `backward()`, a closure), our pre hook on an optimizer and
+the global post hook's `optimizer_stepped`; the first look for the model's calls (`_walk`) leaves
+a note of its own. Every CUDA call of the GPU parts goes through `_on_gpu`, which turns the GPU
+time (only) off. What is read of the user's objects goes through `failures.read_or`.
 """
 
 from __future__ import annotations
@@ -45,8 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from ...failures import failure_text, never_raise
-from ..data.probes import type_name, user_namespace
+from ...failures import failure_text, never_raise, read_or
+from ..data.probes import attribute, type_name, user_namespace
 from ..gpu.cuda_graphs import capturing
 from ..steps.step_model import ITERATION, MERGE_MAX, NEVER, StepModel
 from ..steps.step_model import OPTIMIZER as OPTIMIZER_LEVEL
@@ -83,14 +90,17 @@ SEED = 0x7ACE
 def _optimizer_facts(optimizer: Any) -> dict[str, Any]:
     """What the optimizer advice reads: its class, foreach/fused, parameter groups, tensors."""
     facts: dict[str, Any] = {"name": type_name(optimizer)}
-    with never_raise():  # what could be read is kept
-        defaults = dict(getattr(optimizer, "defaults", {}) or {})
-        facts["foreach"] = defaults.get("foreach")
-        facts["fused"] = defaults.get("fused")
-        groups = list(optimizer.param_groups)
-        facts["param_groups"] = len(groups)
-        facts["tensors"] = sum(len(g.get("params", ())) for g in groups)
+    read_or(None, _read_optimizer, optimizer, facts)  # the user's optimizer: what could be read is kept
     return facts
+
+
+def _read_optimizer(optimizer: Any, facts: dict[str, Any]) -> None:
+    defaults = dict(getattr(optimizer, "defaults", {}) or {})
+    facts["foreach"] = defaults.get("foreach")
+    facts["fused"] = defaults.get("fused")
+    groups = list(optimizer.param_groups)
+    facts["param_groups"] = len(groups)
+    facts["tensors"] = sum(len(g.get("params", ())) for g in groups)
 
 
 class CudaParts:
@@ -230,10 +240,7 @@ class StepParts:
         self.note = f"The parts of the step were turned off: {failure_text(exc)}"
         self.active = False
         self.model.sample_in = NEVER
-        try:
-            self._disarm()
-        except Exception:
-            self.on = False
+        self._disarm()
 
     def _due(self, start: int, end: int) -> None:
         model = self.model
@@ -298,16 +305,12 @@ class StepParts:
 
     # -- stamps ---------------------------------------------------------------------------------
     def _enter(self) -> tuple[int, int]:
+        """A part begins (this cannot fail: a list append and two reads; its GPU event is
+        guarded in `_on_gpu`)."""
         self._acc.append(0)
         if self._gpu is not None:
-            self._enter_gpu()
+            self._on_gpu(self._gpu.enter)
         return perf_counter_ns(), self.model.wait_total
-
-    def _enter_gpu(self) -> None:
-        try:
-            self._gpu.enter()  # type: ignore[union-attr]
-        except Exception as exc:
-            self._gpu_failed(exc)
 
     def _exit(self, kind: int, t0: int, w0: int) -> None:
         t1 = perf_counter_ns()
@@ -320,10 +323,15 @@ class StepParts:
         self._t0.append(t0)
         self._own.append(span - nested)
         if self._gpu is not None:
-            try:
-                self._gpu.exit(self.store.base + len(self._kind) - 1)
-            except Exception as exc:
-                self._gpu_failed(exc)
+            self._on_gpu(self._gpu.exit, self.store.base + len(self._kind) - 1)
+
+    def _on_gpu(self, do: Callable[..., None], *args: Any) -> None:
+        """The edge of the GPU parts: a CUDA call of theirs that fails turns their GPU time off
+        for the run (a note says so); the CPU parts go on."""
+        try:
+            do(*args)
+        except Exception as exc:
+            self._gpu_failed(exc)
 
     def _gpu_failed(self, exc: BaseException) -> None:
         self.note = f"GPU time of the step's parts turned off: {failure_text(exc)}"
@@ -334,15 +342,11 @@ class StepParts:
     def _timed(self, kind: int, call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """`call(*args, **kwargs)` stamped as one part; our bookkeeping never raises into it."""
         __tracebackhide__ = True  # noqa: F841
-        try:
-            t0, w0 = self._enter()
-        except Exception as exc:
-            self.failed(exc)
-            return call(*args, **kwargs)
+        t0, w0 = self._enter()
         try:
             return call(*args, **kwargs)
         finally:
-            try:
+            try:  # the edge of a timed part: it runs in the user's `finally`, never replaces their error
                 self._exit(kind, t0, w0)
             except Exception as exc:
                 self.failed(exc)
@@ -397,8 +401,7 @@ class StepParts:
             if is_instance(v, cls):
                 modules.append(v)
             else:
-                with never_raise():
-                    self._hook_optimizer(v)
+                self._hook_optimizer(v)
         return modules
 
     def _hook_optimizer(self, optimizer: Any) -> bool:
@@ -406,7 +409,7 @@ class StepParts:
         False when it cannot be hooked."""
         if id(optimizer) in self._optimizers:
             return True
-        pre_hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+        pre_hooks = attribute(optimizer, "_optimizer_step_pre_hooks")
         if not isinstance(pre_hooks, dict):
             return False
         try:
@@ -548,10 +551,7 @@ class StepParts:
     def columns(self, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The parts of the recorder's kept steps (part_store.PartStore.columns)."""
         if self._gpu_parts is not None:
-            try:
-                self._gpu_parts.poll()
-            except Exception as exc:
-                self._gpu_failed(exc)
+            self._on_gpu(self._gpu_parts.poll)
         return self.store.columns(cols)
 
     def facts(self) -> dict[str, Any]:
@@ -590,7 +590,4 @@ class StepParts:
             self.calls.state = FOUND if self._ever_called else NOT_FOUND
             self.store.no_forward = not self._ever_called
         if self._gpu_parts is not None:
-            try:
-                self._gpu_parts.close()
-            except Exception as exc:
-                self._gpu_failed(exc)
+            self._on_gpu(self._gpu_parts.close)
