@@ -456,7 +456,7 @@ HAND_WRITTEN_EXCEPTS = {
     "capture/gpu/h2d.py": 5,  # per copy / per wait: the watch turns itself off
     "capture/gpu/hidden_waits.py": 1,  # a fallback (False)
     "capture/resources/host.py": 2,  # fallbacks (None)
-    "capture/inside/line_costs.py": 4,  # per step: the GPU clock turns itself off
+    "capture/inside/line_costs.py": 1,  # `_gpu`, the GPU clock per line's edge: it turns itself off
     "capture/resources/nvml.py": 9,  # fallbacks; NVML's failure kept as the sampler's note and detail
     "capture/gpu/syncs.py": 2,  # per sync: the watch turns itself off; a fallback
     "cli.py": 2,  # the error in the command line's own words on stderr
