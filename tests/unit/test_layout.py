@@ -446,15 +446,12 @@ def test_the_docstring_rule_bites_on_new_code() -> None:
 # re-raise, retry, or run on the per-step hot path (where a `with` would cost every step).
 HAND_WRITTEN_EXCEPTS = {
     "analysis/cell_code.py": 1,  # a transformer that fails: no tree (None)
-    "capture/gpu/copy_calls.py": 2,  # per copy: a tensor's size and pinning, a fallback each
-    "capture/gpu/cuda_clock.py": 3,  # fallbacks: no device, no stats
-    "capture/gpu/cuda_graphs.py": 2,  # a fallback (False); per replay: one note at most
-    "capture/gpu/cuda_state.py": 1,  # a fallback (False)
-    "capture/gpu/gpu_activity.py": 5,  # fallbacks; per sync (look); patches undone on failure
+    "capture/gpu/cuda_clock.py": 1,  # a stream's query: CUDA's own (sticky) error
+    "capture/gpu/cuda_graphs.py": 2,  # is_current_stream_capturing: CUDA's own error; per replay: the edge
+    "capture/gpu/gpu_activity.py": 1,  # per probed wait (look): the edge
     "capture/resources/gpu_memory.py": 11,  # guarded reads of the user's namespace and of torch; per step
     "capture/gpu/gpu_watch.py": 5,  # patches undone on failure; per step (backlog); a fallback
     "capture/gpu/h2d.py": 5,  # per copy / per wait: the watch turns itself off
-    "capture/gpu/hidden_waits.py": 1,  # a fallback (False)
     "capture/resources/host.py": 2,  # fallbacks (None)
     "capture/inside/line_costs.py": 1,  # `_gpu`, the GPU clock per line's edge: it turns itself off
     "capture/resources/nvml.py": 9,  # fallbacks; NVML's failure kept as the sampler's note and detail

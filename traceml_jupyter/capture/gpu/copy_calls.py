@@ -1,12 +1,14 @@
 """What a `Tensor.to(...)` or `Tensor.cuda(...)` call asks for, read off its arguments without
 touching CUDA (the device it names, non_blocking, the source's bytes and pinning), and the cell
-line that made it."""
+line that made it. The tensor is the user's (a subclass, a stand-in): its size and pinning are
+read through `failures.read_or`."""
 
 from __future__ import annotations
 
 from types import FrameType
 from typing import Any
 
+from ...failures import read_or
 from ..instrument.cell_functions import is_cell_file
 
 FRAME_DEPTH = 16  # how far up the stack a copy or a sync is looked for in a notebook cell
@@ -104,15 +106,17 @@ def non_blocking_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def nbytes_of(tensor: Any) -> int:
     """The tensor's size in bytes; 0 when it cannot be read."""
-    try:
-        return int(tensor.nelement()) * int(tensor.element_size())
-    except Exception:
-        return 0
+    return read_or(0, _nbytes, tensor)
+
+
+def _nbytes(tensor: Any) -> int:
+    return int(tensor.nelement()) * int(tensor.element_size())
 
 
 def is_pinned(tensor: Any) -> bool:
     """The tensor is in pinned (page-locked) host memory; False when it cannot be asked."""
-    try:
-        return bool(tensor.is_pinned())
-    except Exception:
-        return False
+    return read_or(False, _pinned, tensor)
+
+
+def _pinned(tensor: Any) -> bool:
+    return bool(tensor.is_pinned())

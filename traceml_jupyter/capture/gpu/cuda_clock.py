@@ -4,6 +4,11 @@ device and stream, read once done (never waited for on the per-step path).
 Which device the loop uses is decided from what the loop did (allocations made during its first
 steps), never by asking CUDA anything that would initialise it: a CPU loop in a kernel where a
 tensor from an earlier cell sits on the GPU stays on the CPU clock.
+
+The allocator's counters and the current device are host-side reads that torch answers once CUDA
+is initialised (asked only then); a stream's `query()` returns CUDA's own error (a sticky one
+after an illegal memory access), so `busy_devices` is the one guarded read here. The clock's
+own errors raise to the capture's per-step edge, which turns the GPU clock off.
 """
 
 from __future__ import annotations
@@ -23,14 +28,8 @@ def allocation_counts() -> dict[int, int]:
     allocator); {} while CUDA is not initialised."""
     if not cuda_initialized():
         return {}
-    torch = sys.modules["torch"]
-    try:
-        return {
-            d: int(torch.cuda.memory_stats(d).get("allocation.all.allocated", 0))
-            for d in range(int(torch.cuda.device_count()))
-        }
-    except Exception:
-        return {}
+    cuda = sys.modules["torch"].cuda
+    return {d: int(cuda.memory_stats(d).get("allocation.all.allocated", 0)) for d in range(int(cuda.device_count()))}
 
 
 def busiest_device(before: Mapping[int, int], after: Mapping[int, int]) -> int | None:
@@ -44,10 +43,7 @@ def current_device() -> int | None:
     """torch's current CUDA device, only when CUDA is already initialised."""
     if not cuda_initialized():
         return None
-    try:
-        return int(sys.modules["torch"].cuda.current_device())
-    except Exception:
-        return None
+    return int(sys.modules["torch"].cuda.current_device())
 
 
 def busy_devices(devices: Iterable[int]) -> set[int]:
@@ -61,7 +57,7 @@ def busy_devices(devices: Iterable[int]) -> set[int]:
         try:
             if not torch.cuda.current_stream(d).query():
                 busy.add(d)
-        except Exception:
+        except Exception:  # CUDA's error (a sticky one): that device's work is not known
             continue
     return busy
 

@@ -19,7 +19,5 @@ def cuda_initialized(cuda: Any = None) -> bool:
     """CUDA was initialised (by the user's code). `cuda`: a torch.cuda-like module (default:
     torch.cuda, when torch is imported)."""
     cuda = cuda if cuda is not None else torch_cuda()
-    try:
-        return cuda is not None and bool(cuda.is_initialized())
-    except Exception:
-        return False
+    is_initialized = getattr(cuda, "is_initialized", None)  # never raises in torch
+    return callable(is_initialized) and bool(is_initialized())
