@@ -450,12 +450,12 @@ HAND_WRITTEN_EXCEPTS = {
     "capture/gpu/cuda_graphs.py": 2,  # is_current_stream_capturing: CUDA's own error; per replay: the edge
     "capture/gpu/gpu_activity.py": 1,  # per probed wait (look): the edge
     "capture/resources/gpu_memory.py": 11,  # guarded reads of the user's namespace and of torch; per step
-    "capture/gpu/gpu_watch.py": 5,  # patches undone on failure; per step (backlog); a fallback
-    "capture/gpu/h2d.py": 5,  # per copy / per wait: the watch turns itself off
+    "capture/gpu/gpu_watch.py": 2,  # edges: loop_started (nothing stays patched), per step (backlog)
+    "capture/gpu/h2d.py": 1,  # CopyWatch.guarded, every copy and wait hook's edge: the watch turns itself off
     "capture/resources/host.py": 2,  # fallbacks (None)
     "capture/inside/line_costs.py": 1,  # `_gpu`, the GPU clock per line's edge: it turns itself off
     "capture/resources/nvml.py": 9,  # fallbacks; NVML's failure kept as the sampler's note and detail
-    "capture/gpu/syncs.py": 2,  # per sync: the watch turns itself off; a fallback
+    "capture/gpu/syncs.py": 1,  # SyncWatch.synced, every sync hook's edge: the watch turns itself off
     "cli.py": 2,  # the error in the command line's own words on stderr
     "demo.py": 1,  # a fallback (no device count)
     "history.py": 1,  # the error in the user's words on stderr

@@ -23,6 +23,13 @@ How the pieces are measured:
 - Only the thread that runs the steps is timed (DataParallel's replica threads pass through),
   events are kept per device, and any error of ours turns that watch off with a note: nothing
   of ours is raised into the user's code.
+
+Edges (the one guard of each; the code under them raises): `loop_started` (nothing stays
+patched; the backlog alone is off when only tying the clocks failed), `step_ended` (the backlog
+turns itself off), `close` at the cell's end (the final wait and reads, and the report of what
+was measured, each noted apart); each copy and sync hook has its own (h2d.py `CopyWatch.guarded`,
+syncs.py `SyncWatch.synced`). Torch's CUDA is asked only once it is initialised, for what it
+answers host-side (the current device, the allocator's counters).
 """
 
 from __future__ import annotations
@@ -82,10 +89,7 @@ def cuda_api(
     None); None while CUDA is not initialised."""
     if not cuda_initialized(cuda):
         return None
-    try:
-        index = int(cuda.current_device()) if device is None else int(device)
-    except Exception:
-        return None
+    index = int(cuda.current_device()) if device is None else int(device)
 
     def event() -> Any:
         return cuda.Event(enable_timing=True)
@@ -175,6 +179,7 @@ class GpuWatch:
             return
         self.started = True
         run = self.run
+        tying = False  # past the patches: only the backlog's clocks are left to tie
         try:
             if device is None:
                 device = getattr(run, "cuda_device", None)
@@ -221,15 +226,16 @@ class GpuWatch:
             patches.enter_context(syncs_timed(syncs, api.tensor_type, api.sync_points))
             self.counting_sync_warnings = patches.enter_context(sync_warnings_counted(syncs, api))
             syncs.all_counted = self.counting_sync_warnings
-        except Exception as exc:  # never stop the user's loop for a measurement
-            self._patches.close()
-            self.copies = self.syncs = None
-            self.notes.append(f"Copies and syncs were not watched: {failure_text(exc)}")
-            return
-        try:
+            tying = True
             self._tie_clocks()
-        except Exception as exc:
-            self._backlog_failed(exc)
+        except Exception as exc:  # the edge: never stop the user's loop for a measurement
+            if tying:
+                self._backlog_failed(exc)
+            else:
+                self._patches.close()
+                self.copies = self.syncs = None
+                self.notes.append(f"Copies and syncs were not watched: {failure_text(exc)}")
+                return
         run.extra_columns.update(self.columns())
 
     def step_ended(self, t_ns: int | None = None, step: int | None = None) -> None:
@@ -271,16 +277,16 @@ class GpuWatch:
 
     def merged(self, n: int) -> None:
         """The capture merged its last `n` closed steps into the open one (now step
-        `recorder.n_steps`): what the watch summed for them moves there. Never raises."""
-        with never_raise(self.notes, "Copies and syncs of merged steps misplaced"):
-            first = int(self.run.recorder.n_steps)
-            for part in (self.copies, self.syncs):
-                if part is not None:
-                    for tally in part.tallies.values():
-                        tally.merge_from(first)
-            self.own_tally.merge_from(first)
-            self.backlog_raw.merge_from(first)
-            self.backlog_at.merge_from(first)
+        `recorder.n_steps`): what the watch summed for them moves there. Our own tallies only,
+        as the GPU clock's `merged` (cuda_clock.py): no CUDA call, nothing of the user's."""
+        first = int(self.run.recorder.n_steps)
+        for part in (self.copies, self.syncs):
+            if part is not None:
+                for tally in part.tallies.values():
+                    tally.merge_from(first)
+        self.own_tally.merge_from(first)
+        self.backlog_raw.merge_from(first)
+        self.backlog_at.merge_from(first)
 
     # -- backlog ---------------------------------------------------------------------------
     def _tie_clocks(self) -> None:
@@ -361,22 +367,31 @@ class GpuWatch:
     def close(self) -> None:
         """Undo every patch, wait once for the GPU, read every pending copy and probe, tie the
         clocks again, and leave the results on the run. Never raises. No CUDA event stays
-        referenced afterwards (the run outlives the cell, in `kernel_state.RUNS`)."""
-        with never_raise(self.notes, "Restoring the GPU watch's patches"):
-            self._patches.close()
+        referenced afterwards (the run outlives the cell, in `kernel_state.RUNS`). The edge at
+        the cell's end: it runs while the user's error (if any) goes up, and never masks it."""
+        with never_raise(self.run.notes, "The GPU watch failed at the cell's end"):
+            try:
+                self._patches.close()  # every patch is undone, even when one fails (ExitStack)
+            finally:
+                self._read_and_publish()
+
+    def _read_and_publish(self) -> None:
         if not self.started or self.api is None or self.device is None:
             self._release()
             self.run.notes.extend(self.notes)
             return
         try:
-            with never_raise(self.notes, "GPU timings of copies and syncs incomplete"):
-                if capturing():  # a capture left open: a wait now would invalidate it
-                    raise RuntimeError("a CUDA graph capture was still under way when the cell ended")
-                self._read_at_end(self.api, self.device)
+            if capturing():  # a capture left open: a wait now would invalidate it
+                self.notes.append(
+                    "GPU timings of copies and syncs incomplete: a CUDA graph capture was still "
+                    "under way when the cell ended"
+                )
+            else:  # CUDA's own error (a sticky one) leaves what was read so far, and a note
+                with never_raise(self.notes, "GPU timings of copies and syncs incomplete"):
+                    self._read_at_end(self.api, self.device)
         finally:
             self._release()
-        with never_raise(self.run.notes, "Copies and syncs not reported"):  # as the cell ends: never mask the user's error
-            self._publish()
+        self._publish()
 
     def _read_at_end(self, api: CudaApi, device: int) -> None:
         api.synchronize(device)  # the one wait at the end: every copy and probe is done
@@ -443,10 +458,7 @@ class GpuWatch:
     def hidden_reasons(self, syncs: SyncWatch) -> list[str]:
         """Why some waits for the GPU may have gone unseen (empty: none known)."""
         emptied = sum(s.calls for s in syncs.sites.values() if EMPTY_CACHE in s.kinds)
-        try:
-            after = self._allocator_frees()
-        except Exception:
-            after = self._frees_before
+        after = self._allocator_frees()
         return self.hidden + hidden_waits.at_loop_end(self._frees_before, after, emptied)
 
 

@@ -2,7 +2,8 @@
 `.tolist`, `.cpu`, `bool()`, `float()`, `int()` of a CUDA tensor, `.to("cpu")` and the synchronize
 calls timed on the host (their wait for the GPU); every other sync torch knows of counted through
 `torch.cuda.set_sync_debug_mode("warn")`, untimed. Any error of ours turns the watch off, with a
-note; the user's call always runs."""
+note; the user's call always runs. The edge: every hook (a timed call, a sync warning, a copy
+that waits) records through `SyncWatch.synced`, its one guard."""
 
 from __future__ import annotations
 
@@ -78,9 +79,9 @@ class SyncWatch:
 
     def synced(self, step: int, kind: str, ns: int | None, frame: FrameType | None) -> None:
         """One synchronising call on `step`: timed (`ns`) or not (None). Never raises."""
-        try:
+        try:  # the edge of every sync hook: a measurement never stops the user's loop
             self._add(step, kind, ns, frame)
-        except Exception as exc:  # a measurement must never stop the user's loop
+        except Exception as exc:
             self.turn_off(exc)
 
     def _add(self, step: int, kind: str, ns: int | None, frame: FrameType | None) -> None:
@@ -302,11 +303,7 @@ def sync_warnings_counted(watch: SyncWatch, api: SyncDebugMode) -> Iterator[bool
     """torch's sync debug mode set to "warn" for the duration, its warnings counted (not shown).
 
     Yields False, changing nothing, when the user already chose a sync debug mode."""
-    try:
-        previous = int(api.get_sync_debug_mode())
-    except Exception:
-        yield False
-        return
+    previous = int(api.get_sync_debug_mode())  # torch answers once CUDA is initialised
     if previous != 0:
         yield False
         return
