@@ -5,6 +5,7 @@ read through `failures.read_or`."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
@@ -34,7 +35,7 @@ def cell_line(frame: FrameType | None, cell_filename: str | None) -> tuple[str, 
     return other_cell or first or ("?", 0)
 
 
-def device_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def device_arg(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     """The device a `.to(...)` call asks for: its `device=` keyword or its first argument (None if
     neither)."""
     device = kwargs.get("device")
@@ -76,13 +77,13 @@ def cuda_index(device: Any) -> int | None:
     return None
 
 
-def target_is_cuda(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def target_is_cuda(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     """Whether `Tensor.to(*args, **kwargs)` moves to a CUDA device: a device string, a
     torch.device, a device index, or another tensor that lives on CUDA."""
     return cuda_index(device_arg(args, kwargs)) is not None
 
 
-def target_is_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def target_is_cpu(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     """Whether `Tensor.to(*args, **kwargs)` names the CPU (`.to("cpu")`, `torch.device("cpu")`)."""
     device = device_arg(args, kwargs)
     kind = type(device)
@@ -93,7 +94,7 @@ def target_is_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return getattr(device, "type", None) == "cpu"
 
 
-def non_blocking_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def non_blocking_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     """`non_blocking` of a `.to(...)` or `.cuda(...)` call: the keyword, else the first
     positional bool (`.to(device, dtype, non_blocking, copy)`, `.cuda(device, non_blocking)`)."""
     if "non_blocking" in kwargs:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,7 +165,7 @@ class GraphWatch:
         }
 
 
-def graph_note(graphs: dict[str, Any] | None) -> str | None:
+def graph_note(graphs: Mapping[str, Any] | None) -> str | None:
     """The report's sentence on the cell's CUDA graphs, or None."""
     if not graphs:
         return None

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -50,8 +50,51 @@ from ..steps.step_tally import StepTally
 from . import hidden_waits
 from .cuda_graphs import capturing
 from .cuda_state import cuda_initialized, torch_cuda
-from .h2d import COPY_COLUMNS, CopyWatch, EventPool, copies_timed
-from .syncs import EMPTY_CACHE, SYNC_COLUMNS, SyncWatch, sync_warnings_counted, syncs_timed
+from .h2d import COPY_COLUMNS, CopiesResult, CopyWatch, EventPool, copies_timed
+from .syncs import (
+    EMPTY_CACHE,
+    SYNC_COLUMNS,
+    SyncsResult,
+    SyncWatch,
+    sync_warnings_counted,
+    syncs_timed,
+)
+
+
+class HostLine(TypedDict):
+    """The body line that takes the host most time per step (from line_costs' statements)."""
+
+    line: Any
+    text: Any
+    ms_per_step: Any
+    share: Any
+    gpu_ms_per_step: Any
+
+
+class SyncTop(TypedDict):
+    """The line whose syncs cost the host most (the first of `SyncsResult`'s sites)."""
+
+    line: int
+    in_cell: bool
+    call: str | None
+    calls_per_step: float
+    every_step: bool
+    wait_ms_per_step: float | None
+    share: float | None
+
+
+class WatchSummary(TypedDict, total=False):
+    """The few facts of the copy and sync watches that the verdict quotes (the run's
+    `watch_summary`)."""
+
+    h2d_lines: list[int]
+    h2d_pageable_non_blocking: list[int]
+    h2d_side_stream_waited: list[int]
+    sync_top: SyncTop | None
+    syncs_all_seen: bool
+    syncs_hidden: list[str]
+    host_top_line: HostLine | None
+
 
 BACKLOG_EVERY = 4  # a backlog probe every 4th step: one event record, read when done
 OWN_COLUMN = "own_host_ms"  # traceml's own host time inside each step on the GPU path
@@ -439,17 +482,17 @@ class GpuWatch:
         )
         for name in dropped:
             run.extra_columns.pop(name, None)
-        run.h2d = copies.result(n) if copies is not None and copies.off is None else None
+        h2d = copies.result(n) if copies is not None and copies.off is None else None
+        stalls: SyncsResult | None = None
         if syncs is not None and syncs.off is None:
-            run.sync_stalls = syncs.result(n, total, run.cell_source)
-            run.sync_stalls["counted_implicit"] = self.counting_sync_warnings
-            run.sync_stalls["all_counted"] = syncs.all_counted
-            run.sync_stalls["hidden"] = self.hidden_reasons(syncs)
-            run.sync_stalls["warning_us"] = syncs.warning_ns / 1e3 if self.counting_sync_warnings else None
+            stalls = syncs.result(n, total, run.cell_source)
+            stalls["counted_implicit"] = self.counting_sync_warnings
+            stalls["all_counted"] = syncs.all_counted
+            stalls["hidden"] = self.hidden_reasons(syncs)
+            stalls["warning_us"] = syncs.warning_ns / 1e3 if self.counting_sync_warnings else None
             notes.extend(syncs.notes)
-        else:
-            run.sync_stalls = None
-        summary = watch_summary(run.h2d, run.sync_stalls)
+        run.h2d, run.sync_stalls = h2d, stalls
+        summary = watch_summary(h2d, stalls)
         summary["host_top_line"] = costliest_host_line(getattr(run, "line_costs", None))
         run.watch_summary.update(summary)
         run.notes.extend(notes)
@@ -462,21 +505,27 @@ class GpuWatch:
         return self.hidden + hidden_waits.at_loop_end(self._frees_before, after, emptied)
 
 
-def costliest_host_line(costs: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def costliest_host_line(costs: Mapping[str, Any] | None) -> HostLine | None:
     """The body line that takes the host most time per step (line_costs), for HOST-BOUND's why:
     often a fetch or Python work in the body, not the kernels' launches."""
     rows = [r for r in (costs or {}).get("statements") or [] if r.get("ms_per_step") is not None]
     if not rows:
         return None
     top = max(rows, key=lambda r: float(r["ms_per_step"]))
-    return {k: top.get(k) for k in ("line", "text", "ms_per_step", "share", "gpu_ms_per_step")}
+    return HostLine(
+        line=top.get("line"),
+        text=top.get("text"),
+        ms_per_step=top.get("ms_per_step"),
+        share=top.get("share"),
+        gpu_ms_per_step=top.get("gpu_ms_per_step"),
+    )
 
 
-def watch_summary(h2d: dict[str, Any] | None, syncs: dict[str, Any] | None) -> dict[str, Any]:
+def watch_summary(h2d: CopiesResult | None, syncs: SyncsResult | None) -> WatchSummary:
     """The few facts of the copy and sync watches that the verdict quotes: the cell lines that
     copy to the GPU, the line whose syncs cost the host most, and whether every synchronising
     call was seen (else the host's issue time is not known)."""
-    out: dict[str, Any] = {"h2d_lines": [], "sync_top": None, "syncs_all_seen": False}
+    out: WatchSummary = {"h2d_lines": [], "sync_top": None, "syncs_all_seen": False}
     if h2d:
         out["h2d_lines"] = sorted({s["line"] for s in h2d["sites"] if s["in_cell"]})
         out["h2d_pageable_non_blocking"] = sorted(
@@ -495,12 +544,17 @@ def watch_summary(h2d: dict[str, Any] | None, syncs: dict[str, Any] | None) -> d
         out["syncs_all_seen"] = bool(
             syncs.get("counted_implicit") and syncs.get("all_counted", True) and not out["syncs_hidden"]
         )
-        if syncs["sites"]:
+        if syncs.get("sites"):
             top = syncs["sites"][0]
-            out["sync_top"] = {
-                k: top[k]
-                for k in ("line", "in_cell", "call", "calls_per_step", "every_step", "wait_ms_per_step", "share")
-            }
+            out["sync_top"] = SyncTop(
+                line=top["line"],
+                in_cell=top["in_cell"],
+                call=top["call"],
+                calls_per_step=top["calls_per_step"],
+                every_step=top["every_step"],
+                wait_ms_per_step=top["wait_ms_per_step"],
+                share=top["share"],
+            )
     return out
 
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from time import perf_counter_ns
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 from ...failures import failure_text
 from ..instrument.patches import patched
@@ -44,6 +44,36 @@ from .cuda_graphs import capturing
 COPY_COLUMNS = ("h2d_ms", "h2d_bytes", "h2d_pinned_bytes", "h2d_async_bytes")
 
 T = TypeVar("T")
+
+
+class CopySiteRow(TypedDict):
+    """A cell line that copies to the GPU, per watched step (`CopyWatch.result`'s `sites`)."""
+
+    filename: str
+    line: int
+    in_cell: bool
+    copies: int
+    timed: int
+    copies_per_step: float
+    bytes_per_step: float
+    ms_per_step: float | None  # None: none of its copies was timed
+    gb_per_s: float | None
+    pinned: int
+    non_blocking: int
+    pageable_non_blocking: int
+    side_stream: int
+    waited: int
+    waited_ms_per_step: float
+
+
+class CopiesResult(TypedDict):
+    """What the report and the checklist read of the copies (the run's `h2d`)."""
+
+    copies: int
+    bytes: int
+    ms: float
+    steps: int
+    sites: list[CopySiteRow]
 
 
 class EventPool:
@@ -315,7 +345,7 @@ class CopyWatch:
         for tally in self.tallies.values():
             tally.watch_from(step)
 
-    def result(self, n_steps: int) -> dict[str, Any]:
+    def result(self, n_steps: int) -> CopiesResult:
         """What the report and the checklist read: totals and the copying lines, costliest first.
         Per step means per watched step (the watch starts once the loop is seen on the GPU)."""
         per = max(1, n_steps - (self.tallies["h2d_bytes"].first_step or 0))
@@ -482,7 +512,7 @@ def _copy_hooks(
 
 def _stream_wait_hooks(
     watch: CopyWatch, stream_type: Any, event_type: Any
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Callable[..., Any]], dict[str, Callable[..., Any]]]:
     """copies_timed's patches of `stream_type.wait_stream` and of `event_type.record`/`wait`:
     they tell the watch when the loop's stream waits for a side stream's copies."""
     get_ident = threading.get_ident
@@ -526,6 +556,6 @@ def _stream_wait_hooks(
     watched_wait_stream.__doc__ = getattr(wait_stream, "__doc__", None)
     watched_record.__doc__ = getattr(record, "__doc__", None)
     watched_wait.__doc__ = getattr(event_wait, "__doc__", None)
-    waits = {"wait_stream": watched_wait_stream} if callable(wait_stream) else {}
-    events = {"record": watched_record, "wait": watched_wait} if callable(record) and callable(event_wait) else {}
+    waits: dict[str, Callable[..., Any]] = {"wait_stream": watched_wait_stream} if callable(wait_stream) else {}
+    events: dict[str, Callable[..., Any]] = {"record": watched_record, "wait": watched_wait} if callable(record) and callable(event_wait) else {}
     return waits, events
