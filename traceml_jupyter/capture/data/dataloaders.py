@@ -9,7 +9,7 @@ import copy
 import os
 import sys
 import sysconfig
-from typing import Any
+from typing import Any, TypedDict
 
 from ...failures import never_raise, read_or
 from .probes import attribute, plain_count, safe_len, type_name
@@ -81,11 +81,20 @@ def _copy_without_iterator(loader: Any) -> Any:
 PYTHON_OBJECTS_MIN = 10_000  # a container this long makes copy-on-read growth worth naming
 
 
-def python_objects(dataset: Any, prefix: str = "", depth: int = 1) -> list[dict[str, Any]]:
+class PythonObjects(TypedDict):
+    """A dataset attribute that holds many Python objects (`python_objects`)."""
+
+    attribute: str  # "records", or "dataset.records" inside a Subset
+    kind: str  # list, tuple, dict or set
+    length: int
+    items: str  # the type of its first item
+
+
+def python_objects(dataset: Any, prefix: str = "", depth: int = 1) -> list[PythonObjects]:
     """The dataset's attributes that hold a list, tuple, dict or set of many Python objects
     (workers that read them copy the pages they sit on: copy-on-read), longest first; also
     those of a dataset it wraps (`Subset.dataset`). Every read is guarded."""
-    found: list[dict[str, Any]] = []
+    found: list[PythonObjects] = []
     try:
         attrs = vars(dataset)
     except TypeError:
@@ -101,10 +110,10 @@ def python_objects(dataset: Any, prefix: str = "", depth: int = 1) -> list[dict[
             first = read_or(NOTHING, _first_item, value, kind is dict)
             if first is NOTHING:
                 continue
-            found.append({"attribute": prefix + name, "kind": kind.__name__, "length": n, "items": type_name(first)})
+            found.append(PythonObjects(attribute=prefix + name, kind=kind.__name__, length=n, items=type_name(first)))
         elif depth > 0 and name == "dataset":
             found += python_objects(value, f"{prefix}{name}.", depth - 1)
-    return sorted(found, key=lambda row: -int(row["length"]))
+    return sorted(found, key=lambda row: -row["length"])
 
 
 NOTHING = object()  # a container whose first item cannot be read

@@ -12,7 +12,7 @@ import inspect
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from ...failures import read_or
 from ..steps.step_model import LEVEL_NAMES, Source
@@ -182,7 +182,16 @@ def expression_type(node: ast.expr | None, namespace: Mapping[str, Any] | None) 
     return object_type(read_or(None, resolve_name, node, namespace or {}))
 
 
-def describe_feeder(run: Any, src: Source, namespace: Mapping[str, Any] | None) -> dict[str, Any]:
+class Feeder(TypedDict):
+    """What fed a source, as the report names it (`describe_feeder`)."""
+
+    expression: str | None  # `slow()`, as written
+    line: int | None
+    type: str | None  # object_type's word: "generator", "list", ...
+    label: str | None  # "`slow()` on line 3"
+
+
+def describe_feeder(run: Any, src: Source, namespace: Mapping[str, Any] | None) -> Feeder:
     """A source that is no DataLoader by its expression and line (`slow()` on line 3) and what it
     is (a generator...): {"expression", "line", "type", "label"}; for a DataLoader, its type."""
     if src.kind == "dataloader":
@@ -206,10 +215,10 @@ def describe_feeder(run: Any, src: Source, namespace: Mapping[str, Any] | None) 
     return {"expression": expression, "line": line, "type": kind, "label": label}
 
 
-def _label(src: Source, name: str | None, feeder: Mapping[str, Any] | None = None) -> str:
+def _label(src: Source, name: str | None, feeder: Feeder | None = None) -> str:
     if src.kind == "dataloader":
         return f"`{name}`" if name else "a DataLoader"
-    return str((feeder or {}).get("label") or src.label)
+    return str((feeder["label"] if feeder else None) or src.label)
 
 
 def describe_run_sources(run: Any, capture: Any) -> SourceFacts:

@@ -30,7 +30,7 @@ import ast
 import copy
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
@@ -411,7 +411,7 @@ def line_costs(
     }
 
 
-def heat(costs: dict[str, Any]) -> dict[int, float]:
+def heat(costs: Mapping[str, Any]) -> dict[int, float]:
     """Bar length (0..1) per line for the report: each statement's ms per step over the
     costliest one's; the loop line's bar is its fetch time (data wait) on the same scale."""
     values = {int(r["line"]): float(r["ms_per_step"] or 0.0) for r in costs["statements"]}

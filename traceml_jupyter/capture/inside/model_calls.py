@@ -181,7 +181,7 @@ def _named_children(module: Any) -> list[tuple[str, Any]]:
     return list(module.named_children())
 
 
-def describe(module: Any, namespace: dict[str, Any] | None) -> str:
+def describe(module: Any, namespace: Mapping[str, Any] | None) -> str:
     """"model (Net)": the name it has in the notebook, if any, and its class."""
     cls = type(module).__name__
     for name, value in list((namespace or {}).items()):
@@ -328,7 +328,7 @@ class ModuleCalls:
         self.remove()
         self._classes.clear()
 
-    def found_labels(self, called: set[int], namespace: dict[str, Any] | None) -> list[str]:
+    def found_labels(self, called: set[int], namespace: Mapping[str, Any] | None) -> list[str]:
         """The roots called, as the summary names them: "model (Net)" when the notebook holds
         them under a name, else their label (the class, or "Net.encoder (Encoder)" for a root's child)."""
         out = []

@@ -44,19 +44,18 @@ import random
 import re
 import sys
 import weakref
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from threading import get_ident
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
 from ...failures import failure_text, never_raise, read_or
 from ..data.probes import attribute, type_name, user_namespace
-from ..gpu.cuda_graphs import capturing
 from ..steps.step_model import ITERATION, MERGE_MAX, NEVER, StepModel
 from ..steps.step_model import OPTIMIZER as OPTIMIZER_LEVEL
+from .cuda_parts import CudaParts
 from .line_costs import FULL_STEPS, LINE_EVERY
 from .model_calls import (
     FOUND,
@@ -87,83 +86,41 @@ MAX_SEARCH = 8  # training steps the roots may take to show before the forward i
 SEED = 0x7ACE
 
 
-def _optimizer_facts(optimizer: Any) -> dict[str, Any]:
+class OptimizerFacts(TypedDict, total=False):
+    """What the optimizer advice reads of an optimizer that stepped: what could be read of it."""
+
+    name: str  # its class
+    foreach: bool | None  # its defaults' foreach / fused (None: torch's default)
+    fused: bool | None
+    param_groups: int
+    tensors: int
+    label: str  # "opt (AdamW)": its name in the notebook, if any, and its class
+
+
+class PartsFacts(TypedDict):
+    """What the summary quotes of the parts of the step (`StepParts.facts`)."""
+
+    parts_sampled_steps: int
+    forward_state: str | None  # SEARCHING, FOUND, NOT_FOUND (model_calls.py); None: no step sampled
+    forward_modules: list[str]
+    optimizers: list[OptimizerFacts]
+    parts_sampling: str
+
+
+def _optimizer_facts(optimizer: Any) -> OptimizerFacts:
     """What the optimizer advice reads: its class, foreach/fused, parameter groups, tensors."""
-    facts: dict[str, Any] = {"name": type_name(optimizer)}
+    facts: OptimizerFacts = {"name": type_name(optimizer)}
     read_or(None, _read_optimizer, optimizer, facts)  # the user's optimizer: what could be read is kept
     return facts
 
 
-def _read_optimizer(optimizer: Any, facts: dict[str, Any]) -> None:
+def _read_optimizer(optimizer: Any, facts: OptimizerFacts) -> None:
     defaults = dict(getattr(optimizer, "defaults", {}) or {})
     facts["foreach"] = defaults.get("foreach")
     facts["fused"] = defaults.get("fused")
     groups = list(optimizer.param_groups)
     facts["param_groups"] = len(groups)
     facts["tensors"] = sum(len(g.get("params", ())) for g in groups)
-
-
-class CudaParts:
-    """CUDA events at the part boundaries of sampled steps, on the loop's stream; each stamp's
-    own GPU time (its span less its nested stamps' spans) once its events have completed.
-    Nothing of it touches CUDA while a CUDA graph capture is under way (cuda_graphs.py): a part
-    that runs during one has no GPU time (nor has the part around it)."""
-
-    def __init__(self, cuda: Any, own: dict[int, float]) -> None:
-        self.cuda = cuda
-        self._free: list[Any] = []
-        self._open: list[tuple[Any, list[int]]] = []  # per open part: its start event, nested stamps
-        self.pending: deque[tuple[int, Any, Any, list[int]]] = deque()  # stamp, start, end, nested
-        self.spans: dict[int, float] = {}  # stamp -> its GPU span (ms), until its parent is read
-        self.own = own  # stamp -> own GPU ms, once read (the store's)
-
-    def _event(self) -> Any:
-        cuda = self.cuda
-        ev = self._free.pop() if self._free else cuda.marks.new_event()
-        cuda.marks.record(ev, cuda.step_stream())
-        return ev
-
-    def enter(self) -> None:
-        """A part begins: its start event (none during a CUDA graph capture)."""
-        self._open.append((None if capturing(True) else self._event(), []))
-
-    def exit(self, stamp: int) -> None:
-        """The part opened last ends as `stamp`: its end event (poll() reads it once both completed)."""
-        start, nested = self._open.pop()
-        if start is not None and not capturing(True):
-            self.pending.append((stamp, start, self._event(), nested))
-        if self._open:
-            self._open[-1][1].append(stamp)
-
-    def reset(self) -> None:
-        """A sampled step opens: no part is open."""
-        self._open.clear()
-
-    def poll(self) -> None:
-        """Read every stamp whose events completed, in order (nested stamps come first)."""
-        pending = self.pending
-        if not pending or capturing():
-            return
-        while pending:
-            stamp, start, end, nested = pending[0]
-            if not (start.query() and end.query()):
-                return
-            pending.popleft()
-            span = float(start.elapsed_time(end))
-            self.spans[stamp] = span
-            # a nested part without GPU time (run during a graph capture): this one's is unknown
-            self.own[stamp] = span - sum(self.spans.pop(n, float("nan")) for n in nested)
-            self._free += (start, end)
-
-    def close(self) -> None:
-        """The last events are done once the step clock's last event is (it waited for it)."""
-        if self.pending and not capturing(True):
-            end = self.pending[-1][2]
-            if hasattr(end, "synchronize"):
-                end.synchronize()
-        self.poll()
-        self.pending.clear()
-        self._free.clear()
 
 
 class StepParts:
@@ -197,13 +154,13 @@ class StepParts:
         self._flags = 0  # validity of the open sampled step
         # optimizers: id -> (weak ref, its pre hooks dict, our key there, our pre hook, index)
         self._optimizers: dict[int, tuple[Any, Any, int, Any, int]] = {}
-        self.optimizer_facts: list[dict[str, Any]] = []
+        self.optimizer_facts: list[OptimizerFacts] = []
         self._optimizer_refs: list[Any] = []
         self._stepped: set[int] = set()  # indices of the optimizers seen stepping
         self._gpu: CudaParts | None = None
         self._gpu_parts: CudaParts | None = None
         self._gpu_broken = False  # an error in our GPU bookkeeping: no GPU parts for the run
-        self._namespace_seen: dict[str, Any] | None = None  # what begin() looked at: the walk skips it
+        self._namespace_seen: Mapping[str, Any] | None = None  # what begin() looked at: the walk skips it
 
     # -- the schedule ---------------------------------------------------------------------------
     def begin(self) -> None:
@@ -554,15 +511,15 @@ class StepParts:
             self._on_gpu(self._gpu_parts.poll)
         return self.store.columns(cols)
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> PartsFacts:
         """What the summary quotes: the forward's state and modules, the optimizers, sampling."""
         namespace = user_namespace()
-        optimizers = []
+        optimizers: list[OptimizerFacts] = []
         for i, (facts, ref) in enumerate(zip(self.optimizer_facts, self._optimizer_refs, strict=True)):
             if i not in self._stepped:
                 continue  # in the namespace, but it did not step in this run
             opt = ref()
-            optimizers.append({**facts, "label": describe(opt, namespace) if opt is not None else facts["name"]})
+            optimizers.append({**facts, "label": describe(opt, namespace) if opt is not None else facts.get("name", "")})
         return {
             "parts_sampled_steps": self.sampled,
             "forward_state": self.calls.state if self.sampled else None,
