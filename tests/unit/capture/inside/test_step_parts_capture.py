@@ -193,7 +193,10 @@ def test_a_failure_in_our_bookkeeping_stops_at_the_parts_edge_and_the_training_i
         got = trained_losses(6)
     assert got == expected
     assert run.n_steps == 6
-    assert any("parts of the step were turned off" in n and "our bookkeeping broke" in n for n in run.notes)
+    # Off with a note: by the parts' own edge, or (an optimizer already in the notebook's
+    # namespace is hooked as the capture starts) by the capture's guard around that start.
+    edges = ("parts of the step were turned off", "traceml failed timing the parts of the step")
+    assert any("our bookkeeping broke" in n and any(e in n for e in edges) for n in run.notes)
     assert "__call__" not in nn.Linear.__dict__
 
 
