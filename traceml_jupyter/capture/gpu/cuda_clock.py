@@ -5,10 +5,9 @@ Which device the loop uses is decided from what the loop did (allocations made d
 steps), never by asking CUDA anything that would initialise it: a CPU loop in a kernel where a
 tensor from an earlier cell sits on the GPU stays on the CPU clock.
 
-The allocator's counters and the current device are host-side reads that torch answers once CUDA
-is initialised (asked only then); a stream's `query()` returns CUDA's own error (a sticky one
-after an illegal memory access), so `busy_devices` is the one guarded read here. The clock's
-own errors raise to the capture's per-step edge, which turns the GPU clock off.
+CUDA's state (the allocator's counters, the current device, a stream's queue) is asked only once
+CUDA is initialised, through `cuda_state.cuda_or`: CUDA's own (sticky) error gives the fallback.
+The clock's own errors raise to the capture's per-step edge, which turns the GPU clock off.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..steps.recorder import Recorder
-from .cuda_state import cuda_initialized
+from .cuda_state import cuda_initialized, cuda_or
 
 
 def allocation_counts() -> dict[int, int]:
@@ -28,7 +27,10 @@ def allocation_counts() -> dict[int, int]:
     allocator); {} while CUDA is not initialised."""
     if not cuda_initialized():
         return {}
-    cuda = sys.modules["torch"].cuda
+    return cuda_or({}, _allocation_counts, sys.modules["torch"].cuda)
+
+
+def _allocation_counts(cuda: Any) -> dict[int, int]:
     return {d: int(cuda.memory_stats(d).get("allocation.all.allocated", 0)) for d in range(int(cuda.device_count()))}
 
 
@@ -43,7 +45,8 @@ def current_device() -> int | None:
     """torch's current CUDA device, only when CUDA is already initialised."""
     if not cuda_initialized():
         return None
-    return int(sys.modules["torch"].cuda.current_device())
+    device = cuda_or(None, sys.modules["torch"].cuda.current_device)
+    return None if device is None else int(device)
 
 
 def busy_devices(devices: Iterable[int]) -> set[int]:
@@ -54,12 +57,13 @@ def busy_devices(devices: Iterable[int]) -> set[int]:
     if torch is None or not cuda_initialized():
         return busy
     for d in devices:
-        try:
-            if not torch.cuda.current_stream(d).query():
-                busy.add(d)
-        except Exception:  # CUDA's error (a sticky one): that device's work is not known
-            continue
+        if not cuda_or(True, _queue_empty, torch.cuda, d):  # CUDA's error: that device's work unknown
+            busy.add(d)
     return busy
+
+
+def _queue_empty(cuda: Any, device: int) -> bool:
+    return bool(cuda.current_stream(device).query())
 
 
 @dataclass

@@ -30,7 +30,7 @@ from typing import Any
 
 from ...failures import failure_text
 from ..instrument.patches import patched
-from .cuda_state import cuda_initialized
+from .cuda_state import cuda_initialized, cuda_or
 
 
 @dataclass
@@ -70,10 +70,7 @@ def stream_capturing() -> bool:
     cuda = getattr(sys.modules.get("torch"), "cuda", None)
     if cuda is None or not cuda_initialized(cuda):
         return False
-    try:
-        return bool(cuda.is_current_stream_capturing())
-    except Exception:  # CUDA's own error (a sticky one): no capture of ours to protect
-        return False
+    return bool(cuda_or(False, cuda.is_current_stream_capturing))  # CUDA's own error: no capture to protect
 
 
 def capturing(ask_cuda: bool = False) -> bool:

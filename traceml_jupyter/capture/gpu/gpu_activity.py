@@ -15,7 +15,7 @@ deciding steps only:
   there that the host then waited for.
 
 Nothing here initialises CUDA, and nothing touches it while a graph capture is under way.
-The allocator's figures are host-side reads, asked only once CUDA is initialised; `look` is the
+The allocator's figures are asked only once CUDA is initialised (`cuda_state.cuda_or`); `look` is the
 edge of the waits probed in the user's code (a failure there counts nothing, raises nothing);
 the probes' patches are undone in `finally` when setting one fails, and the error goes to the
 capture, which notes it.
@@ -31,7 +31,7 @@ from typing import Any
 
 from ..instrument.patches import patched
 from .cuda_graphs import capturing
-from .cuda_state import cuda_initialized, torch_cuda
+from .cuda_state import cuda_initialized, cuda_or, torch_cuda
 
 BYTES_KEYS = ("allocated_bytes.all.current", "allocated_bytes.all.peak")
 
@@ -48,6 +48,10 @@ def memory_stats() -> dict[int, dict[str, int]]:
     cuda = cuda_module()
     if cuda is None:
         return {}
+    return cuda_or({}, _memory_stats, cuda)
+
+
+def _memory_stats(cuda: Any) -> dict[int, dict[str, int]]:
     return {d: dict(cuda.memory_stats(d)) for d in range(int(cuda.device_count()))}
 
 

@@ -26,10 +26,10 @@ How the pieces are measured:
 
 Edges (the one guard of each; the code under them raises): `loop_started` (nothing stays
 patched; the backlog alone is off when only tying the clocks failed), `step_ended` (the backlog
-turns itself off), `close` at the cell's end (the final wait and reads, and the report of what
+turns itself off), `merged` (the step model's merges), `close` at the cell's end (the final wait and reads, and the report of what
 was measured, each noted apart); each copy and sync hook has its own (h2d.py `CopyWatch.guarded`,
-syncs.py `SyncWatch.synced`). Torch's CUDA is asked only once it is initialised, for what it
-answers host-side (the current device, the allocator's counters).
+syncs.py `SyncWatch.synced`). Torch's CUDA is asked only once it is initialised; a query of
+its state that CUDA answers with its own error gives a fallback (`cuda_state.cuda_or`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from ...failures import failure_text, never_raise
 from ..steps.step_tally import StepTally
 from . import hidden_waits
 from .cuda_graphs import capturing
-from .cuda_state import cuda_initialized, torch_cuda
+from .cuda_state import cuda_initialized, cuda_or, torch_cuda
 from .h2d import COPY_COLUMNS, CopiesResult, CopyWatch, EventPool, copies_timed
 from .syncs import (
     EMPTY_CACHE,
@@ -132,7 +132,11 @@ def cuda_api(
     None); None while CUDA is not initialised."""
     if not cuda_initialized(cuda):
         return None
-    index = int(cuda.current_device()) if device is None else int(device)
+    if device is None:
+        device = cuda_or(None, cuda.current_device)  # CUDA's own error: nothing to watch
+        if device is None:
+            return None
+    index = int(device)
 
     def event() -> Any:
         return cuda.Event(enable_timing=True)
@@ -320,16 +324,17 @@ class GpuWatch:
 
     def merged(self, n: int) -> None:
         """The capture merged its last `n` closed steps into the open one (now step
-        `recorder.n_steps`): what the watch summed for them moves there. Our own tallies only,
-        as the GPU clock's `merged` (cuda_clock.py): no CUDA call, nothing of the user's."""
-        first = int(self.run.recorder.n_steps)
-        for part in (self.copies, self.syncs):
-            if part is not None:
-                for tally in part.tallies.values():
-                    tally.merge_from(first)
-        self.own_tally.merge_from(first)
-        self.backlog_raw.merge_from(first)
-        self.backlog_at.merge_from(first)
+        `recorder.n_steps`): what the watch summed for them moves there. Never raises: the
+        edge of the step model's merge into the watch (nothing above it guards)."""
+        with never_raise(self.notes, "Copies and syncs of merged steps misplaced"):
+            first = int(self.run.recorder.n_steps)
+            for part in (self.copies, self.syncs):
+                if part is not None:
+                    for tally in part.tallies.values():
+                        tally.merge_from(first)
+            self.own_tally.merge_from(first)
+            self.backlog_raw.merge_from(first)
+            self.backlog_at.merge_from(first)
 
     # -- backlog ---------------------------------------------------------------------------
     def _tie_clocks(self) -> None:
