@@ -460,6 +460,16 @@ HAND_WRITTEN_EXCEPTS = {
     "capture/data/probes.py": 6,  # guarded reads of the user's objects (the module's job)
     "capture/data/sources.py": 4,  # guarded reads of the user's objects
     "capture/gpu/syncs.py": 2,  # per sync: the watch turns itself off; a fallback
+    "capture/gpu/cuda_state.py": 1,  # cuda_or: the one guard for a query of CUDA's state (its own sticky error)
+    "capture/gpu/cuda_graphs.py": 1,  # per replay: the edge of the replay's bookkeeping
+    "capture/gpu/gpu_activity.py": 1,  # per probed wait (look): the edge
+    "capture/resources/gpu_memory.py": 11,  # guarded reads of the user's namespace and of torch; per step
+    "capture/gpu/gpu_watch.py": 2,  # edges: loop_started (nothing stays patched), per step (backlog)
+    "capture/gpu/h2d.py": 1,  # CopyWatch.guarded, every copy and wait hook's edge: the watch turns itself off
+    "capture/resources/host.py": 2,  # fallbacks (None)
+    "capture/inside/line_costs.py": 1,  # `_gpu`, the GPU clock per line's edge: it turns itself off
+    "capture/resources/nvml.py": 9,  # fallbacks; NVML's failure kept as the sampler's note and detail
+    "capture/gpu/syncs.py": 1,  # SyncWatch.synced, every sync hook's edge: the watch turns itself off
     "cli.py": 2,  # the error in the command line's own words on stderr
     "demo.py": 1,  # a fallback (no device count)
     "history.py": 1,  # the error in the user's words on stderr
@@ -480,16 +490,12 @@ HAND_WRITTEN_EXCEPTS = {
     "views/live.py": 1,  # no bqplot (ImportError) is silent, another failure a note: two outcomes
     "views/live_svg.py": 1,  # a fallback (None: no parts in the window), on each refresh
     "views/loop_passes.py": 1,  # a guarded read of the user's value (None)
-    # Fallbacks (None, False, []); a class that cannot be patched is skipped; the patches are
-    # set and taken off at each sampled step (install/remove); the scan of a session's values
-    # at once (one by one when a value's isinstance raises: a per-value guard costs 0.2 µs).
-    "capture/inside/model_calls.py": 9,
     # Per step: the GPU clock's events and the GPU watch (the clock turns itself off); the GPU
     # clock off at its start and end too; the probe stops; no patch without torch's hooks.
     "capture/session.py": 10,
-    # Per sampled step (timing a part, the sampler, the optimizer's hooks, merges): the parts or
-    # their GPU time turn themselves off; fallbacks (no torch.optim, `on` off); GPU parts off.
-    "capture/inside/step_parts.py": 12,
+    # The edges of the parts of a step: the sampler, a merge, a timed part's end, the
+    # optimizer's pre and post hooks (the parts turn themselves off); `_on_gpu` (GPU time off).
+    "capture/inside/step_parts.py": 6,
     "capture/step_hooks.py": 3,  # per fetch: the GPU clock turns itself off; a fallback (True)
     "capture/stamping.py": 1,  # the stamps' replay (per-step path): stamping off for the run
 }

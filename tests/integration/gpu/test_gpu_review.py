@@ -165,6 +165,76 @@ def test_an_error_of_ours_turns_the_copy_watch_off_and_the_users_copy_still_runs
     assert any("Copies to the GPU were not timed after an error: RuntimeError: CUDA driver hiccup" in n for n in run.notes)
 
 
+BODY = "y = x.to('cuda')\nout.append(float(y.work(1.0).item()))"
+
+
+def watched_outputs(fake_clock: HostClock, broken: dict[str, Any] | None = None) -> tuple[list[Any], Run]:
+    """The user's loop on the stand-in GPU, with the watch's `broken` functions raising: what the
+    loop computed, and the run."""
+    gpu = machine(fake_clock)
+    bench = Bench(gpu, BODY, names={"x": FakeTensor(1000), "out": []})
+    methods = {name: FakeTensor.__dict__.get(name) for name in ("to", "item")}
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("our bug")
+
+    with pytest.MonkeyPatch.context() as mp:
+        for owner, name in (broken or {}).items():
+            mp.setattr(owner, name, fail)
+        run = bench.start().steps(4).close()
+    assert {name: FakeTensor.__dict__.get(name) for name in methods} == methods  # nothing stays patched
+    return bench.names["out"], run
+
+
+def test_a_failure_inside_loop_started_stops_at_its_edge_and_nothing_stays_patched(fake_clock: HostClock) -> None:
+    """An inner step of `loop_started` fails (counting the sync warnings): the watch is off with
+    a note, `Tensor.to` is torch's again, and the loop computes what it computes without it."""
+    from traceml_jupyter.capture.gpu import gpu_watch
+
+    expected, _ = watched_outputs(fake_clock)
+    got, run = watched_outputs(fake_clock, {gpu_watch: "sync_warnings_counted"})
+    assert got == expected
+    assert any("Copies and syncs were not watched: RuntimeError: our bug" in n for n in run.notes)
+    assert run.h2d is None and run.sync_stalls is None
+
+
+def test_a_failure_tying_the_clocks_leaves_copies_and_syncs_watched_without_the_backlog(fake_clock: HostClock) -> None:
+    expected, _ = watched_outputs(fake_clock)
+    got, run = watched_outputs(fake_clock, {GpuWatch: "_tie_clocks"})
+    assert got == expected
+    assert run.h2d is not None and run.h2d["copies"] == 4 and run.sync_stalls is not None
+    assert "gpu_backlog_ms" not in run.steps
+    assert any("GPU backlog was not measured after an error: RuntimeError: our bug" in n for n in run.notes)
+
+
+def test_a_failure_reporting_at_the_cells_end_stops_at_close(fake_clock: HostClock) -> None:
+    """The summary of what was watched fails as the cell ends: close() notes it and raises
+    nothing; every CUDA event is dropped."""
+    from traceml_jupyter.capture.gpu import gpu_watch
+
+    expected, _ = watched_outputs(fake_clock)
+    got, run = watched_outputs(fake_clock, {gpu_watch: "watch_summary"})
+    assert got == expected
+    assert any("The GPU watch failed at the cell's end: RuntimeError: our bug" in n for n in run.notes)
+    assert run.gpu_watch is not None and run.gpu_watch.api is None
+
+
+@pytest.mark.parametrize("inner", ["copied", "_add"])
+def test_a_failure_inside_a_copy_or_sync_hook_stops_at_the_hooks_edge(fake_clock: HostClock, inner: str) -> None:
+    """`CopyWatch.copied` (under `CopyWatch.guarded`) or `SyncWatch._add` (under `synced`) fails:
+    that watch turns itself off with a note; every copy and `.item()` of the loop ran and
+    returned what it returns without the watch."""
+    from traceml_jupyter.capture.gpu.h2d import CopyWatch
+    from traceml_jupyter.capture.gpu.syncs import SyncWatch
+
+    owner = CopyWatch if inner == "copied" else SyncWatch
+    expected, _ = watched_outputs(fake_clock)
+    got, run = watched_outputs(fake_clock, {owner: inner})
+    assert got == expected and len(got) == 4
+    off = "Copies to the GPU were not timed" if inner == "copied" else "Synchronising calls were not watched"
+    assert any(f"{off} after an error: RuntimeError: our bug" in n for n in run.notes)
+
+
 # -- elapsed_time only on completed events; no error of ours replaces the user's -----------
 
 

@@ -1,5 +1,7 @@
 """Reading torch DataLoaders: the settings the checklist reads, as plain values, and the loader
-behind a wrapper. Every read is guarded (probes.py): a loader that lies or raises gives None."""
+behind a wrapper. Every read of the user's objects goes through `failures.read_or` (probes.py): a
+loader that lies or raises gives None. The one edge here is `note_site`, run from the patched
+`DataLoader.__init__` in the user's code: it never raises."""
 
 from __future__ import annotations
 
@@ -7,9 +9,9 @@ import copy
 import os
 import sys
 import sysconfig
-from typing import Any
+from typing import Any, TypedDict
 
-from ...failures import never_raise
+from ...failures import never_raise, read_or
 from .probes import attribute, plain_count, safe_len, type_name
 
 SITES_KEPT = 256  # DataLoaders whose construction line is remembered (the newest)
@@ -17,14 +19,9 @@ PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tra
 
 
 def _dataloader_class() -> Any:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    try:
-        from torch.utils.data import DataLoader
-    except Exception:
-        return None
-    return DataLoader
+    # torch imports torch.utils.data itself: never import it here (not while torch is half
+    # imported either)
+    return getattr(sys.modules.get("torch.utils.data"), "DataLoader", None)
 
 
 def unwrap_loader(iterable: Any) -> Any:
@@ -71,23 +68,33 @@ def loader_copy(loader: Any) -> Any:
     """A shallow copy of `loader` without its iterator: its dataset, sampler, batch size and
     collate_fn, for `%traceml tune` once the loader itself is gone; no worker processes kept
     (a persistent loader's workers live in its iterator). None if it cannot be copied."""
-    try:
-        kept = copy.copy(loader)
-        if "_iterator" in vars(kept):
-            vars(kept)["_iterator"] = None
-        return kept
-    except Exception:
-        return None
+    return read_or(None, _copy_without_iterator, loader)
+
+
+def _copy_without_iterator(loader: Any) -> Any:
+    kept = copy.copy(loader)
+    if "_iterator" in vars(kept):
+        vars(kept)["_iterator"] = None
+    return kept
 
 
 PYTHON_OBJECTS_MIN = 10_000  # a container this long makes copy-on-read growth worth naming
 
 
-def python_objects(dataset: Any, prefix: str = "", depth: int = 1) -> list[dict[str, Any]]:
+class PythonObjects(TypedDict):
+    """A dataset attribute that holds many Python objects (`python_objects`)."""
+
+    attribute: str  # "records", or "dataset.records" inside a Subset
+    kind: str  # list, tuple, dict or set
+    length: int
+    items: str  # the type of its first item
+
+
+def python_objects(dataset: Any, prefix: str = "", depth: int = 1) -> list[PythonObjects]:
     """The dataset's attributes that hold a list, tuple, dict or set of many Python objects
     (workers that read them copy the pages they sit on: copy-on-read), longest first; also
     those of a dataset it wraps (`Subset.dataset`). Every read is guarded."""
-    found: list[dict[str, Any]] = []
+    found: list[PythonObjects] = []
     try:
         attrs = vars(dataset)
     except TypeError:
@@ -100,14 +107,20 @@ def python_objects(dataset: Any, prefix: str = "", depth: int = 1) -> list[dict[
             n = safe_len(value)
             if n is None or n < PYTHON_OBJECTS_MIN:
                 continue
-            try:
-                first = next(iter(value.values() if kind is dict else value))
-            except Exception:
+            first = read_or(NOTHING, _first_item, value, kind is dict)
+            if first is NOTHING:
                 continue
-            found.append({"attribute": prefix + name, "kind": kind.__name__, "length": n, "items": type_name(first)})
+            found.append(PythonObjects(attribute=prefix + name, kind=kind.__name__, length=n, items=type_name(first)))
         elif depth > 0 and name == "dataset":
             found += python_objects(value, f"{prefix}{name}.", depth - 1)
-    return sorted(found, key=lambda row: -int(row["length"]))
+    return sorted(found, key=lambda row: -row["length"])
+
+
+NOTHING = object()  # a container whose first item cannot be read
+
+
+def _first_item(value: Any, is_dict: bool) -> Any:
+    return next(iter(value.values() if is_dict else value))
 
 
 def _flag(value: Any) -> bool | None:
@@ -115,13 +128,12 @@ def _flag(value: Any) -> bool | None:
 
 
 def _context_name(ctx: Any) -> str | None:
-    if ctx is None:
-        return None
-    try:
-        get = getattr(ctx, "get_start_method", None)
-        return str(get()) if get else str(ctx)
-    except Exception:
-        return None
+    return None if ctx is None else read_or(None, _start_method, ctx)
+
+
+def _start_method(ctx: Any) -> str:
+    get = getattr(ctx, "get_start_method", None)
+    return str(get()) if get else str(ctx)
 
 
 def loader_of_iterator(iterator: Any, namespace: Any) -> Any:
@@ -131,21 +143,22 @@ def loader_of_iterator(iterator: Any, namespace: Any) -> Any:
     dataset = attribute(iterator, "_dataset")
     if DataLoader is None or dataset is None or not namespace:
         return None
-    try:
-        values = list(namespace.values())
-    except Exception:
-        return None
-    for value in values:
-        if isinstance(value, DataLoader) and attribute(value, "dataset") is dataset:
+    for value in read_or((), _values, namespace):
+        if read_or(False, isinstance, value, DataLoader) and attribute(value, "dataset") is dataset:
             return value
     return None
+
+
+def _values(namespace: Any) -> list[Any]:
+    return list(namespace.values())
 
 
 # -- where a DataLoader is built -------------------------------------------------------------------
 def note_site(sites: dict[int, dict[str, Any]], loader: Any, frame: Any) -> None:
     """Remember in `sites` (by id of the loader, the newest SITES_KEPT) where `loader` is built,
     from `frame` (the caller of its __init__) up, and where its dataset's __getitem__ is.
-    Never raises."""
+    Never raises: the edge of the loader's construction in the user's code (a failure of ours
+    leaves the site unknown)."""
     with never_raise():
         site = construction_site(loader, frame)
         if site is None:
@@ -207,8 +220,8 @@ def _path(filename: str) -> str:
 def inner_dataset(dataset: Any) -> Any:
     """The dataset behind torch's wrappers (Subset, ...)."""
     for _ in range(4):
-        inner = getattr(dataset, "dataset", None)
-        if inner is None or type(dataset).__module__.split(".")[0] != "torch":
+        inner = attribute(dataset, "dataset")
+        if inner is None or str(attribute(type(dataset), "__module__")).split(".")[0] != "torch":
             break
         dataset = inner
     return dataset
@@ -220,8 +233,8 @@ def dataset_site(dataset: Any) -> dict[str, Any] | None:
     if dataset is None:
         return None
     cls = type(dataset)
-    func = getattr(cls, "__getitem__", None)
-    code = getattr(getattr(func, "__func__", func), "__code__", None)
+    func = attribute(cls, "__getitem__")
+    code = attribute(attribute(func, "__func__") or func, "__code__")
     if code is None:
         return None
     return {"dataset_file": _path(code.co_filename), "dataset_line": int(code.co_firstlineno), "dataset_class": cls.__name__}

@@ -1,6 +1,9 @@
 """What fed a run's steps, read off the capture once it closed: its data sources (which one is
 the training loader), the passes kept out of the steps (validation, test, eval) and their kind,
-the batch size, and which kind of event ended the steps. analysis/phases.py puts it in words."""
+the batch size, and which kind of event ended the steps. analysis/phases.py puts it in words.
+
+It runs once, as the run closes (finish is its edge). What it reads of the user's objects (their
+names in the namespace, what an iterable is) goes through `failures.read_or`."""
 
 from __future__ import annotations
 
@@ -9,10 +12,11 @@ import inspect
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
+from ...failures import read_or
 from ..steps.step_model import LEVEL_NAMES, Source
-from .probes import user_namespace
+from .probes import attribute, user_namespace
 
 PHASE_WORDS = (("val", "validation"), ("test", "test"), ("eval", "evaluation"), ("dev", "validation"))
 
@@ -42,27 +46,29 @@ def bound_name(obj: Any, namespace: Mapping[str, Any] | None) -> str | None:
     entry of a dict there (`dataloaders['val']`)."""
     if obj is None or not namespace:
         return None
-    try:
-        items = [(k, v) for k, v in list(namespace.items()) if not k.startswith("_")]
-        for name, value in items:
-            if value is obj:
-                return name
-        for name, value in items:
-            if type(value) is dict and len(value) <= 64:
-                for key, entry in list(value.items()):
-                    if entry is obj:
-                        return f"{name}[{key!r}]"
-    except Exception:
-        return None
+    return read_or(None, _bound_name, obj, namespace)  # a key's repr is the user's code
+
+
+def _bound_name(obj: Any, namespace: Mapping[str, Any]) -> str | None:
+    items = [(k, v) for k, v in list(namespace.items()) if not k.startswith("_")]
+    for name, value in items:
+        if value is obj:
+            return name
+    for name, value in items:
+        if type(value) is dict and len(value) <= 64:
+            for key, entry in list(value.items()):
+                if entry is obj:
+                    return f"{name}[{key!r}]"
     return None
 
 
 def has_compiled_model(namespace: Mapping[str, Any] | None) -> bool:
     """A `torch.compile`d module is in the user's namespace (its class is OptimizedModule)."""
-    try:
-        return any(type(v).__name__ == "OptimizedModule" for v in list((namespace or {}).values()))
-    except Exception:
-        return False
+    return read_or(False, _has_compiled_model, namespace or {})
+
+
+def _has_compiled_model(namespace: Mapping[str, Any]) -> bool:
+    return any(type(v).__name__ == "OptimizedModule" for v in list(namespace.values()))
 
 
 def phase_kind(name: str | None, grad_disabled: bool) -> str:
@@ -95,35 +101,36 @@ def object_type(obj: Any) -> str | None:
     """What an iterable is, in the user's words: "dataloader", "generator", "list", "tuple",
     "iterator" (it has __next__), "iterable", "function"; None for a standard wrapper (zip,
     map, enumerate: what it wraps decides) or anything else."""
-    try:
-        if type(obj).__name__ == "DataLoader" or any(c.__name__ == "DataLoader" for c in type(obj).__mro__):
-            return "dataloader"
-        if isinstance(obj, (types.GeneratorType, types.AsyncGeneratorType)):
-            return "generator"
-        if isinstance(obj, list):
-            return "list"
-        if isinstance(obj, tuple):
-            return "tuple"
-        if inspect.isgeneratorfunction(obj) or inspect.isasyncgenfunction(obj):
-            return "generator"
-        if inspect.isclass(obj):
-            return "iterator" if hasattr(obj, "__next__") else "iterable" if hasattr(obj, "__iter__") else None
-        if callable(obj) and not hasattr(obj, "__iter__"):
-            return "function"
-        if type(obj).__module__ in WRAPPER_MODULES and not isinstance(obj, (range, dict, set, str)):
-            return None if hasattr(obj, "__next__") else "iterable"
-        if hasattr(obj, "__next__"):
-            return "iterator"
-        if hasattr(obj, "__iter__"):
-            return "iterable"
-    except Exception:  # a guarded read of the user's object
-        return None
+    return read_or(None, _object_type, obj)  # hasattr and isinstance run the user's code
+
+
+def _object_type(obj: Any) -> str | None:
+    if type(obj).__name__ == "DataLoader" or any(c.__name__ == "DataLoader" for c in type(obj).__mro__):
+        return "dataloader"
+    if isinstance(obj, (types.GeneratorType, types.AsyncGeneratorType)):
+        return "generator"
+    if isinstance(obj, list):
+        return "list"
+    if isinstance(obj, tuple):
+        return "tuple"
+    if inspect.isgeneratorfunction(obj) or inspect.isasyncgenfunction(obj):
+        return "generator"
+    if inspect.isclass(obj):
+        return "iterator" if hasattr(obj, "__next__") else "iterable" if hasattr(obj, "__iter__") else None
+    if callable(obj) and not hasattr(obj, "__iter__"):
+        return "function"
+    if type(obj).__module__ in WRAPPER_MODULES and not isinstance(obj, (range, dict, set, str)):
+        return None if hasattr(obj, "__next__") else "iterable"
+    if hasattr(obj, "__next__"):
+        return "iterator"
+    if hasattr(obj, "__iter__"):
+        return "iterable"
     return None
 
 
 def loop_iterable_type(iterable: Any) -> str | None:
     """`object_type` of the located loop's iterable as it ran (a tqdm bar: what it wraps)."""
-    inner = getattr(iterable, "iterable", None) if "tqdm" in type(iterable).__name__ else None
+    inner = attribute(iterable, "iterable") if "tqdm" in type(iterable).__name__ else None
     return object_type(inner if inner is not None else iterable)
 
 
@@ -166,19 +173,25 @@ def expression_type(node: ast.expr | None, namespace: Mapping[str, Any] | None) 
         return "list"
     if isinstance(node, ast.Tuple):
         return "tuple"
-    try:
-        if isinstance(node, ast.Call):
-            called = resolve_name(node.func, namespace or {})
-            if called is None:
-                return None
-            kind = object_type(called)
-            return kind if kind in ("generator", "iterator", "iterable", "dataloader") else "function"
-        return object_type(resolve_name(node, namespace or {}))
-    except Exception:
-        return None
+    if isinstance(node, ast.Call):
+        called = read_or(None, resolve_name, node.func, namespace or {})  # getattr: the user's code
+        if called is None:
+            return None
+        kind = object_type(called)
+        return kind if kind in ("generator", "iterator", "iterable", "dataloader") else "function"
+    return object_type(read_or(None, resolve_name, node, namespace or {}))
 
 
-def describe_feeder(run: Any, src: Source, namespace: Mapping[str, Any] | None) -> dict[str, Any]:
+class Feeder(TypedDict):
+    """What fed a source, as the report names it (`describe_feeder`)."""
+
+    expression: str | None  # `slow()`, as written
+    line: int | None
+    type: str | None  # object_type's word: "generator", "list", ...
+    label: str | None  # "`slow()` on line 3"
+
+
+def describe_feeder(run: Any, src: Source, namespace: Mapping[str, Any] | None) -> Feeder:
     """A source that is no DataLoader by its expression and line (`slow()` on line 3) and what it
     is (a generator...): {"expression", "line", "type", "label"}; for a DataLoader, its type."""
     if src.kind == "dataloader":
@@ -202,10 +215,10 @@ def describe_feeder(run: Any, src: Source, namespace: Mapping[str, Any] | None) 
     return {"expression": expression, "line": line, "type": kind, "label": label}
 
 
-def _label(src: Source, name: str | None, feeder: Mapping[str, Any] | None = None) -> str:
+def _label(src: Source, name: str | None, feeder: Feeder | None = None) -> str:
     if src.kind == "dataloader":
         return f"`{name}`" if name else "a DataLoader"
-    return str((feeder or {}).get("label") or src.label)
+    return str((feeder["label"] if feeder else None) or src.label)
 
 
 def describe_run_sources(run: Any, capture: Any) -> SourceFacts:

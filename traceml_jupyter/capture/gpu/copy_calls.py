@@ -1,12 +1,15 @@
 """What a `Tensor.to(...)` or `Tensor.cuda(...)` call asks for, read off its arguments without
 touching CUDA (the device it names, non_blocking, the source's bytes and pinning), and the cell
-line that made it."""
+line that made it. The tensor is the user's (a subclass, a stand-in): its size and pinning are
+read through `failures.read_or`."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
+from ...failures import read_or
 from ..instrument.cell_functions import is_cell_file
 
 FRAME_DEPTH = 16  # how far up the stack a copy or a sync is looked for in a notebook cell
@@ -32,7 +35,7 @@ def cell_line(frame: FrameType | None, cell_filename: str | None) -> tuple[str, 
     return other_cell or first or ("?", 0)
 
 
-def device_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def device_arg(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     """The device a `.to(...)` call asks for: its `device=` keyword or its first argument (None if
     neither)."""
     device = kwargs.get("device")
@@ -74,13 +77,13 @@ def cuda_index(device: Any) -> int | None:
     return None
 
 
-def target_is_cuda(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def target_is_cuda(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     """Whether `Tensor.to(*args, **kwargs)` moves to a CUDA device: a device string, a
     torch.device, a device index, or another tensor that lives on CUDA."""
     return cuda_index(device_arg(args, kwargs)) is not None
 
 
-def target_is_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def target_is_cpu(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     """Whether `Tensor.to(*args, **kwargs)` names the CPU (`.to("cpu")`, `torch.device("cpu")`)."""
     device = device_arg(args, kwargs)
     kind = type(device)
@@ -91,7 +94,7 @@ def target_is_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return getattr(device, "type", None) == "cpu"
 
 
-def non_blocking_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def non_blocking_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     """`non_blocking` of a `.to(...)` or `.cuda(...)` call: the keyword, else the first
     positional bool (`.to(device, dtype, non_blocking, copy)`, `.cuda(device, non_blocking)`)."""
     if "non_blocking" in kwargs:
@@ -104,15 +107,17 @@ def non_blocking_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def nbytes_of(tensor: Any) -> int:
     """The tensor's size in bytes; 0 when it cannot be read."""
-    try:
-        return int(tensor.nelement()) * int(tensor.element_size())
-    except Exception:
-        return 0
+    return read_or(0, _nbytes, tensor)
+
+
+def _nbytes(tensor: Any) -> int:
+    return int(tensor.nelement()) * int(tensor.element_size())
 
 
 def is_pinned(tensor: Any) -> bool:
     """The tensor is in pinned (page-locked) host memory; False when it cannot be asked."""
-    try:
-        return bool(tensor.is_pinned())
-    except Exception:
-        return False
+    return read_or(False, _pinned, tensor)
+
+
+def _pinned(tensor: Any) -> bool:
+    return bool(tensor.is_pinned())

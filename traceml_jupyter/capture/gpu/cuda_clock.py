@@ -4,6 +4,10 @@ device and stream, read once done (never waited for on the per-step path).
 Which device the loop uses is decided from what the loop did (allocations made during its first
 steps), never by asking CUDA anything that would initialise it: a CPU loop in a kernel where a
 tensor from an earlier cell sits on the GPU stays on the CPU clock.
+
+CUDA's state (the allocator's counters, the current device, a stream's queue) is asked only once
+CUDA is initialised, through `cuda_state.cuda_or`: CUDA's own (sticky) error gives the fallback.
+The clock's own errors raise to the capture's per-step edge, which turns the GPU clock off.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..steps.recorder import Recorder
-from .cuda_state import cuda_initialized
+from .cuda_state import cuda_initialized, cuda_or
 
 
 def allocation_counts() -> dict[int, int]:
@@ -23,14 +27,11 @@ def allocation_counts() -> dict[int, int]:
     allocator); {} while CUDA is not initialised."""
     if not cuda_initialized():
         return {}
-    torch = sys.modules["torch"]
-    try:
-        return {
-            d: int(torch.cuda.memory_stats(d).get("allocation.all.allocated", 0))
-            for d in range(int(torch.cuda.device_count()))
-        }
-    except Exception:
-        return {}
+    return cuda_or({}, _allocation_counts, sys.modules["torch"].cuda)
+
+
+def _allocation_counts(cuda: Any) -> dict[int, int]:
+    return {d: int(cuda.memory_stats(d).get("allocation.all.allocated", 0)) for d in range(int(cuda.device_count()))}
 
 
 def busiest_device(before: Mapping[int, int], after: Mapping[int, int]) -> int | None:
@@ -44,10 +45,8 @@ def current_device() -> int | None:
     """torch's current CUDA device, only when CUDA is already initialised."""
     if not cuda_initialized():
         return None
-    try:
-        return int(sys.modules["torch"].cuda.current_device())
-    except Exception:
-        return None
+    device = cuda_or(None, sys.modules["torch"].cuda.current_device)
+    return None if device is None else int(device)
 
 
 def busy_devices(devices: Iterable[int]) -> set[int]:
@@ -58,12 +57,13 @@ def busy_devices(devices: Iterable[int]) -> set[int]:
     if torch is None or not cuda_initialized():
         return busy
     for d in devices:
-        try:
-            if not torch.cuda.current_stream(d).query():
-                busy.add(d)
-        except Exception:
-            continue
+        if not cuda_or(True, _queue_empty, torch.cuda, d):  # CUDA's error: that device's work unknown
+            busy.add(d)
     return busy
+
+
+def _queue_empty(cuda: Any, device: int) -> bool:
+    return bool(cuda.current_stream(device).query())
 
 
 @dataclass

@@ -23,13 +23,14 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...failures import failure_text
 from ..instrument.patches import patched
+from .cuda_state import cuda_initialized, cuda_or
 
 
 @dataclass
@@ -66,14 +67,10 @@ def graph_class() -> Any:
 def stream_capturing() -> bool:
     """torch.cuda.is_current_stream_capturing(), only once CUDA is initialised (it never
     initialises a context itself; it is capture-safe: cudaStreamIsCapturing)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is None or not cuda_initialized(cuda):
         return False
-    try:
-        cuda = torch.cuda
-        return bool(cuda.is_initialized() and cuda.is_current_stream_capturing())
-    except Exception:
-        return False
+    return bool(cuda_or(False, cuda.is_current_stream_capturing))  # CUDA's own error: no capture to protect
 
 
 def capturing(ask_cuda: bool = False) -> bool:
@@ -165,7 +162,7 @@ class GraphWatch:
         }
 
 
-def graph_note(graphs: dict[str, Any] | None) -> str | None:
+def graph_note(graphs: Mapping[str, Any] | None) -> str | None:
     """The report's sentence on the cell's CUDA graphs, or None."""
     if not graphs:
         return None
@@ -211,21 +208,26 @@ def graphs_watched(watch: GraphWatch) -> Iterator[GraphWatch]:
         on_loop = mine() == watch.thread
         if on_loop:
             watch._stack.append(self)
+        begun = False
         try:
-            return begin(self, *args, **kwargs)
-        except BaseException:
-            _STATE.active = max(0, _STATE.active - 1)
-            if on_loop and watch._stack:
-                watch._stack.pop()
-            raise
+            out = begin(self, *args, **kwargs)
+            begun = True
+            return out
+        finally:
+            if not begun:  # the user's error goes up unchanged; no capture is under way
+                _STATE.active = max(0, _STATE.active - 1)
+                if on_loop and watch._stack:
+                    watch._stack.pop()
 
     def capture_end(self: Any) -> Any:
+        ended = False
         try:
-            return end(self)
-        except BaseException:
-            watch.invalidated += 1
-            raise
+            out = end(self)
+            ended = True
+            return out
         finally:
+            if not ended:  # the capture was invalidated (the user's error goes up unchanged)
+                watch.invalidated += 1
             _STATE.active = max(0, _STATE.active - 1)
             watch.captures += 1
             if mine() == watch.thread and watch._stack and watch._stack[-1] is self:
@@ -233,9 +235,9 @@ def graphs_watched(watch: GraphWatch) -> Iterator[GraphWatch]:
 
     def graph_replay(self: Any) -> Any:
         out = replay(self)
-        try:
+        try:  # the edge of the replay's bookkeeping: never raised into the user's loop
             watch._replayed(self)
-        except Exception as exc:  # ours: never raised into the user's loop
+        except Exception as exc:
             if not watch.notes:
                 watch.notes.append(f"CUDA graph replays not followed: {failure_text(exc)}")
         return out

@@ -15,11 +15,14 @@ deciding steps only:
   there that the host then waited for.
 
 Nothing here initialises CUDA, and nothing touches it while a graph capture is under way.
+The allocator's figures are asked only once CUDA is initialised (`cuda_state.cuda_or`); `look` is the
+edge of the waits probed in the user's code (a failure there counts nothing, raises nothing);
+the probes' patches are undone in `finally` when setting one fails, and the error goes to the
+capture, which notes it.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -28,19 +31,15 @@ from typing import Any
 
 from ..instrument.patches import patched
 from .cuda_graphs import capturing
+from .cuda_state import cuda_initialized, cuda_or, torch_cuda
 
 BYTES_KEYS = ("allocated_bytes.all.current", "allocated_bytes.all.peak")
 
 
 def cuda_module() -> Any:
     """torch.cuda, only once CUDA is initialised by the user's code; else None."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    try:
-        return torch.cuda if torch.cuda.is_initialized() else None
-    except Exception:
-        return None
+    cuda = torch_cuda()
+    return cuda if cuda is not None and cuda_initialized(cuda) else None
 
 
 def memory_stats() -> dict[int, dict[str, int]]:
@@ -49,20 +48,18 @@ def memory_stats() -> dict[int, dict[str, int]]:
     cuda = cuda_module()
     if cuda is None:
         return {}
-    try:
-        return {d: dict(cuda.memory_stats(d)) for d in range(int(cuda.device_count()))}
-    except Exception:
-        return {}
+    return cuda_or({}, _memory_stats, cuda)
+
+
+def _memory_stats(cuda: Any) -> dict[int, dict[str, int]]:
+    return {d: dict(cuda.memory_stats(d)) for d in range(int(cuda.device_count()))}
 
 
 def allocator_backend() -> str | None:
     """"native" or "cudaMallocAsync" (PYTORCH_CUDA_ALLOC_CONF's backend), once CUDA is
     initialised; None before, or when torch does not say."""
-    cuda = cuda_module()
-    try:
-        return str(cuda.get_allocator_backend()) if cuda is not None else None
-    except Exception:
-        return None
+    backend = getattr(cuda_module(), "get_allocator_backend", None)  # torch >= 2.0
+    return str(backend()) if callable(backend) else None
 
 
 def bytes_in_use() -> dict[int, tuple[int, int]]:
@@ -105,7 +102,7 @@ class QueuedWork:
         """Queued work now on `devices` (the current device if None) counts for each."""
         if capturing(True):
             return
-        try:
+        try:  # the edge of a probed wait in the user's code: a failure counts nothing
             if devices is None:
                 current = self.current()
                 devices = () if current is None else (current,)
@@ -148,14 +145,16 @@ class QueuedWork:
             probed.__wrapped__ = function  # type: ignore[attr-defined]
             return probed
 
+        set_all = False
         try:
             names = [n for n in methods if callable(getattr(tensor_type, n, None))]
             stack.enter_context(patched(tensor_type, {n: probed_method(getattr(tensor_type, n)) for n in names}))
             for owner, name, _ in sync_points:
                 stack.enter_context(patched(owner, {name: probed_call(getattr(owner, name))}))
-        except Exception:
-            stack.close()
-            return
+            set_all = True
+        finally:
+            if not set_all:  # nothing stays patched; the error goes to the capture
+                stack.close()
         self._probes = stack
 
     def stop_probing(self) -> None:

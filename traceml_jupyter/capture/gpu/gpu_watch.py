@@ -23,6 +23,13 @@ How the pieces are measured:
 - Only the thread that runs the steps is timed (DataParallel's replica threads pass through),
   events are kept per device, and any error of ours turns that watch off with a note: nothing
   of ours is raised into the user's code.
+
+Edges (the one guard of each; the code under them raises): `loop_started` (nothing stays
+patched; the backlog alone is off when only tying the clocks failed), `step_ended` (the backlog
+turns itself off), `merged` (the step model's merges), `close` at the cell's end (the final wait and reads, and the report of what
+was measured, each noted apart); each copy and sync hook has its own (h2d.py `CopyWatch.guarded`,
+syncs.py `SyncWatch.synced`). Torch's CUDA is asked only once it is initialised; a query of
+its state that CUDA answers with its own error gives a fallback (`cuda_state.cuda_or`).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -42,9 +49,52 @@ from ...failures import failure_text, never_raise
 from ..steps.step_tally import StepTally
 from . import hidden_waits
 from .cuda_graphs import capturing
-from .cuda_state import cuda_initialized, torch_cuda
-from .h2d import COPY_COLUMNS, CopyWatch, EventPool, copies_timed
-from .syncs import EMPTY_CACHE, SYNC_COLUMNS, SyncWatch, sync_warnings_counted, syncs_timed
+from .cuda_state import cuda_initialized, cuda_or, torch_cuda
+from .h2d import COPY_COLUMNS, CopiesResult, CopyWatch, EventPool, copies_timed
+from .syncs import (
+    EMPTY_CACHE,
+    SYNC_COLUMNS,
+    SyncsResult,
+    SyncWatch,
+    sync_warnings_counted,
+    syncs_timed,
+)
+
+
+class HostLine(TypedDict):
+    """The body line that takes the host most time per step (from line_costs' statements)."""
+
+    line: Any
+    text: Any
+    ms_per_step: Any
+    share: Any
+    gpu_ms_per_step: Any
+
+
+class SyncTop(TypedDict):
+    """The line whose syncs cost the host most (the first of `SyncsResult`'s sites)."""
+
+    line: int
+    in_cell: bool
+    call: str | None
+    calls_per_step: float
+    every_step: bool
+    wait_ms_per_step: float | None
+    share: float | None
+
+
+class WatchSummary(TypedDict, total=False):
+    """The few facts of the copy and sync watches that the verdict quotes (the run's
+    `watch_summary`)."""
+
+    h2d_lines: list[int]
+    h2d_pageable_non_blocking: list[int]
+    h2d_side_stream_waited: list[int]
+    sync_top: SyncTop | None
+    syncs_all_seen: bool
+    syncs_hidden: list[str]
+    host_top_line: HostLine | None
+
 
 BACKLOG_EVERY = 4  # a backlog probe every 4th step: one event record, read when done
 OWN_COLUMN = "own_host_ms"  # traceml's own host time inside each step on the GPU path
@@ -82,10 +132,11 @@ def cuda_api(
     None); None while CUDA is not initialised."""
     if not cuda_initialized(cuda):
         return None
-    try:
-        index = int(cuda.current_device()) if device is None else int(device)
-    except Exception:
-        return None
+    if device is None:
+        device = cuda_or(None, cuda.current_device)  # CUDA's own error: nothing to watch
+        if device is None:
+            return None
+    index = int(device)
 
     def event() -> Any:
         return cuda.Event(enable_timing=True)
@@ -175,6 +226,7 @@ class GpuWatch:
             return
         self.started = True
         run = self.run
+        tying = False  # past the patches: only the backlog's clocks are left to tie
         try:
             if device is None:
                 device = getattr(run, "cuda_device", None)
@@ -221,15 +273,16 @@ class GpuWatch:
             patches.enter_context(syncs_timed(syncs, api.tensor_type, api.sync_points))
             self.counting_sync_warnings = patches.enter_context(sync_warnings_counted(syncs, api))
             syncs.all_counted = self.counting_sync_warnings
-        except Exception as exc:  # never stop the user's loop for a measurement
-            self._patches.close()
-            self.copies = self.syncs = None
-            self.notes.append(f"Copies and syncs were not watched: {failure_text(exc)}")
-            return
-        try:
+            tying = True
             self._tie_clocks()
-        except Exception as exc:
-            self._backlog_failed(exc)
+        except Exception as exc:  # the edge: never stop the user's loop for a measurement
+            if tying:
+                self._backlog_failed(exc)
+            else:
+                self._patches.close()
+                self.copies = self.syncs = None
+                self.notes.append(f"Copies and syncs were not watched: {failure_text(exc)}")
+                return
         run.extra_columns.update(self.columns())
 
     def step_ended(self, t_ns: int | None = None, step: int | None = None) -> None:
@@ -271,7 +324,8 @@ class GpuWatch:
 
     def merged(self, n: int) -> None:
         """The capture merged its last `n` closed steps into the open one (now step
-        `recorder.n_steps`): what the watch summed for them moves there. Never raises."""
+        `recorder.n_steps`): what the watch summed for them moves there. Never raises: the
+        edge of the step model's merge into the watch (nothing above it guards)."""
         with never_raise(self.notes, "Copies and syncs of merged steps misplaced"):
             first = int(self.run.recorder.n_steps)
             for part in (self.copies, self.syncs):
@@ -361,22 +415,31 @@ class GpuWatch:
     def close(self) -> None:
         """Undo every patch, wait once for the GPU, read every pending copy and probe, tie the
         clocks again, and leave the results on the run. Never raises. No CUDA event stays
-        referenced afterwards (the run outlives the cell, in `kernel_state.RUNS`)."""
-        with never_raise(self.notes, "Restoring the GPU watch's patches"):
-            self._patches.close()
+        referenced afterwards (the run outlives the cell, in `kernel_state.RUNS`). The edge at
+        the cell's end: it runs while the user's error (if any) goes up, and never masks it."""
+        with never_raise(self.run.notes, "The GPU watch failed at the cell's end"):
+            try:
+                self._patches.close()  # every patch is undone, even when one fails (ExitStack)
+            finally:
+                self._read_and_publish()
+
+    def _read_and_publish(self) -> None:
         if not self.started or self.api is None or self.device is None:
             self._release()
             self.run.notes.extend(self.notes)
             return
         try:
-            with never_raise(self.notes, "GPU timings of copies and syncs incomplete"):
-                if capturing():  # a capture left open: a wait now would invalidate it
-                    raise RuntimeError("a CUDA graph capture was still under way when the cell ended")
-                self._read_at_end(self.api, self.device)
+            if capturing():  # a capture left open: a wait now would invalidate it
+                self.notes.append(
+                    "GPU timings of copies and syncs incomplete: a CUDA graph capture was still "
+                    "under way when the cell ended"
+                )
+            else:  # CUDA's own error (a sticky one) leaves what was read so far, and a note
+                with never_raise(self.notes, "GPU timings of copies and syncs incomplete"):
+                    self._read_at_end(self.api, self.device)
         finally:
             self._release()
-        with never_raise(self.run.notes, "Copies and syncs not reported"):  # as the cell ends: never mask the user's error
-            self._publish()
+        self._publish()
 
     def _read_at_end(self, api: CudaApi, device: int) -> None:
         api.synchronize(device)  # the one wait at the end: every copy and probe is done
@@ -424,17 +487,17 @@ class GpuWatch:
         )
         for name in dropped:
             run.extra_columns.pop(name, None)
-        run.h2d = copies.result(n) if copies is not None and copies.off is None else None
+        h2d = copies.result(n) if copies is not None and copies.off is None else None
+        stalls: SyncsResult | None = None
         if syncs is not None and syncs.off is None:
-            run.sync_stalls = syncs.result(n, total, run.cell_source)
-            run.sync_stalls["counted_implicit"] = self.counting_sync_warnings
-            run.sync_stalls["all_counted"] = syncs.all_counted
-            run.sync_stalls["hidden"] = self.hidden_reasons(syncs)
-            run.sync_stalls["warning_us"] = syncs.warning_ns / 1e3 if self.counting_sync_warnings else None
+            stalls = syncs.result(n, total, run.cell_source)
+            stalls["counted_implicit"] = self.counting_sync_warnings
+            stalls["all_counted"] = syncs.all_counted
+            stalls["hidden"] = self.hidden_reasons(syncs)
+            stalls["warning_us"] = syncs.warning_ns / 1e3 if self.counting_sync_warnings else None
             notes.extend(syncs.notes)
-        else:
-            run.sync_stalls = None
-        summary = watch_summary(run.h2d, run.sync_stalls)
+        run.h2d, run.sync_stalls = h2d, stalls
+        summary = watch_summary(h2d, stalls)
         summary["host_top_line"] = costliest_host_line(getattr(run, "line_costs", None))
         run.watch_summary.update(summary)
         run.notes.extend(notes)
@@ -443,28 +506,31 @@ class GpuWatch:
     def hidden_reasons(self, syncs: SyncWatch) -> list[str]:
         """Why some waits for the GPU may have gone unseen (empty: none known)."""
         emptied = sum(s.calls for s in syncs.sites.values() if EMPTY_CACHE in s.kinds)
-        try:
-            after = self._allocator_frees()
-        except Exception:
-            after = self._frees_before
+        after = self._allocator_frees()
         return self.hidden + hidden_waits.at_loop_end(self._frees_before, after, emptied)
 
 
-def costliest_host_line(costs: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def costliest_host_line(costs: Mapping[str, Any] | None) -> HostLine | None:
     """The body line that takes the host most time per step (line_costs), for HOST-BOUND's why:
     often a fetch or Python work in the body, not the kernels' launches."""
     rows = [r for r in (costs or {}).get("statements") or [] if r.get("ms_per_step") is not None]
     if not rows:
         return None
     top = max(rows, key=lambda r: float(r["ms_per_step"]))
-    return {k: top.get(k) for k in ("line", "text", "ms_per_step", "share", "gpu_ms_per_step")}
+    return HostLine(
+        line=top.get("line"),
+        text=top.get("text"),
+        ms_per_step=top.get("ms_per_step"),
+        share=top.get("share"),
+        gpu_ms_per_step=top.get("gpu_ms_per_step"),
+    )
 
 
-def watch_summary(h2d: dict[str, Any] | None, syncs: dict[str, Any] | None) -> dict[str, Any]:
+def watch_summary(h2d: CopiesResult | None, syncs: SyncsResult | None) -> WatchSummary:
     """The few facts of the copy and sync watches that the verdict quotes: the cell lines that
     copy to the GPU, the line whose syncs cost the host most, and whether every synchronising
     call was seen (else the host's issue time is not known)."""
-    out: dict[str, Any] = {"h2d_lines": [], "sync_top": None, "syncs_all_seen": False}
+    out: WatchSummary = {"h2d_lines": [], "sync_top": None, "syncs_all_seen": False}
     if h2d:
         out["h2d_lines"] = sorted({s["line"] for s in h2d["sites"] if s["in_cell"]})
         out["h2d_pageable_non_blocking"] = sorted(
@@ -483,12 +549,17 @@ def watch_summary(h2d: dict[str, Any] | None, syncs: dict[str, Any] | None) -> d
         out["syncs_all_seen"] = bool(
             syncs.get("counted_implicit") and syncs.get("all_counted", True) and not out["syncs_hidden"]
         )
-        if syncs["sites"]:
+        if syncs.get("sites"):
             top = syncs["sites"][0]
-            out["sync_top"] = {
-                k: top[k]
-                for k in ("line", "in_cell", "call", "calls_per_step", "every_step", "wait_ms_per_step", "share")
-            }
+            out["sync_top"] = SyncTop(
+                line=top["line"],
+                in_cell=top["in_cell"],
+                call=top["call"],
+                calls_per_step=top["calls_per_step"],
+                every_step=top["every_step"],
+                wait_ms_per_step=top["wait_ms_per_step"],
+                share=top["share"],
+            )
     return out
 
 

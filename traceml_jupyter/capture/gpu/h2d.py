@@ -5,7 +5,9 @@ Only copies made on the thread that runs the steps are timed (DataParallel's rep
 a pin-memory thread pass straight through). Each copy's events sit on the destination device's
 current stream, from a pool kept per device (an event is bound to the device of its first
 record, and CUDA refuses to record it on another's). Any error of ours turns the watch off for
-the run, with a note; the user's own call always runs and its errors propagate unchanged.
+the run, with a note; the user's own call always runs and its errors propagate unchanged. The
+edge: every hook (a copy's start and end, a stream's or an event's wait, an event's record)
+calls our code through `CopyWatch.guarded`, its one guard.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from time import perf_counter_ns
 from types import FrameType
-from typing import Any
+from typing import Any, TypedDict, TypeVar
 
 from ...failures import failure_text
 from ..instrument.patches import patched
@@ -41,6 +43,37 @@ from .cuda_graphs import capturing
 # CUDA makes the host wait, whatever non_blocking says).
 COPY_COLUMNS = ("h2d_ms", "h2d_bytes", "h2d_pinned_bytes", "h2d_async_bytes")
 
+T = TypeVar("T")
+
+
+class CopySiteRow(TypedDict):
+    """A cell line that copies to the GPU, per watched step (`CopyWatch.result`'s `sites`)."""
+
+    filename: str
+    line: int
+    in_cell: bool
+    copies: int
+    timed: int
+    copies_per_step: float
+    bytes_per_step: float
+    ms_per_step: float | None  # None: none of its copies was timed
+    gb_per_s: float | None
+    pinned: int
+    non_blocking: int
+    pageable_non_blocking: int
+    side_stream: int
+    waited: int
+    waited_ms_per_step: float
+
+
+class CopiesResult(TypedDict):
+    """What the report and the checklist read of the copies (the run's `h2d`)."""
+
+    copies: int
+    bytes: int
+    ms: float
+    steps: int
+    sites: list[CopySiteRow]
 
 
 class EventPool:
@@ -146,6 +179,15 @@ class CopyWatch:
         self._pending: deque[_Copy] = deque()
         self.side_pending = 0  # side-stream copies not read yet: events recorded then may mark them
         self._marked: dict[int, tuple[Any, _Copy]] = {}  # id(event) -> (event, copy it follows)
+
+    def guarded(self, do: Callable[..., T], *args: Any) -> T | None:
+        """`do(*args)`, the edge of every hook of the watch: an error of ours turns the watch
+        off (None) and never reaches the user's call."""
+        try:
+            return do(*args)
+        except Exception as exc:
+            self.turn_off(exc)
+            return None
 
     def turn_off(self, exc: BaseException) -> None:
         """Stop timing copies after an error of ours (`off` says which); the copies themselves still
@@ -303,7 +345,7 @@ class CopyWatch:
         for tally in self.tallies.values():
             tally.watch_from(step)
 
-    def result(self, n_steps: int) -> dict[str, Any]:
+    def result(self, n_steps: int) -> CopiesResult:
         """What the report and the checklist read: totals and the copying lines, costliest first.
         Per step means per watched step (the watch starts once the loop is seen on the GPU)."""
         per = max(1, n_steps - (self.tallies["h2d_bytes"].first_step or 0))
@@ -422,14 +464,26 @@ def _copy_hooks(
     """copies_timed's two timings: `timed` (a host-to-device copy, onto the watch) and `waited`
     (`.to("cpu")` of a CUDA tensor, a sync)."""
 
+    def begin(device: int) -> tuple[int, Any, Any]:
+        if device == CURRENT:
+            device = int(watch.current_device())
+        stream, start = watch.begin(device)
+        return device, stream, start
+
+    def copied(tensor: Any, args: Any, kwargs: Any, step: int, begun: tuple[int, Any, Any], ns: int, t_in: int, frame: FrameType) -> None:
+        device, stream, start = begun
+        nb = non_blocking_of(args, kwargs)
+        pinned = is_pinned(tensor)
+        watch.copied(step, device, stream, start, tensor, nb, pinned, frame)
+        if synced is not None and not (nb and pinned):
+            synced(step, "blocking copy" if not nb else "pageable non_blocking copy", ns, frame)
+        if own is not None:
+            own(step, clock() - t_in - ns)
+
     def timed(method: Callable[..., Any], self: Any, args: Any, kwargs: Any, step: int, device: int) -> Any:
         t_in = clock()
-        try:
-            if device == CURRENT:
-                device = int(watch.current_device())
-            stream, start = watch.begin(device)
-        except Exception as exc:  # ours: the copy itself still runs, untimed
-            watch.turn_off(exc)
+        begun = watch.guarded(begin, device)
+        if begun is None:  # the watch turned off: the copy itself still runs, untimed
             return method(self, *args, **kwargs)
         busy[0] += 1
         t0 = clock()
@@ -438,17 +492,7 @@ def _copy_hooks(
         finally:
             busy[0] -= 1
         ns = clock() - t0
-        try:
-            frame = sys._getframe(2)
-            nb = non_blocking_of(args, kwargs)
-            pinned = is_pinned(self)
-            watch.copied(step, device, stream, start, self, nb, pinned, frame)
-            if synced is not None and not (nb and pinned):
-                synced(step, "blocking copy" if not nb else "pageable non_blocking copy", ns, frame)
-            if own is not None:
-                own(step, clock() - t_in - ns)
-        except Exception as exc:
-            watch.turn_off(exc)
+        watch.guarded(copied, self, args, kwargs, step, begun, ns, t_in, sys._getframe(2))
         return out
 
     def waited(self: Any, args: Any, kwargs: Any, step: int) -> Any:
@@ -468,7 +512,7 @@ def _copy_hooks(
 
 def _stream_wait_hooks(
     watch: CopyWatch, stream_type: Any, event_type: Any
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Callable[..., Any]], dict[str, Callable[..., Any]]]:
     """copies_timed's patches of `stream_type.wait_stream` and of `event_type.record`/`wait`:
     they tell the watch when the loop's stream waits for a side stream's copies."""
     get_ident = threading.get_ident
@@ -477,25 +521,25 @@ def _stream_wait_hooks(
 
     def watched_wait_stream(self: Any, stream: Any) -> Any:
         if watch.off is None and get_ident() == watch.thread and not capturing(True):
-            try:
-                watch.stream_waits(self, stream)
-            except Exception as exc:  # ours: the wait itself still runs
-                watch.turn_off(exc)
+            watch.guarded(watch.stream_waits, self, stream)  # the wait itself always runs
         in_wait_stream[0] = True
         try:
             return wait_stream(self, stream)
         finally:
             in_wait_stream[0] = False
 
+    def event_waits(event: Any, stream: Any) -> None:
+        waiter = stream
+        if waiter is None and watch.stream_of is not None:
+            waiter = watch.stream_of(int(watch.current_device()))
+        watch.event_waits(waiter, event)
+
     record: Any = getattr(event_type, "record", None)
     event_wait: Any = getattr(event_type, "wait", None)
 
     def watched_record(self: Any, stream: Any = None) -> Any:
         if watch.side_pending and watch.off is None and get_ident() == watch.thread and not capturing(True):
-            try:
-                watch.event_recorded(self, stream)
-            except Exception as exc:
-                watch.turn_off(exc)
+            watch.guarded(watch.event_recorded, self, stream)
         return record(self, stream)
 
     def watched_wait(self: Any, stream: Any = None) -> Any:
@@ -506,18 +550,12 @@ def _stream_wait_hooks(
             and get_ident() == watch.thread
             and not capturing(True)
         ):
-            try:
-                waiter = stream
-                if waiter is None and watch.stream_of is not None:
-                    waiter = watch.stream_of(int(watch.current_device()))
-                watch.event_waits(waiter, self)
-            except Exception as exc:
-                watch.turn_off(exc)
+            watch.guarded(event_waits, self, stream)
         return event_wait(self, stream)
 
     watched_wait_stream.__doc__ = getattr(wait_stream, "__doc__", None)
     watched_record.__doc__ = getattr(record, "__doc__", None)
     watched_wait.__doc__ = getattr(event_wait, "__doc__", None)
-    waits = {"wait_stream": watched_wait_stream} if callable(wait_stream) else {}
-    events = {"record": watched_record, "wait": watched_wait} if callable(record) and callable(event_wait) else {}
+    waits: dict[str, Callable[..., Any]] = {"wait_stream": watched_wait_stream} if callable(wait_stream) else {}
+    events: dict[str, Callable[..., Any]] = {"record": watched_record, "wait": watched_wait} if callable(record) and callable(event_wait) else {}
     return waits, events

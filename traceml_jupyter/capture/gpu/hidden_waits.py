@@ -30,10 +30,9 @@ def launch_blocking() -> bool:
 def nccl_in_use() -> bool:
     """torch.distributed is initialised with the nccl backend (never imports it)."""
     dist = sys.modules.get("torch.distributed")
-    try:
-        return bool(dist is not None and dist.is_available() and dist.is_initialized() and str(dist.get_backend()) == "nccl")
-    except Exception:
-        return False
+    if dist is None or not all(callable(getattr(dist, n, None)) for n in ("is_available", "is_initialized", "get_backend")):
+        return False  # torch built without distributed: none of these is there
+    return bool(dist.is_available() and dist.is_initialized() and str(dist.get_backend()) == "nccl")
 
 
 def allocator_frees(stats: Mapping[str, Any] | None) -> dict[str, int]:

@@ -2,7 +2,8 @@
 `.tolist`, `.cpu`, `bool()`, `float()`, `int()` of a CUDA tensor, `.to("cpu")` and the synchronize
 calls timed on the host (their wait for the GPU); every other sync torch knows of counted through
 `torch.cuda.set_sync_debug_mode("warn")`, untimed. Any error of ours turns the watch off, with a
-note; the user's call always runs."""
+note; the user's call always runs. The edge: every hook (a timed call, a sync warning, a copy
+that waits) records through `SyncWatch.synced`, its one guard."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter_ns
 from types import FrameType
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypedDict, cast
 
 from ...failures import failure_text
 from ..instrument.patches import patched
@@ -48,6 +49,36 @@ class SyncSite:
     kinds: set[str] = field(default_factory=set)
 
 
+class SyncSiteRow(TypedDict):
+    """A cell line that synchronises, per watched step (`SyncWatch.result`'s `sites`)."""
+
+    filename: str
+    line: int
+    in_cell: bool
+    call: str | None  # the call as written in the cell
+    kinds: list[str]
+    calls: int
+    untimed: int
+    calls_per_step: float
+    steps: int
+    every_step: bool
+    wait_ms_per_step: float | None  # None: no call of it was timed
+    share: float | None
+
+
+class SyncsResult(TypedDict, total=False):
+    """The run's `sync_stalls`: `result()` gives the first four; the GPU watch adds the rest."""
+
+    calls: int
+    untimed: int
+    steps: int
+    sites: list[SyncSiteRow]
+    counted_implicit: bool  # torch's sync warnings were counted
+    all_counted: bool
+    hidden: list[str]  # why some waits may have gone unseen (hidden_waits.py)
+    warning_us: float | None
+
+
 class SyncWatch:
     """Counts synchronising calls per step and per line; sums the host's wait where timed.
 
@@ -78,9 +109,9 @@ class SyncWatch:
 
     def synced(self, step: int, kind: str, ns: int | None, frame: FrameType | None) -> None:
         """One synchronising call on `step`: timed (`ns`) or not (None). Never raises."""
-        try:
+        try:  # the edge of every sync hook: a measurement never stops the user's loop
             self._add(step, kind, ns, frame)
-        except Exception as exc:  # a measurement must never stop the user's loop
+        except Exception as exc:
             self.turn_off(exc)
 
     def _add(self, step: int, kind: str, ns: int | None, frame: FrameType | None) -> None:
@@ -134,13 +165,13 @@ class SyncWatch:
         for tally in self.tallies.values():
             tally.watch_from(step)
 
-    def result(self, n_steps: int, step_ms_total: float, cell_source: str | None) -> dict[str, Any]:
+    def result(self, n_steps: int, step_ms_total: float, cell_source: str | None) -> SyncsResult:
         """The syncing lines, longest wait first, each with the call as written in the cell. Per
         step means per watched step (the watch starts once the loop is seen on the GPU)."""
         watched = max(0, n_steps - (self.tallies["sync_calls"].first_step or 0))
         per = max(1, watched)
         sites = sorted(self.sites.values(), key=lambda s: (-s.wait_ns, -s.calls, s.line))
-        rows = []
+        rows: list[SyncSiteRow] = []
         for s in sites:
             in_cell = s.filename == self.cell_filename
             wait_ms = s.wait_ns / 1e6 if s.timed else None
@@ -302,11 +333,7 @@ def sync_warnings_counted(watch: SyncWatch, api: SyncDebugMode) -> Iterator[bool
     """torch's sync debug mode set to "warn" for the duration, its warnings counted (not shown).
 
     Yields False, changing nothing, when the user already chose a sync debug mode."""
-    try:
-        previous = int(api.get_sync_debug_mode())
-    except Exception:
-        yield False
-        return
+    previous = int(api.get_sync_debug_mode())  # torch answers once CUDA is initialised
     if previous != 0:
         yield False
         return

@@ -30,7 +30,7 @@ import ast
 import copy
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
@@ -204,7 +204,8 @@ class CudaLineClock(LineClock):
     the user's code by that time; nothing here initialises it). A step's marks all sit on the
     loop's stream as it was when the step's body began. Any error in the GPU bookkeeping turns
     the GPU timing per line off for the run (`gpu_off` says why; `finish()` raises it for the
-    caller's note); nothing is raised into the user's code.
+    caller's note); nothing is raised into the user's code. The edge: every CUDA call of this
+    clock (from `start`, `lap` and `finish`) goes through `_gpu`, its one guard.
     """
 
     def __init__(
@@ -254,6 +255,16 @@ class CudaLineClock(LineClock):
             ev.record(stream)
         return ev
 
+    def _gpu(self, do: Callable[..., Any], *args: Any) -> bool:
+        """`do(*args)`, the edge of the GPU clock per line: an error turns it off for the run
+        (False), never reaches the user's loop (`lap` runs in their `finally`)."""
+        try:
+            do(*args)
+        except Exception as exc:
+            self._turn_off(exc)
+            return False
+        return True
+
     def _turn_off(self, exc: BaseException) -> None:
         if self.gpu_off is None:
             self.gpu_off = failure_text(exc)
@@ -267,26 +278,25 @@ class CudaLineClock(LineClock):
         if self._marks is not None:
             self._pending.append(self._marks)
             self._marks = None
-            self._poll()
+            self._gpu(self._poll)
         super().start()
         if self.gpu_off is not None or not self._on_gpu():  # the CPU path ends here
             return
         k = self.timed - 1
         step = step_of_sample(k, self.full, self.every)
         due = step >= self.full or step % GPU_EARLY_EVERY == 0
-        if due and step > self.warmup_until and not capturing(True):
-            try:
-                if not self._ready():
-                    return
-                stream = self._stream_of() if self._stream_of is not None else None
-                first = self._event(stream)
-            except Exception as exc:  # ours: never raised into the user's loop
-                self._turn_off(exc)
-                return
-            self.gpu_sampled += 1
-            self._marks = [(-1, first)]
-            self._mark_stream = stream
+        if due and step > self.warmup_until and not capturing(True) and self._gpu(self._open_marks):
             self._prev = perf_counter_ns()  # the event's own cost is no statement's
+
+    def _open_marks(self) -> None:
+        """A sampled step's first event, on the loop's stream now (none until events can be made)."""
+        if not self._ready():
+            return
+        stream = self._stream_of() if self._stream_of is not None else None
+        first = self._event(stream)
+        self.gpu_sampled += 1
+        self._marks = [(-1, first)]
+        self._mark_stream = stream
 
     def lap(self, i: int) -> None:
         """Line `i` of the body ended: its host time, and on a sampled step an event after it on the
@@ -299,31 +309,37 @@ class CudaLineClock(LineClock):
             self._free.extend(ev for _, ev in marks)
             self._marks = marks = None
         if marks is not None:
-            try:
-                marks.append((i, self._event(self._mark_stream)))
-            except Exception as exc:  # runs in the user's `finally`: must not replace their error
-                self._turn_off(exc)
+            self._gpu(self._mark, marks, i)
             after = perf_counter_ns()
             self.own(after - now)
             now = after
         self._prev = now
 
+    def _mark(self, marks: list[tuple[int, Any]], i: int) -> None:
+        marks.append((i, self._event(self._mark_stream)))
+
     def _poll(self) -> None:
+        """Read the sampled steps whose events completed (through `_gpu`)."""
         pending, sums, free = self._pending, self.gpu_sums, self._free
         if capturing():
             return
-        try:
-            while pending:
-                marks = pending[0]
-                if not all(ev.query() for _, ev in marks):
-                    return
-                pending.popleft()
-                for (_, before), (i, after) in zip(marks, marks[1:], strict=False):
-                    sums[i] += float(before.elapsed_time(after))
-                self.gpu_read += 1
-                free.extend(ev for _, ev in marks)
-        except Exception as exc:
-            self._turn_off(exc)
+        while pending:
+            marks = pending[0]
+            if not all(ev.query() for _, ev in marks):
+                return
+            pending.popleft()
+            for (_, before), (i, after) in zip(marks, marks[1:], strict=False):
+                sums[i] += float(before.elapsed_time(after))
+            self.gpu_read += 1
+            free.extend(ev for _, ev in marks)
+
+    def _wait_for_marks(self) -> None:
+        """Every pending mark done: a body that switched streams leaves them on several."""
+        for marks in self._pending:
+            for _, ev in marks:
+                if hasattr(ev, "synchronize"):
+                    ev.synchronize()
+        self._poll()
 
     def finish(self) -> None:
         """Wait for the sampled steps' last marks, read them, and drop every event. Raises
@@ -334,14 +350,7 @@ class CudaLineClock(LineClock):
         if self._pending and self.gpu_off is None and capturing():
             self._turn_off(RuntimeError("a CUDA graph capture was still under way when the cell ended"))
         if self._pending and self.gpu_off is None:
-            try:  # every mark: a body that switched streams leaves them on several
-                for marks in self._pending:
-                    for _, ev in marks:
-                        if hasattr(ev, "synchronize"):
-                            ev.synchronize()
-            except Exception as exc:
-                self._turn_off(exc)
-            self._poll()
+            self._gpu(self._wait_for_marks)
         self._pending.clear()
         self._free.clear()
         if self.gpu_off is not None:
@@ -402,7 +411,7 @@ def line_costs(
     }
 
 
-def heat(costs: dict[str, Any]) -> dict[int, float]:
+def heat(costs: Mapping[str, Any]) -> dict[int, float]:
     """Bar length (0..1) per line for the report: each statement's ms per step over the
     costliest one's; the loop line's bar is its fetch time (data wait) on the same scale."""
     values = {int(r["line"]): float(r["ms_per_step"] or 0.0) for r in costs["statements"]}

@@ -21,6 +21,11 @@ torch.compile (a compiled module is called from the user's code like any other; 
 called inside a compiled function is not seen, and no recompilation is caused) see the module
 as it is. Calls of other instances of the class, on other threads, or nested in a root call
 pass straight through.
+
+Everything here reads the user's objects (isinstance on their values, a module's parameters and
+children, a frame's locals) through `failures.read_or`, and patches their classes with
+`type.__setattr__` (a class that refuses it is skipped): no broad guard of its own. Its edges are
+the step parts' (step_parts.py): the sampled step's hook that calls it turns the parts off.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from itertools import islice
 from types import FrameType, ModuleType
 from typing import Any
 
-from ...failures import never_raise
+from ...failures import read_or
 
 MAX_FRAMES = 64  # frames read above the first sampled backward() or optimizer step
 MAX_SCAN = 4096  # values looked at per place (a namespace, a frame, an object)
@@ -47,27 +52,22 @@ SEARCHING, FOUND, NOT_FOUND = "searching", "found", "not found"
 
 def module_class() -> type | None:
     """torch.nn.Module when torch is imported, else None (torch is never imported here)."""
-    torch = sys.modules.get("torch")
-    try:
-        return torch.nn.Module if torch is not None else None
-    except Exception:
-        return None
+    module = getattr(getattr(sys.modules.get("torch"), "nn", None), "Module", None)
+    return module if isinstance(module, type) else None
 
 
 def is_instance(value: Any, cls: type | tuple[type, ...]) -> bool:
     """isinstance, False where it raises (a proxy whose __class__ raises)."""
-    try:
-        return isinstance(value, cls)
-    except Exception:  # a proxy whose __class__ raises
-        return False
+    return read_or(False, isinstance, value, cls)
 
 
 def has_parameters(module: Any) -> bool:
     """The module holds at least one parameter (False when they cannot be read)."""
-    try:
-        return next(iter(module.parameters()), None) is not None
-    except Exception:
-        return False
+    return read_or(False, _has_parameters, module)
+
+
+def _has_parameters(module: Any) -> bool:
+    return next(iter(module.parameters()), None) is not None
 
 
 OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's directory
@@ -90,11 +90,8 @@ def own_attributes(value: Any) -> list[Any]:
     only, never ours, never through a getattr that could run a property."""
     if isinstance(value, (type, ModuleType)) or str(getattr(type(value), "__module__", "")).startswith("traceml_jupyter"):
         return []
-    try:
-        own = object.__getattribute__(value, "__dict__")
-    except Exception:
-        return []
-    return list(own.values())[:MAX_SCAN] if isinstance(own, dict) else []
+    own = read_or(None, object.__getattribute__, value, "__dict__")
+    return list(own.values())[:MAX_SCAN] if type(own) is dict else []
 
 
 def instances_in(values: Iterable[Any], classes: type | tuple[type, ...]) -> list[Any]:
@@ -115,10 +112,14 @@ def instances_in(values: Iterable[Any], classes: type | tuple[type, ...]) -> lis
 
 
 def _instances(values: list[Any], classes: type | tuple[type, ...]) -> list[Any]:
-    try:
-        return [v for v in values if isinstance(v, classes)]
-    except Exception:  # a proxy whose __class__ raises: the values one by one
-        return [v for v in values if is_instance(v, classes)]
+    found = read_or(None, _all_instances, values, classes)  # at once: a guard per value costs
+    if found is None:  # a proxy whose __class__ raises: the values one by one
+        found = [v for v in values if is_instance(v, classes)]
+    return found
+
+
+def _all_instances(values: list[Any], classes: type | tuple[type, ...]) -> list[Any]:
+    return [v for v in values if isinstance(v, classes)]
 
 
 def frame_values(
@@ -134,22 +135,29 @@ def frame_values(
     for _ in range(MAX_FRAMES):
         if frame is None:
             break
-        module_level = False
-        with never_raise():
-            if not frame.f_code.co_filename.startswith(OURS):
-                local = frame.f_locals
-                module_level = frame.f_globals is local
-                if seen is not None and module_level:
-                    values.extend([v for k, v in islice(local.items(), MAX_SCAN) if k not in seen or seen[k] is not v])
-                else:
-                    values.extend(list(local.values())[:MAX_SCAN])
-                me = local.get("self")
-                if me is not None and cls is not None and not is_instance(me, cls):
-                    values.extend(own_attributes(me))
-        if module_level:
+        if not frame.f_code.co_filename.startswith(OURS) and read_or(False, _frame_values, frame, cls, seen, values):
             break
         frame = frame.f_back
     return values
+
+
+def _frame_values(frame: FrameType, cls: type | None, seen: Mapping[str, Any] | None, values: list[Any]) -> bool:
+    """Add a frame's local values (and its `self`'s attributes) to `values`: its locals are
+    the user's (a key's `__eq__`). True when it is a module-level frame."""
+    local = frame.f_locals
+    module_level = frame.f_globals is local
+    if seen is not None and module_level:
+        values.extend([v for k, v in islice(local.items(), MAX_SCAN) if k not in seen or seen[k] is not v])
+    else:
+        values.extend(list(local.values())[:MAX_SCAN])
+    me = local.get("self")
+    if me is not None and cls is not None and not is_instance(me, cls):
+        values.extend(own_attributes(me))
+    return module_level
+
+
+def _submodule_ids(module: Any) -> set[int]:
+    return {id(sub) for sub in module.modules() if sub is not module}
 
 
 def roots_of(candidates: Iterable[Any]) -> list[Any]:
@@ -160,20 +168,20 @@ def roots_of(candidates: Iterable[Any]) -> list[Any]:
             unique[id(m)] = m
     inner: set[int] = set()
     for m in unique.values():
-        with never_raise():
-            inner.update(id(sub) for sub in m.modules() if sub is not m)
+        inner |= read_or(set(), _submodule_ids, m)  # the user's module: none when it raises
     return [m for key, m in unique.items() if key not in inner]
 
 
 def named_children(module: Any) -> list[tuple[str, Any]]:
     """The module's (name, child) pairs; none when they cannot be read."""
-    try:
-        return list(module.named_children())
-    except Exception:
-        return []
+    return read_or([], _named_children, module)
 
 
-def describe(module: Any, namespace: dict[str, Any] | None) -> str:
+def _named_children(module: Any) -> list[tuple[str, Any]]:
+    return list(module.named_children())
+
+
+def describe(module: Any, namespace: Mapping[str, Any] | None) -> str:
     """"model (Net)": the name it has in the notebook, if any, and its class."""
     cls = type(module).__name__
     for name, value in list((namespace or {}).items()):
@@ -243,11 +251,8 @@ class ModuleCalls:
     def _patch_for(self, cls: type) -> None:
         if cls in self._classes:
             return
-        try:
-            own = cls.__dict__.get("__call__")
-            orig = self._original_call(cls)
-        except Exception:
-            return
+        own_and_orig = read_or(None, self._own_and_original, cls)  # the user's class: its mro
+        own, orig = own_and_orig if own_and_orig is not None else (None, None)
         if orig is None:
             return
         timed = self.timed
@@ -260,6 +265,9 @@ class ModuleCalls:
         self._classes[cls] = (own, __call__)
         if self.installed:
             self._set(cls, __call__)
+
+    def _own_and_original(self, cls: type) -> tuple[Any, Call | None]:
+        return cls.__dict__.get("__call__"), self._original_call(cls)
 
     def _original_call(self, cls: type) -> Call | None:
         """`cls.__call__` as it resolves without our patches (a root's class may inherit from
@@ -276,7 +284,7 @@ class ModuleCalls:
     def _set(cls: type, value: Any) -> None:
         try:
             type.__setattr__(cls, "__call__", value)
-        except Exception:
+        except (TypeError, AttributeError):  # an immutable (builtin or extension) class
             pass
 
     def install(self) -> None:
@@ -289,14 +297,14 @@ class ModuleCalls:
         """Put back each class's own `__call__` (or inherit it again), where ours is still there."""
         self.installed = False
         for cls, (own, patch) in self._classes.items():
+            if cls.__dict__.get("__call__") is not patch:
+                continue
             try:
-                if cls.__dict__.get("__call__") is not patch:
-                    continue
                 if own is None:
                     type.__delattr__(cls, "__call__")
                 else:
                     type.__setattr__(cls, "__call__", own)
-            except Exception:
+            except (TypeError, AttributeError):  # an immutable class (never patched, then)
                 pass
 
     def keep_called(self, called: set[int]) -> None:
@@ -320,7 +328,7 @@ class ModuleCalls:
         self.remove()
         self._classes.clear()
 
-    def found_labels(self, called: set[int], namespace: dict[str, Any] | None) -> list[str]:
+    def found_labels(self, called: set[int], namespace: Mapping[str, Any] | None) -> list[str]:
         """The roots called, as the summary names them: "model (Net)" when the notebook holds
         them under a name, else their label (the class, or "Net.encoder (Encoder)" for a root's child)."""
         out = []

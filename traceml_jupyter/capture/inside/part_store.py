@@ -6,7 +6,7 @@ as the Recorder keeps steps)."""
 from __future__ import annotations
 
 from array import array
-from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -152,7 +152,7 @@ class PartStore:
             values[0] = values[len(PARTS)] = np.nan
         return steps, values
 
-    def columns(self, cols: dict[str, Any]) -> dict[str, np.ndarray]:
+    def columns(self, cols: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The parts of the recorder's kept steps `cols["step"]` (NaN where a step was not
         sampled or a part not timed), and the rest: the step's compute less its three parts."""
         steps = np.asarray(cols["step"], dtype=np.int64)

@@ -29,6 +29,13 @@ stepping); a run whose forward was never found says so (`forward_state`).
 
 On a GPU the same boundaries get CUDA events on the loop's stream (the stream the step started
 on), read once complete, never waited for: the parts on the GPU's timeline.
+
+Edges (a failure of ours stops there, turns the parts off with a note, and the user's call runs
+as without us): the step model's callback (`sample_due`) and its merges (`merged`), a timed
+part's end (`_timed`: a root's call, `backward()`, a closure), our pre hook on an optimizer and
+the global post hook's `optimizer_stepped`; the first look for the model's calls (`_walk`) leaves
+a note of its own. Every CUDA call of the GPU parts goes through `_on_gpu`, which turns the GPU
+time (only) off. What is read of the user's objects goes through `failures.read_or`.
 """
 
 from __future__ import annotations
@@ -37,19 +44,18 @@ import random
 import re
 import sys
 import weakref
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from threading import get_ident
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
-from ...failures import failure_text, never_raise
-from ..data.probes import type_name, user_namespace
-from ..gpu.cuda_graphs import capturing
+from ...failures import failure_text, never_raise, read_or
+from ..data.probes import attribute, type_name, user_namespace
 from ..steps.step_model import ITERATION, MERGE_MAX, NEVER, StepModel
 from ..steps.step_model import OPTIMIZER as OPTIMIZER_LEVEL
+from .cuda_parts import CudaParts
 from .line_costs import FULL_STEPS, LINE_EVERY
 from .model_calls import (
     FOUND,
@@ -80,80 +86,41 @@ MAX_SEARCH = 8  # training steps the roots may take to show before the forward i
 SEED = 0x7ACE
 
 
-def _optimizer_facts(optimizer: Any) -> dict[str, Any]:
+class OptimizerFacts(TypedDict, total=False):
+    """What the optimizer advice reads of an optimizer that stepped: what could be read of it."""
+
+    name: str  # its class
+    foreach: bool | None  # its defaults' foreach / fused (None: torch's default)
+    fused: bool | None
+    param_groups: int
+    tensors: int
+    label: str  # "opt (AdamW)": its name in the notebook, if any, and its class
+
+
+class PartsFacts(TypedDict):
+    """What the summary quotes of the parts of the step (`StepParts.facts`)."""
+
+    parts_sampled_steps: int
+    forward_state: str | None  # SEARCHING, FOUND, NOT_FOUND (model_calls.py); None: no step sampled
+    forward_modules: list[str]
+    optimizers: list[OptimizerFacts]
+    parts_sampling: str
+
+
+def _optimizer_facts(optimizer: Any) -> OptimizerFacts:
     """What the optimizer advice reads: its class, foreach/fused, parameter groups, tensors."""
-    facts: dict[str, Any] = {"name": type_name(optimizer)}
-    with never_raise():  # what could be read is kept
-        defaults = dict(getattr(optimizer, "defaults", {}) or {})
-        facts["foreach"] = defaults.get("foreach")
-        facts["fused"] = defaults.get("fused")
-        groups = list(optimizer.param_groups)
-        facts["param_groups"] = len(groups)
-        facts["tensors"] = sum(len(g.get("params", ())) for g in groups)
+    facts: OptimizerFacts = {"name": type_name(optimizer)}
+    read_or(None, _read_optimizer, optimizer, facts)  # the user's optimizer: what could be read is kept
     return facts
 
 
-class CudaParts:
-    """CUDA events at the part boundaries of sampled steps, on the loop's stream; each stamp's
-    own GPU time (its span less its nested stamps' spans) once its events have completed.
-    Nothing of it touches CUDA while a CUDA graph capture is under way (cuda_graphs.py): a part
-    that runs during one has no GPU time (nor has the part around it)."""
-
-    def __init__(self, cuda: Any, own: dict[int, float]) -> None:
-        self.cuda = cuda
-        self._free: list[Any] = []
-        self._open: list[tuple[Any, list[int]]] = []  # per open part: its start event, nested stamps
-        self.pending: deque[tuple[int, Any, Any, list[int]]] = deque()  # stamp, start, end, nested
-        self.spans: dict[int, float] = {}  # stamp -> its GPU span (ms), until its parent is read
-        self.own = own  # stamp -> own GPU ms, once read (the store's)
-
-    def _event(self) -> Any:
-        cuda = self.cuda
-        ev = self._free.pop() if self._free else cuda.marks.new_event()
-        cuda.marks.record(ev, cuda.step_stream())
-        return ev
-
-    def enter(self) -> None:
-        """A part begins: its start event (none during a CUDA graph capture)."""
-        self._open.append((None if capturing(True) else self._event(), []))
-
-    def exit(self, stamp: int) -> None:
-        """The part opened last ends as `stamp`: its end event (poll() reads it once both completed)."""
-        start, nested = self._open.pop()
-        if start is not None and not capturing(True):
-            self.pending.append((stamp, start, self._event(), nested))
-        if self._open:
-            self._open[-1][1].append(stamp)
-
-    def reset(self) -> None:
-        """A sampled step opens: no part is open."""
-        self._open.clear()
-
-    def poll(self) -> None:
-        """Read every stamp whose events completed, in order (nested stamps come first)."""
-        pending = self.pending
-        if not pending or capturing():
-            return
-        while pending:
-            stamp, start, end, nested = pending[0]
-            if not (start.query() and end.query()):
-                return
-            pending.popleft()
-            span = float(start.elapsed_time(end))
-            self.spans[stamp] = span
-            # a nested part without GPU time (run during a graph capture): this one's is unknown
-            self.own[stamp] = span - sum(self.spans.pop(n, float("nan")) for n in nested)
-            self._free += (start, end)
-
-    def close(self) -> None:
-        """The last events are done once the step clock's last event is (it waited for it)."""
-        if self.pending and not capturing(True):
-            end = self.pending[-1][2]
-            if hasattr(end, "synchronize"):
-                end.synchronize()
-        self.poll()
-        self.pending.clear()
-        self._free.clear()
+def _read_optimizer(optimizer: Any, facts: OptimizerFacts) -> None:
+    defaults = dict(getattr(optimizer, "defaults", {}) or {})
+    facts["foreach"] = defaults.get("foreach")
+    facts["fused"] = defaults.get("fused")
+    groups = list(optimizer.param_groups)
+    facts["param_groups"] = len(groups)
+    facts["tensors"] = sum(len(g.get("params", ())) for g in groups)
 
 
 class StepParts:
@@ -187,13 +154,13 @@ class StepParts:
         self._flags = 0  # validity of the open sampled step
         # optimizers: id -> (weak ref, its pre hooks dict, our key there, our pre hook, index)
         self._optimizers: dict[int, tuple[Any, Any, int, Any, int]] = {}
-        self.optimizer_facts: list[dict[str, Any]] = []
+        self.optimizer_facts: list[OptimizerFacts] = []
         self._optimizer_refs: list[Any] = []
         self._stepped: set[int] = set()  # indices of the optimizers seen stepping
         self._gpu: CudaParts | None = None
         self._gpu_parts: CudaParts | None = None
         self._gpu_broken = False  # an error in our GPU bookkeeping: no GPU parts for the run
-        self._namespace_seen: dict[str, Any] | None = None  # what begin() looked at: the walk skips it
+        self._namespace_seen: Mapping[str, Any] | None = None  # what begin() looked at: the walk skips it
 
     # -- the schedule ---------------------------------------------------------------------------
     def begin(self) -> None:
@@ -230,10 +197,7 @@ class StepParts:
         self.note = f"The parts of the step were turned off: {failure_text(exc)}"
         self.active = False
         self.model.sample_in = NEVER
-        try:
-            self._disarm()
-        except Exception:
-            self.on = False
+        self._disarm()
 
     def _due(self, start: int, end: int) -> None:
         model = self.model
@@ -298,16 +262,12 @@ class StepParts:
 
     # -- stamps ---------------------------------------------------------------------------------
     def _enter(self) -> tuple[int, int]:
+        """A part begins (this cannot fail: a list append and two reads; its GPU event is
+        guarded in `_on_gpu`)."""
         self._acc.append(0)
         if self._gpu is not None:
-            self._enter_gpu()
+            self._on_gpu(self._gpu.enter)
         return perf_counter_ns(), self.model.wait_total
-
-    def _enter_gpu(self) -> None:
-        try:
-            self._gpu.enter()  # type: ignore[union-attr]
-        except Exception as exc:
-            self._gpu_failed(exc)
 
     def _exit(self, kind: int, t0: int, w0: int) -> None:
         t1 = perf_counter_ns()
@@ -320,10 +280,15 @@ class StepParts:
         self._t0.append(t0)
         self._own.append(span - nested)
         if self._gpu is not None:
-            try:
-                self._gpu.exit(self.store.base + len(self._kind) - 1)
-            except Exception as exc:
-                self._gpu_failed(exc)
+            self._on_gpu(self._gpu.exit, self.store.base + len(self._kind) - 1)
+
+    def _on_gpu(self, do: Callable[..., None], *args: Any) -> None:
+        """The edge of the GPU parts: a CUDA call of theirs that fails turns their GPU time off
+        for the run (a note says so); the CPU parts go on."""
+        try:
+            do(*args)
+        except Exception as exc:
+            self._gpu_failed(exc)
 
     def _gpu_failed(self, exc: BaseException) -> None:
         self.note = f"GPU time of the step's parts turned off: {failure_text(exc)}"
@@ -334,15 +299,11 @@ class StepParts:
     def _timed(self, kind: int, call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """`call(*args, **kwargs)` stamped as one part; our bookkeeping never raises into it."""
         __tracebackhide__ = True  # noqa: F841
-        try:
-            t0, w0 = self._enter()
-        except Exception as exc:
-            self.failed(exc)
-            return call(*args, **kwargs)
+        t0, w0 = self._enter()
         try:
             return call(*args, **kwargs)
         finally:
-            try:
+            try:  # the edge of a timed part: it runs in the user's `finally`, never replaces their error
                 self._exit(kind, t0, w0)
             except Exception as exc:
                 self.failed(exc)
@@ -397,8 +358,7 @@ class StepParts:
             if is_instance(v, cls):
                 modules.append(v)
             else:
-                with never_raise():
-                    self._hook_optimizer(v)
+                self._hook_optimizer(v)
         return modules
 
     def _hook_optimizer(self, optimizer: Any) -> bool:
@@ -406,7 +366,7 @@ class StepParts:
         False when it cannot be hooked."""
         if id(optimizer) in self._optimizers:
             return True
-        pre_hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+        pre_hooks = attribute(optimizer, "_optimizer_step_pre_hooks")
         if not isinstance(pre_hooks, dict):
             return False
         try:
@@ -548,21 +508,18 @@ class StepParts:
     def columns(self, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The parts of the recorder's kept steps (part_store.PartStore.columns)."""
         if self._gpu_parts is not None:
-            try:
-                self._gpu_parts.poll()
-            except Exception as exc:
-                self._gpu_failed(exc)
+            self._on_gpu(self._gpu_parts.poll)
         return self.store.columns(cols)
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> PartsFacts:
         """What the summary quotes: the forward's state and modules, the optimizers, sampling."""
         namespace = user_namespace()
-        optimizers = []
+        optimizers: list[OptimizerFacts] = []
         for i, (facts, ref) in enumerate(zip(self.optimizer_facts, self._optimizer_refs, strict=True)):
             if i not in self._stepped:
                 continue  # in the namespace, but it did not step in this run
             opt = ref()
-            optimizers.append({**facts, "label": describe(opt, namespace) if opt is not None else facts["name"]})
+            optimizers.append({**facts, "label": describe(opt, namespace) if opt is not None else facts.get("name", "")})
         return {
             "parts_sampled_steps": self.sampled,
             "forward_state": self.calls.state if self.sampled else None,
@@ -590,7 +547,4 @@ class StepParts:
             self.calls.state = FOUND if self._ever_called else NOT_FOUND
             self.store.no_forward = not self._ever_called
         if self._gpu_parts is not None:
-            try:
-                self._gpu_parts.close()
-            except Exception as exc:
-                self._gpu_failed(exc)
+            self._on_gpu(self._gpu_parts.close)

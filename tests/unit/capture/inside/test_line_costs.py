@@ -285,6 +285,34 @@ def test_gpu_time_per_line_comes_from_events_on_sampled_steps(fake_clock: HostCl
     assert costs["ms_per_step"] == {10: pytest.approx(0.1), 11: pytest.approx(0.5)}
 
 
+def test_a_failure_reading_the_gpu_marks_stops_at_the_line_clocks_edge(
+    fake_clock: HostClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading a sampled step's events fails (inside `_poll`, called from the next step's
+    `start`): the GPU time per line turns itself off there, the loop's statements still run and
+    keep their wall time, and finish() raises it for the caller's note."""
+    gpu = FakeGpu(fake_clock, queue_ms=1e9)
+    clock = CudaLineClock(statements(2), gpu.event, lambda: True, warmup_until=-1, full=8, every=1)
+
+    def broken(self: Any) -> None:
+        raise RuntimeError("event pool gone")
+
+    monkeypatch.setattr(CudaLineClock, "_poll", broken)
+    ran = 0
+    for _ in range(8):
+        if not clock.sample():
+            continue
+        clock.start()  # from the second sampled step on, the marks of the one before are read
+        fake_clock.sleep(1e6)
+        ran += 1
+        clock.lap(0)
+        clock.lap(1)
+    assert ran == 8 and clock.gpu_off == "RuntimeError: event pool gone"
+    with pytest.raises(RuntimeError, match="GPU time per line turned off: RuntimeError: event pool gone"):
+        clock.finish()
+    assert line_costs(clock, 0)["ms_per_step"][10] == pytest.approx(1.0)
+
+
 def test_heat_scales_bars_to_the_costliest_line() -> None:
     costs = {
         "statements": [{"line": 3, "ms_per_step": 2.0}, {"line": 4, "ms_per_step": 0.5}],

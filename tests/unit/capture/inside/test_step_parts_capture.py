@@ -158,6 +158,48 @@ def test_a_failure_of_ours_turns_the_parts_off_with_a_note(monkeypatch: pytest.M
     assert "__call__" not in Sleepy.__dict__
 
 
+def trained_losses(steps: int) -> list[float]:
+    """The losses of a small deterministic training loop, as the user's cell computes them."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(8, 4)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("inner", ["_exit", "_hook_optimizer", "_optimizer_ended"])
+def test_a_failure_in_our_bookkeeping_stops_at_the_parts_edge_and_the_training_is_the_same(
+    monkeypatch: pytest.MonkeyPatch, inner: str
+) -> None:
+    """A failure inside a part's end (forward, backward), our optimizer pre hook or the global
+    post hook's bookkeeping: the edge turns the parts off with a note; the user's losses are
+    those of the same loop without the magic, and nothing of ours stays on their classes."""
+    from traceml_jupyter.capture.inside.step_parts import StepParts
+
+    expected = trained_losses(6)
+
+    def broken(self: Any, *args: Any) -> None:
+        raise RuntimeError("our bookkeeping broke")
+
+    monkeypatch.setattr(StepParts, inner, broken)
+    with traceml_jupyter.trace(show=False) as run:
+        got = trained_losses(6)
+    assert got == expected
+    assert run.n_steps == 6
+    # Off with a note: by the parts' own edge, or (an optimizer already in the notebook's
+    # namespace is hooked as the capture starts) by the capture's guard around that start.
+    edges = ("parts of the step were turned off", "traceml failed timing the parts of the step")
+    assert any("our bookkeeping broke" in n and any(e in n for e in edges) for n in run.notes)
+    assert "__call__" not in nn.Linear.__dict__
+
+
 def test_the_store_keeps_a_bounded_uniform_history_of_sampled_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     from traceml_jupyter.capture.inside import part_store
 
