@@ -124,7 +124,6 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 # protocol where the type is needed, say): the list may only shrink.
 TYPE_ONLY_CYCLES = {
     "run_summary -> run",  # the summary reads a Run; the Run asks for its summary
-    "tuning.render -> tuning.result",  # the views name TuneResult; TuneResult renders through them
 }
 
 

@@ -1,11 +1,15 @@
-"""What `%traceml tune` measured and concluded (TuneResult), shown by render.py."""
+"""What `%traceml tune` measured and concluded (TuneResult), as text and HTML around the tune
+table (render.py)."""
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 from typing import Any
 
-from .render import result_html, result_text
+from ..analysis.number_text import ms as _ms
+from ..analysis.tune_plan import rate_text
+from .render import MODEL, split_text, table_html, table_lines
 
 # The seconds a tune takes unless told otherwise.
 DEFAULT_BUDGET_S = 30.0
@@ -87,3 +91,77 @@ class TuneResult:
 
     def _repr_html_(self) -> str:
         return result_html(self)
+
+
+def result_text(result: TuneResult) -> str:
+    """The result as plain text: the model's rate, the table, the advice, the line to write."""
+    lines = [
+        f"traceml tune: {result.loader_label}, {len(result.rows)} setting(s) in "
+        f"{result.elapsed_s:.1f} s (budget {result.budget_s:g} s)"
+    ]
+    if result.stopped:
+        lines.append("  Stopped: the table has what was measured before the stop.")
+    if result.error:
+        lines.append(f"  Error: {result.error}")
+    if result.model_batches_per_s is not None:
+        lines.append(
+            f"  model: {rate_text(result.model_batches_per_s)} batches/s "
+            f"({_ms(result.compute_ms)} compute a step, {result.batches_per_step or 1:g} "
+            f"batch(es) a step; {result.model_source})"
+        )
+    else:
+        lines.append("  model: rate unknown (no %%traceml run of this loader, no compute_ms=)")
+    lines.extend(
+        "  " + line
+        for line in table_lines(result.rows, result.model_batches_per_s, result.best_settings)
+    )
+    lines.extend(f"  {a}" for a in result.advice)
+    if result.code:
+        lines.append(f"  Write: {result.code}")
+    if result.split is not None and not any(
+        a.startswith("At num_workers=0") for a in result.advice
+    ):
+        lines.append("  " + split_text(result.split))
+    lines.extend(f"  Note: {n}" for n in result.notes)
+    return "\n".join(lines)
+
+
+def result_html(result: TuneResult) -> str:
+    """The result as HTML: a bar per setting against the model's rate, the advice, the line to
+    write."""
+    e = html.escape
+    model = result.model_batches_per_s
+    model_line = (
+        f"model: <b>{e(rate_text(model))}</b> batches/s ({e(_ms(result.compute_ms))} compute a "
+        f"step, {result.batches_per_step or 1:g} batch(es) a step; {e(str(result.model_source))})"
+        f' <span style="color:{MODEL}">&#9474;</span>'
+        if model is not None
+        else "model: rate unknown (no %%traceml run of this loader, no compute_ms=)"
+    )
+    parts = [
+        '<div class="traceml-tune" style="font-family:var(--jp-ui-font-family,sans-serif);'
+        'font-size:13px;line-height:1.5">',
+        f"<div><b>traceml tune</b> {e(result.loader_label)}: {len(result.rows)} setting(s) in "
+        f"{result.elapsed_s:.1f} s (budget {result.budget_s:g} s)</div>",
+    ]
+    if result.stopped:
+        parts.append("<div><b>Stopped</b>: the table has what was measured before the stop.</div>")
+    if result.error:
+        parts.append(f"<div><b>Error</b>: {e(result.error)}</div>")
+    parts.append(f"<div>{model_line}</div>")
+    parts.append(table_html(result.rows, model, result.best_settings))
+    parts.extend(f"<div>{e(a)}</div>" for a in result.advice)
+    if result.code:
+        parts.append(
+            "<pre style='margin:4px 0;padding:4px 8px;background:rgba(127,127,127,.12)'>"
+            f"{e(result.code)}</pre>"
+        )
+    if result.split is not None and not any(
+        a.startswith("At num_workers=0") for a in result.advice
+    ):
+        parts.append(f"<div>{e(split_text(result.split))}</div>")
+    parts.extend(f"<div><i>Note</i>: {e(n)}</div>" for n in result.notes)
+    parts.append("</div>")
+    return "".join(parts)
+
+
