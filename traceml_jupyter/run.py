@@ -11,12 +11,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from time import perf_counter_ns
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import kernel_state
 from . import result as render
 from .analysis.phases import step_definition
+from .analysis.summary_keys import Straggler, Summary
 from .analysis.verdict import Verdict
 from .capture.data.probes import safe_len
 from .capture.resources.host import usable_cpus
@@ -24,7 +24,7 @@ from .capture.resources.machine import describe_machine
 from .capture.steps.recorder import Recorder
 from .failures import failure_text, never_raise
 from .result import SCHEMA_VERSION, DataFeed, Gpu, Loop, Resources, RunResult, Steps
-from .result.value import frozen_facts, frozen_rows, read_only
+from .result.value import frozen_facts, frozen_rows, frozen_summary, read_only
 from .run_summary import analyse
 
 if TYPE_CHECKING:
@@ -327,7 +327,7 @@ class Run:
         samples = self.gpu_samples
         return RunResult(
             name=self.name, started_at=self.started_at, ended_at=self.ended_at,
-            summary=MappingProxyType(summary), verdict=verdict,
+            summary=frozen_summary(summary), verdict=verdict,
             steps=Steps(
                 columns=read_only(cols), n_steps=self.n_steps, stride=self.recorder.stride,
                 kind=self.step_kind, definition=self.step_definition, warmup=self.warmup,
@@ -389,10 +389,10 @@ class Run:
 
     # -- the result API: what `result` holds ------------------------------------------------
     @property
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> Summary:
         """The medians, shares and counts the verdict read (every key: docs/api.md): a plain
         dict, copied from the result (changing it changes nothing of the run)."""
-        return dict(self.result.summary)
+        return self.result.summary.copy()
 
     @property
     def verdict_detail(self) -> Verdict:
@@ -437,11 +437,11 @@ class Run:
         return dict(machine) if machine is not None else None
 
     @property
-    def straggler(self) -> dict[str, Any] | None:
+    def straggler(self) -> Straggler | None:
         """Several ranks: {"rank", "cause": input|h2d|compute|unknown, "score"} of the rank that
         holds the others back (RANK STRAGGLER), else None (a plain dict)."""
         found = self.result.straggler
-        return dict(found) if found is not None else None
+        return found.copy() if found is not None else None
 
     @property
     def steps(self) -> dict[str, np.ndarray]:

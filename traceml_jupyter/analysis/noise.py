@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from .summary_keys import Summary
+
 REPLICATES = 2000
 LEVEL = 0.95
 SEED = 21
@@ -141,7 +143,7 @@ def column_label(column: str) -> tuple[str, str]:
 
 
 def analysed_samples(
-    summary: Mapping[str, Any], columns: Mapping[str, Any], per_sample: float | None = None
+    summary: Summary, columns: Mapping[str, Any], per_sample: float | None = None
 ) -> dict[str, np.ndarray]:
     """The analysed steps' values (after the warm-up, on the run's clock): step_ms, data_wait_ms,
     compute_ms, then every other numeric per-step column. Times are divided by `per_sample`

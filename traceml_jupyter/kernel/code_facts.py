@@ -35,6 +35,7 @@ from ..analysis.checklist import CopySeen, Facts, Item, LineSeen, default_start_
 from ..analysis.data_sources import feeder
 from ..analysis.rank_verdict import checklist_verdict
 from ..analysis.resources import cpu_sentence
+from ..analysis.summary_keys import Summary
 from ..capture.data.dataloaders import dataset_site, inner_dataset
 from ..capture.data.sources import fed_expression, resolve_name
 from ..capture.resources.host import usable_cpus
@@ -415,7 +416,7 @@ def facts_for(
     if run.result.steps.expected and run.n_steps > run.result.steps.expected:
         several = True
     method = (loader or {}).get("multiprocessing_context") or start_method
-    wait = (summary.get("stats") or {}).get("data_wait_ms") or {}
+    wait = (summary.get("stats") or {}).get("data_wait_ms")
     return Facts(
         verdict=checklist_verdict(run.verdict, run.straggler),  # a rank straggler: its cause
         loader=loader,
@@ -428,7 +429,7 @@ def facts_for(
         start_method=method or _process_start_method(),
         straggler_steps=int(summary.get("straggler_steps") or 0),
         wait_median_ms=summary.get("data_wait_ms"),
-        wait_p99_ms=wait.get("p99"),
+        wait_p99_ms=wait["p99"] if wait else None,
         pinned_share=summary.get("h2d_pinned_share"),
         non_blocking_share=summary.get("h2d_non_blocking_share"),
         copies=copies_seen(run, shell),
@@ -448,7 +449,7 @@ def facts_for(
     )
 
 
-def _feeder_facts(run: Run, shell: Any, summary: Mapping[str, Any], ctx: CodeContext) -> dict[str, Any]:
+def _feeder_facts(run: Run, shell: Any, summary: Summary, ctx: CodeContext) -> dict[str, Any]:
     """What fed the steps when it is no DataLoader, where, and the code behind it."""
     source = feeder(summary)
     if source is None:

@@ -26,6 +26,7 @@ from .value import (
     Steps,
     frozen_facts,
     frozen_rows,
+    frozen_summary,
     jsonable,
     read_only,
 )
@@ -187,7 +188,7 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
         name=str(doc["name"]),
         started_at=_float(doc.get("started_at")) or math.nan,
         ended_at=_float(doc.get("ended_at")),
-        summary=MappingProxyType(dict(summary)),
+        summary=frozen_summary(summary),
         verdict=Verdict.from_dict(doc["verdict"]),
         steps=_steps(got, read_only(columns), summary),
         loop=Loop(

@@ -10,10 +10,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
+from ..analysis.summary_keys import Straggler, Summary
 from ..analysis.verdict import Verdict
 
 # One measured feature's facts, as the capture described them and the JSON holds them (its keys:
@@ -58,6 +59,12 @@ def read_only(columns: Mapping[str, np.ndarray]) -> Columns:
 def frozen_facts(facts: Mapping[str, Any] | None) -> Facts | None:
     """A read-only view of a copy of `facts` (None stays None)."""
     return None if facts is None else MappingProxyType(dict(facts))
+
+
+def frozen_summary(summary: Mapping[str, Any]) -> Summary:
+    """A read-only view of a copy of `summary` (setting a key raises TypeError), read as the
+    Summary it holds; `.copy()` gives a plain dict of it."""
+    return cast(Summary, MappingProxyType(dict(summary)))
 
 
 def frozen_rows(rows: Sequence[Mapping[str, Any]] | None) -> tuple[Facts, ...] | None:
@@ -173,7 +180,7 @@ class RunResult:
     name: str
     started_at: float
     ended_at: float | None
-    summary: Facts
+    summary: Summary
     verdict: Verdict
     steps: Steps
     loop: Loop = field(default_factory=Loop)
@@ -212,11 +219,11 @@ class RunResult:
         return self.steps.columns
 
     @property
-    def straggler(self) -> Facts | None:
+    def straggler(self) -> Straggler | None:
         """Several ranks: {"rank", "cause": input|h2d|compute|unknown, "score"} of the rank that
         holds the others back (RANK STRAGGLER), else None."""
         found = self.summary.get("straggler") if self.ranks else None
-        return MappingProxyType(dict(found)) if found else None
+        return cast(Straggler, MappingProxyType(dict(found))) if found else None
 
     def with_reading(self, checklist: Sequence[Mapping[str, Any]] | None, quoted_cells: Mapping[str, str] | None) -> RunResult:
         """The same result with what the kernel read at its end (a new value)."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..analysis.number_text import pct as _pct
+from ..analysis.summary_keys import Summary
 from ..analysis.verdict import VerdictLabel
 from .live_svg import LEGEND_HTML, WINDOW
 
@@ -41,7 +42,7 @@ def format_duration(seconds: float | None) -> str:
     return f"{hours} h {minutes:02d} min"
 
 
-def verdict_share(label: str, summary: Mapping[str, Any]) -> str:
+def verdict_share(label: str, summary: Summary) -> str:
     """The share behind a verdict, as the header says it ("data wait 94 % of step")."""
     if label == VerdictLabel.INPUT_BOUND:
         return f"data wait {_pct(summary.get('data_wait_share'), 0)} of step"
@@ -252,7 +253,7 @@ def host_text(run: Run) -> str | None:
     return _host_line(cores, watch.host.usable_cores, row["process_rss_mib"], False)
 
 
-def kept_host_text(summary: Mapping[str, Any]) -> str | None:
+def kept_host_text(summary: Summary) -> str | None:
     """The cores busy and the memory a finished run's summary kept, as host_text says them."""
     cores, usable = summary.get("cpu_cores"), summary.get("cpu_usable_cores")
     if cores is None or not usable:

@@ -273,8 +273,9 @@ def code_pane(result: RunResult, ctx: CodeContext, items: Sequence[Item]) -> str
             marks.setdefault(item.site.line, []).append(item.key)
     if not result.loop.loop_cell_source:  # a resource finding's line (a kept graph) is a line of this cell
         for finding in result.summary.get("resource_findings") or []:
-            if finding.get("line") is not None and finding["severity"] != "info":
-                marks.setdefault(int(finding["line"]), []).append(str(finding["label"]).lower())
+            line = finding["line"]
+            if line is not None and finding["severity"] != "info":
+                marks.setdefault(line, []).append(finding["label"].lower())
     costs = result.line_costs if not result.loop.loop_cell_source else None
     bars = line_bars(costs, len(lines))
     parts.append(
