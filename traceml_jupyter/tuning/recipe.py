@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..analysis.tune_plan import Setting, Split
+from ..failures import read_or
 
 # -- the user's loader, rebuilt with other settings ----------------------------------------------
 
@@ -57,10 +58,7 @@ def _fresh(sampler: Any, dataset: Any) -> Any:
             num_samples=sampler._num_samples,
             generator=sampler.generator,
         )
-    try:
-        return copy.copy(sampler)
-    except Exception:
-        return sampler
+    return read_or(sampler, copy.copy, sampler)  # the user's sampler: its copy may raise
 
 
 def _accepts(name: str) -> bool:
