@@ -9,12 +9,13 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import kernel_state
 from . import result as render
+from .analysis.checklist.facts import ItemRow
 from .analysis.phases import step_definition
 from .analysis.summary_keys import Straggler, Summary
 from .analysis.verdict import Verdict
@@ -381,7 +382,7 @@ class Run:
             cols.update(at_steps(samples, cols["time_s"], cols.get("gpu_backlog_ms")))
         return cols
 
-    def keep_reading(self, checklist: list[dict[str, Any]] | None, quoted_cells: dict[str, str] | None) -> None:
+    def keep_reading(self, checklist: Sequence[ItemRow] | None, quoted_cells: dict[str, str] | None) -> None:
         """What the kernel read once the run finished (kernel/code_facts.read_kernel_at_end): the
         checklist as evaluated and the cells the report quotes. The result becomes a new value
         that holds them (the one before is left as it was)."""

@@ -8,11 +8,11 @@ from __future__ import annotations
 import html
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from .comparable import caveats as unlike
 from .comparable import samples_per_step
-from .noise import LEVEL, Change, ColumnChange, Judgement, analysed_samples, judge
+from .noise import LEVEL, Change, ColumnChange, ColumnChangeRow, Judgement, analysed_samples, judge
 from .number_text import ms as _ms
 from .number_text import pct as _pct
 from .resources import mib
@@ -22,6 +22,23 @@ from .verdict import VerdictLabel
 # Within 5 % of each other, two runs are "about as fast": step times jitter by that much.
 SAME_SPEED = 1.05
 NO_VERDICT = (VerdictLabel.NO_DATA, VerdictLabel.WARMUP, VerdictLabel.TOO_SHORT)
+
+
+class ComparisonRow(TypedDict):
+    """A comparison as `%traceml compare --save` writes it (Comparison.to_dict)."""
+
+    a: str
+    b: str
+    verdict_a: str
+    verdict_b: str
+    speedup: float | None
+    conclusion: str
+    rows: list[list[str]]
+    notes: list[str]
+    change: str | None
+    speedup_interval: list[float | None] | None
+    caveats: list[str]
+    per_step: list[ColumnChangeRow]
 
 
 @dataclass(frozen=True)
@@ -76,7 +93,7 @@ class Comparison:
     def _repr_html_(self) -> str:
         return comparison_html(self)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ComparisonRow:
         """The comparison as JSON-ready values (what `%traceml compare` and `--save` write)."""
         return {
             "a": self.name_a,

@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -57,6 +57,22 @@ class Change(str, Enum):
     MIXED = "MIXED"  # the step got faster, a part of it slower
 
 
+class ColumnChangeRow(TypedDict):
+    """A per-step quantity's change as a comparison's JSON holds it (ColumnChange.to_dict)."""
+
+    name: str
+    column: str
+    unit: str
+    a: float
+    b: float
+    diff: float
+    diff_interval: list[float]
+    ratio: float | None
+    ratio_interval: list[float | None] | None
+    verdict: str
+    part: bool
+
+
 @dataclass(frozen=True)
 class ColumnChange:
     """One per-step quantity in both runs: its mean per step in A and B, B - A and B / A with
@@ -82,7 +98,7 @@ class ColumnChange:
         """The change is beyond run-to-run noise (faster or slower)."""
         return self.verdict != "within noise"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ColumnChangeRow:
         """The change as JSON-ready values."""
         return {
             "name": self.name,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypedDict
 
 from .data_sources import input_next, straggler_next
 from .number_text import ms as _ms
@@ -61,6 +61,16 @@ class VerdictLabel(StrEnum):
     RANK_STRAGGLER = "RANK STRAGGLER"  # several ranks: one holds the others back
 
 
+class VerdictRow(TypedDict):
+    """A verdict as the JSON's `verdict` holds it (Verdict.to_dict, Verdict.from_dict)."""
+
+    label: str
+    severity: str
+    why: str
+    next: str
+    evidence: list[list[str]]
+
+
 @dataclass(frozen=True)
 class Verdict:
     """A run's verdict: its label (INPUT-BOUND, COMPUTE-BOUND, ...), how serious, why, what to do
@@ -84,7 +94,7 @@ class Verdict:
             [(str(r[0]), str(r[1])) for r in rows if isinstance(r, (list, tuple)) and len(r) == 2],
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> VerdictRow:
         """The verdict as JSON-ready values (from_dict reads them back)."""
         return {
             "label": str(self.label),

@@ -33,6 +33,7 @@ from ..analysis.cell_code import (
     transfers_in,
 )
 from ..analysis.checklist import CopySeen, Facts, Item, LineSeen, default_start_method, evaluate
+from ..analysis.checklist.facts import ItemRow
 from ..analysis.data_sources import feeder
 from ..analysis.rank_verdict import checklist_verdict
 from ..analysis.resources import cpu_sentence
@@ -463,7 +464,7 @@ def checklist_items(run: Run, shell: Any = None, context: CodeContext | None = N
     return evaluate(facts_for(run, shell, context=context))
 
 
-def checklist_for(run: Run) -> list[dict[str, Any]]:
+def checklist_for(run: Run) -> list[ItemRow]:
     """The evaluated checklist as JSON-ready dicts."""
     return [item.to_dict() for item in checklist_items(run, ipython_shell())]
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
+from ..analysis.checklist.facts import ItemRow
 from ..analysis.verdict import Verdict
 from .value import (
     Columns,
@@ -229,7 +230,8 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
         ranks=got.rows("ranks"),
         processes=got.rows("processes"),
         machine=got.facts("machine"),
-        reading=KernelRead(got.rows("checklist"), got.facts("quoted_cells")),
+        # the file's checklist rows as Item.to_dict wrote them (Item.from_dict reads any row)
+        reading=KernelRead(cast("tuple[ItemRow, ...] | None", got.rows("checklist")), got.facts("quoted_cells")),
         notes=tuple(str(n) for n in doc.get("notes") or []),
         error=got.text("error"),
         schema_version=int(doc["schema_version"]),

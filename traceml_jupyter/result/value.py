@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from ..analysis.checklist.facts import ItemRow
 from ..analysis.summary_keys import Straggler, Summary
 from ..analysis.verdict import Verdict
 
@@ -156,7 +157,7 @@ class KernelRead:
     """What the kernel read when the run ended: the checklist as evaluated (its items as dicts)
     and the earlier cells the report quotes ({"In [2]": text})."""
 
-    checklist: tuple[Facts, ...] | None = None
+    checklist: tuple[ItemRow, ...] | None = None
     quoted_cells: Mapping[str, str] | None = None
 
 
@@ -225,10 +226,11 @@ class RunResult:
         found = self.summary.get("straggler") if self.ranks else None
         return cast(Straggler, MappingProxyType(dict(found))) if found else None
 
-    def with_reading(self, checklist: Sequence[Mapping[str, Any]] | None, quoted_cells: Mapping[str, str] | None) -> RunResult:
+    def with_reading(self, checklist: Sequence[ItemRow] | None, quoted_cells: Mapping[str, str] | None) -> RunResult:
         """The same result with what the kernel read at its end (a new value)."""
         cells = MappingProxyType(dict(quoted_cells)) if quoted_cells is not None else None
-        return replace(self, reading=KernelRead(frozen_rows(checklist), cells))
+        rows = tuple(cast(ItemRow, MappingProxyType(dict(row))) for row in checklist) if checklist is not None else None
+        return replace(self, reading=KernelRead(rows, cells))
 
 
 PROVENANCE = ("schema_version", "unsaved", "kept")

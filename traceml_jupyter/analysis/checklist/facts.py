@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from ..cell_code import CodeSite, SampleCode, Transfer
 from ..data_sources import Feeder
@@ -18,6 +18,21 @@ TRANSFER_VERDICTS = frozenset({VerdictLabel.INPUT_BOUND, VerdictLabel.H2D_BOUND,
 DEFAULT_PREFETCH = 2
 PREFETCH_TO_TRY = 4
 UNSAFE_START_METHODS = frozenset({"spawn", "forkserver"})
+
+
+class ItemRow(TypedDict):
+    """A checklist item as the JSON's `checklist` holds it (Item.to_dict, Item.from_dict)."""
+
+    key: str
+    title: str
+    status: str
+    seen: str
+    to_try: str | None
+    line: int | None
+    cell: str | None
+    where: str | None
+    reason: str
+    bears_on_verdict: bool
 
 
 @dataclass(frozen=True)
@@ -54,7 +69,7 @@ class Item:
             bool(saved.get("bears_on_verdict")),
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ItemRow:
         """The item as JSON-ready values (Item.from_dict reads it back)."""
         return {
             "key": self.key,
