@@ -5,14 +5,42 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from ..analysis.number_text import ms as _ms
 from ..analysis.tune_plan import rate_text
+from ..analysis.tune_rows import CandidateRow, LoaderSettings, SplitRow
 from .render import MODEL, split_text, table_html, table_lines
 
 # The seconds a tune takes unless told otherwise.
 DEFAULT_BUDGET_S = 30.0
+
+
+class TuneRow(TypedDict):
+    """A tune's result as its JSON holds it (TuneResult.to_dict; the checklist reads it)."""
+
+    loader: str
+    rows: list[CandidateRow]
+    best: LoaderSettings
+    best_settings: LoaderSettings | None
+    keeps_up: bool
+    model_batches_per_s: float | None
+    model_source: str | None
+    compute_ms: float | None
+    batches_per_step: float | None
+    baseline_step_ms: float | None
+    predicted_step_ms: float | None
+    predicted_speedup: float | None
+    code: str | None
+    split: SplitRow | None
+    advice: list[str]
+    notes: list[str]
+    stopped: bool
+    error: str | None
+    budget_s: float
+    elapsed_s: float
+    cpus: int
+    model_cpu_share: float | None
 
 
 @dataclass
@@ -24,9 +52,9 @@ class TuneResult:
     """
 
     loader_label: str
-    rows: list[dict[str, Any]]
-    best: dict[str, Any]
-    best_settings: dict[str, Any] | None
+    rows: list[CandidateRow]
+    best: LoaderSettings
+    best_settings: LoaderSettings | None
     keeps_up: bool
     model_batches_per_s: float | None
     model_source: str | None
@@ -36,7 +64,7 @@ class TuneResult:
     predicted_step_ms: float | None
     predicted_speedup: float | None
     code: str | None
-    split: dict[str, Any] | None
+    split: SplitRow | None
     advice: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     stopped: bool = False
@@ -46,12 +74,12 @@ class TuneResult:
     cpus: int = 1
     model_cpu_share: float | None = None  # the model's compute that is CPU work (0..1)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> TuneRow:
         """The result as JSON-ready values (the checklist keeps it; `--save` writes it)."""
         return {
             "loader": self.loader_label,
-            "rows": [dict(r) for r in self.rows],
-            "best": dict(self.best),
+            "rows": [r.copy() for r in self.rows],
+            "best": self.best.copy(),
             "best_settings": self.best_settings,
             "keeps_up": self.keeps_up,
             "model_batches_per_s": self.model_batches_per_s,
