@@ -17,7 +17,7 @@ from . import kernel_state
 from . import result as render
 from .analysis.checklist.facts import ItemRow
 from .analysis.phases import step_definition
-from .analysis.summary_keys import Straggler, Summary
+from .analysis.summary_keys import LineCosts, Straggler, Summary
 from .analysis.verdict import Verdict
 from .capture.data.probes import safe_len
 from .capture.resources.host import usable_cpus
@@ -25,7 +25,7 @@ from .capture.resources.machine import describe_machine
 from .capture.steps.recorder import Recorder
 from .failures import failure_text, never_raise
 from .result import SCHEMA_VERSION, DataFeed, Gpu, Loop, Resources, RunResult, Steps
-from .result.value import frozen_facts, frozen_rows, frozen_summary, read_only
+from .result.value import frozen_as, frozen_facts, frozen_rows, frozen_summary, read_only
 from .run_summary import analyse
 
 if TYPE_CHECKING:
@@ -356,7 +356,7 @@ class Run:
                 host=frozen_facts(self.host), gpu_memory=frozen_facts(self.gpu_memory),
                 held_before=frozen_facts(self.held_before), oom=frozen_facts(self.oom),
             ),
-            line_costs=frozen_facts(self.line_costs), ranks=frozen_rows(self.ranks),
+            line_costs=frozen_as(LineCosts, self.line_costs), ranks=frozen_rows(self.ranks),
             processes=frozen_rows(self.processes), machine=frozen_facts(self._describe_machine()),
             notes=tuple(self.notes), error=self.error,
         )

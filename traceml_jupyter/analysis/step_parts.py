@@ -14,7 +14,7 @@ import numpy as np
 
 from .number_text import ms as _ms
 from .number_text import pct as _pct
-from .summary_keys import EpochStartup, MovedPart, Summary, Trend, part_figures
+from .summary_keys import EpochStartup, LineCost, LineCosts, MovedPart, Summary, Trend, part_figures
 from .verdict import WARN_SHARE, severity_for
 
 PARTS = ("forward", "backward", "optimizer", "rest")
@@ -121,23 +121,24 @@ def part_lines(
     return found
 
 
-def rest_line(summary: Summary, line_costs: Mapping[str, Any] | None, cell_lines: Sequence[str]) -> dict[str, Any] | None:
+def rest_line(summary: Summary, line_costs: LineCosts | None, cell_lines: Sequence[str]) -> LineCost | None:
     """The costliest body statement that is none of the parts, when it makes a good part of
     the rest: {"line", "text", "ms_per_step"}."""
     rest = summary.get("rest_ms")
     if not line_costs or rest is None or rest <= 0:
         return None
-    statements = [s for s in line_costs.get("statements") or [] if s.get("ms_per_step") is not None]
+    timed = [(s, ms) for s in line_costs.get("statements") or [] if (ms := s.get("ms_per_step")) is not None]
+    statements = [s for s, _ in timed]
     modules = summary.get("forward_modules") or []
     optimizers = [o.get("label", "") for o in summary.get("optimizers") or []]
     parts = part_lines(statements, cell_lines, modules, optimizers)
-    others = [s for s in statements if int(s["line"]) not in parts]
+    others = [(s, ms) for s, ms in timed if int(s["line"]) not in parts]
     if not others:
         return None
-    top = max(others, key=lambda s: float(s["ms_per_step"]))
-    if float(top["ms_per_step"]) < 0.25 * rest:
+    top, top_ms = max(others, key=lambda pair: pair[1])
+    if top_ms < 0.25 * rest:
         return None
-    return {"line": int(top["line"]), "text": str(top.get("text") or ""), "ms_per_step": float(top["ms_per_step"])}
+    return {"line": int(top["line"]), "text": str(top.get("text") or ""), "ms_per_step": float(top_ms)}
 
 
 def parts_sentence(summary: Summary) -> str | None:
@@ -209,7 +210,7 @@ def _backward_advice(summary: Summary) -> str | None:
     )
 
 
-def rest_verdict(summary: Summary, named: Mapping[str, Any] | None) -> tuple[str, str] | None:
+def rest_verdict(summary: Summary, named: LineCost | None) -> tuple[str, str] | None:
     """The rest of the step >= 10 % (critical >= 20 %): its severity and its own line."""
     share = summary.get("rest_share")
     if share is None or share < WARN_SHARE:
@@ -419,7 +420,7 @@ def startup_sentence(found: EpochStartup | None) -> str | None:
 # -- the lines a report adds -----------------------------------------------------------------------
 def also_lines(
     summary: Summary,
-    line_costs: Mapping[str, Any] | None = None,
+    line_costs: LineCosts | None = None,
     cell_lines: Sequence[str] = (),
 ) -> list[tuple[str, str]]:
     """(severity, text) for each line the report adds after the verdict: the rest of the step

@@ -118,6 +118,25 @@ class LineCost(TypedDict, total=False):
     ms_per_step: float | None
     share: float | None
     gpu_ms_per_step: float | None
+    runs: int
+
+
+class LineCosts(TypedDict, total=False):
+    """The cost per line of the loop body (the result's `line_costs`, capture/inside/line_costs.py):
+    its statements, their ms per step by line (int keys while live, str keys read back from JSON),
+    the timed steps and how they were sampled, the loop's line and its fetch time."""
+
+    statements: list[LineCost]
+    ms_per_step: dict[int | str, float | None]
+    gpu_ms_per_step: dict[int | str, float | None] | None
+    timed_steps: int
+    warmup_steps: int
+    step_ms: float | None
+    loop_line: int | None
+    fetch_ms_per_step: float | None
+    clock: str
+    sampling: str
+    gpu_sampled_steps: int
 
 
 class OptimizerSeen(TypedDict, total=False):

@@ -14,6 +14,7 @@ from typing import Any, cast
 import numpy as np
 
 from ..analysis.checklist.facts import ItemRow
+from ..analysis.summary_keys import LineCosts
 from ..analysis.verdict import Verdict
 from .value import (
     Columns,
@@ -25,6 +26,7 @@ from .value import (
     Resources,
     RunResult,
     Steps,
+    frozen_as,
     frozen_facts,
     frozen_rows,
     frozen_summary,
@@ -226,7 +228,7 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
             held_before=got.facts("resources.held_before"),
             oom=got.facts("resources.oom"),
         ),
-        line_costs=got.facts("line_costs"),
+        line_costs=frozen_as(LineCosts, got.facts("line_costs")),
         ranks=got.rows("ranks"),
         processes=got.rows("processes"),
         machine=got.facts("machine"),

@@ -10,18 +10,19 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
 from ..analysis.checklist.facts import ItemRow
-from ..analysis.summary_keys import Straggler, Summary
+from ..analysis.summary_keys import LineCosts, Straggler, Summary
 from ..analysis.verdict import Verdict
 
 # One measured feature's facts, as the capture described them and the JSON holds them (its keys:
 # docs/api.md and the feature's page).
 Facts = Mapping[str, Any]
 Columns = Mapping[str, np.ndarray]
+T = TypeVar("T")
 NO_FACTS: Facts = MappingProxyType({})
 
 
@@ -66,6 +67,12 @@ def frozen_summary(summary: Mapping[str, Any]) -> Summary:
     """A read-only view of a copy of `summary` (setting a key raises TypeError), read as the
     Summary it holds; `.copy()` gives a plain dict of it."""
     return cast(Summary, MappingProxyType(dict(summary)))
+
+
+def frozen_as(kind: type[T], facts: Mapping[str, Any] | None) -> T | None:
+    """A read-only view of a copy of `facts` (None stays None), read as the TypedDict `kind` its
+    builder (or the file it was read from) gives it."""
+    return None if facts is None else cast(T, MappingProxyType(dict(facts)))
 
 
 def frozen_rows(rows: Sequence[Mapping[str, Any]] | None) -> tuple[Facts, ...] | None:
@@ -188,7 +195,7 @@ class RunResult:
     data: DataFeed = field(default_factory=DataFeed)
     gpu: Gpu = field(default_factory=Gpu)
     resources: Resources = field(default_factory=Resources)
-    line_costs: Facts | None = None
+    line_costs: LineCosts | None = None
     ranks: tuple[Facts, ...] | None = None
     processes: tuple[Facts, ...] | None = None
     machine: Facts | None = None
