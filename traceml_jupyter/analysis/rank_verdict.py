@@ -21,8 +21,8 @@ import numpy as np
 
 from .number_text import ms as _ms
 from .number_text import pct as _pct
-from .rank_evidence import ALPHA, evidence_text, p_text, proven
-from .summary_keys import Straggler, Summary
+from .rank_evidence import ALPHA, PairedEvidence, evidence_text, p_text, proven
+from .summary_keys import RankComparison, Straggler, Summary
 from .verdict import MIN_ANALYSED, WARN_SHARE, Verdict, VerdictLabel, diagnose, severity_for
 
 CAUSE_SHARE = 0.5  # a phase is the cause when its excess explains at least half of the gap
@@ -112,7 +112,7 @@ def usable(ranks: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     ]
 
 
-def compare_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+def compare_ranks(ranks: Sequence[Mapping[str, Any]]) -> RankComparison | None:
     """The rank that arrives last at the synchronised phase, how long the others wait for it,
     and why (see the module docstring). With every rank's per-step evidence (`paired`,
     rank_evidence.py): the rank the others wait for most, its mean paired gap, its excesses per
@@ -136,7 +136,7 @@ def compare_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     else:
         late = min(ok, key=sync)
     others = [r for r in ok if r is not late]
-    evidence: Mapping[str, Any] | None = late.get("paired") if paired else None
+    evidence: PairedEvidence | None = late.get("paired") if paired else None  # a rank row: untyped
     if evidence is not None:
         gap = max(0.0, float(evidence.get("gap_ms") or 0.0))
         step = float(evidence.get("step_ms") or median(_value(r, "step_ms") or 0.0 for r in ok))
@@ -165,11 +165,11 @@ def compare_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
         "compute": excess(body) if in_backward else None,
     }
     if evidence is not None:  # per step, paired: the excesses that add up to the mean gap
-        per_step = evidence.get("excess_ms") or {}
-        if per_step.get("input") is not None:
-            excesses["input"] = float(per_step["input"])
-        if in_backward and per_step.get("compute") is not None:
-            excesses["compute"] = float(per_step["compute"]) - ((excesses["h2d"] or 0.0) if copies else 0.0)
+        wait_excess, body_excess = ((evidence.get("excess_ms") or {}).get(k) for k in ("input", "compute"))
+        if wait_excess is not None:
+            excesses["input"] = float(wait_excess)
+        if in_backward and body_excess is not None:
+            excesses["compute"] = float(body_excess) - ((excesses["h2d"] or 0.0) if copies else 0.0)
     measured = {k: v for k, v in excesses.items() if v is not None}
     cause, most = max(measured.items(), key=lambda kv: kv[1]) if measured else ("unknown", None)
     if most is None or gap <= 0 or most < CAUSE_SHARE * gap:
@@ -189,7 +189,7 @@ def compare_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
         "phase": "backward" if in_backward else "the step",
         "waiting": [int(r["rank"]) for r in others],
         "n_analysed": min(int(r.get("n_analysed") or 0) for r in ok),
-        "evidence": dict(evidence) if evidence is not None else None,
+        "evidence": PairedEvidence(**evidence) if evidence is not None else None,
         "holds_back": proven(evidence) and score >= WARN_SHARE,
     }
 
@@ -337,7 +337,7 @@ def rank_notes(ranks: Sequence[Mapping[str, Any]]) -> list[str]:
     if found is not None and paired and not holds_back(found) and (found["score"] >= WARN_SHARE or paired["last_p"] < ALPHA):
         notes.append(
             f"No rank holds the others back beyond the noise: the likeliest, rank {found['rank']}, was "
-            f"{evidence_text(found['evidence'])}."
+            f"{evidence_text(paired)}."
         )
     return notes
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Literal, TypedDict
 
 from .findings import FindingRow
+from .rank_evidence import PairedEvidence
 
 
 class Stats(TypedDict):
@@ -154,7 +155,7 @@ class Straggler(TypedDict, total=False):
     """A RANK STRAGGLER: the rank, its cause, its score and the per-step evidence behind it."""
 
     rank: int
-    cause: Literal["input", "h2d", "compute", "unknown"]
+    cause: str  # input, h2d, compute or unknown
     score: float
     n_paired: int
     last_share: float
@@ -163,6 +164,23 @@ class Straggler(TypedDict, total=False):
     gap_ms: float
     gap_low_ms: float
     gap_high_ms: float
+
+
+class RankComparison(TypedDict, total=False):
+    """Which rank arrives last at the synchronised phase and why (rank_verdict.compare_ranks)."""
+
+    part_excess_ms: dict[str, float]
+    rank: int
+    cause: str  # input, h2d, compute or unknown
+    score: float
+    gap_ms: float
+    step_ms: float
+    excess_ms: dict[str, float | None]
+    phase: str
+    waiting: list[int]
+    n_analysed: int
+    evidence: PairedEvidence | None  # the late rank's per-step evidence
+    holds_back: bool
 
 
 class Summary(TypedDict, total=False):
@@ -273,7 +291,7 @@ class Summary(TypedDict, total=False):
     host_top_line: LineCost | None
     cuda_graphs_used: bool
     ranks: list[dict[str, object]]
-    rank_comparison: dict[str, object] | None
+    rank_comparison: RankComparison | None
     rank_notes: list[str]
     straggler: Straggler | None
 
