@@ -498,7 +498,7 @@ class Run:
         back writes what it read (keys of a later version included)."""
         return render.to_dict(self.result)
 
-    def resources_dict(self) -> dict[str, Any]:
+    def resources_dict(self) -> render.ResourcesRow:
         """What --save writes of the resources (result.resources_dict)."""
         return render.resources_dict(self.result)
 

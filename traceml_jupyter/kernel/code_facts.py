@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import CodeType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..analysis.cell_code import (
     CodeSite,
@@ -34,7 +34,7 @@ from ..analysis.cell_code import (
 )
 from ..analysis.checklist import CopySeen, Facts, Item, LineSeen, default_start_method, evaluate
 from ..analysis.checklist.facts import ItemRow
-from ..analysis.data_sources import feeder
+from ..analysis.data_sources import Feeder, feeder
 from ..analysis.rank_verdict import checklist_verdict
 from ..analysis.resources import cpu_sentence
 from ..analysis.summary_keys import Summary
@@ -450,7 +450,15 @@ def facts_for(
     )
 
 
-def _feeder_facts(run: Run, shell: Any, summary: Summary, ctx: CodeContext) -> dict[str, Any]:
+class FeederFacts(TypedDict, total=False):
+    """The checklist's facts (Facts' fields) about a source that is no DataLoader."""
+
+    feeder: Feeder
+    feeder_site: CodeSite | None
+    feeder_code: SampleCode | None
+
+
+def _feeder_facts(run: Run, shell: Any, summary: Summary, ctx: CodeContext) -> FeederFacts:
     """What fed the steps when it is no DataLoader, where, and the code behind it."""
     source = feeder(summary)
     if source is None:

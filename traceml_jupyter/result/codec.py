@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
 import numpy as np
 
 from ..analysis.checklist.facts import ItemRow
+from ..analysis.findings import FindingRow
 from ..analysis.summary_keys import LineCosts
 from ..analysis.verdict import Verdict
 from .value import (
@@ -128,7 +129,17 @@ def to_dict(result: RunResult) -> dict[str, Any]:
     return out
 
 
-def resources_dict(result: RunResult) -> dict[str, Any]:
+class ResourcesRow(TypedDict):
+    """The JSON's `resources` (resources_dict): docs/resources.md says what each holds."""
+
+    host: dict[str, object] | None
+    gpu_memory: Facts | None
+    held_before: Facts | None
+    oom: Facts | None
+    findings: list[FindingRow] | None
+
+
+def resources_dict(result: RunResult) -> ResourcesRow:
     """What --save writes of the resources: the host's samples (columns) and workers, the
     GPU memory watch, what earlier cells held, an out-of-memory error, the findings; null
     where not measured. The per-step GPU memory columns are in `steps`."""
