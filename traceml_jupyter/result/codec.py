@@ -19,6 +19,7 @@ from ..analysis.summary_keys import LineCosts
 from ..analysis.verdict import Verdict
 from .value import (
     Columns,
+    Copies,
     DataFeed,
     Facts,
     Gpu,
@@ -229,7 +230,7 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
             device=got.text("gpu.device"),
             note=got.text("gpu.note"),
             samples=read_only(_float_columns(gpu_samples)) if gpu_samples is not None else None,
-            h2d=got.facts("h2d"),
+            h2d=frozen_as(Copies, got.facts("h2d")),
             sync_stalls=got.facts("sync_stalls"),
             cuda_graphs=got.facts("cuda_graphs"),
         ),

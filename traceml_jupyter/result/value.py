@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from types import MappingProxyType
-from typing import Any, TypeVar, cast
+from typing import Any, TypedDict, TypeVar, cast
 
 import numpy as np
 
@@ -132,6 +132,39 @@ class DataFeed:
     dataset_site: Facts | None = None
 
 
+class CopySite(TypedDict, total=False):
+    """A line that copied to the GPU (capture/gpu/h2d.py): its copies, per step their bytes, time
+    and bandwidth, how many were pinned, non_blocking, pageable non_blocking, on a side stream,
+    and what the loop's stream waited for."""
+
+    filename: str
+    line: int
+    in_cell: bool
+    copies: int
+    timed: int
+    copies_per_step: float
+    bytes_per_step: float
+    ms_per_step: float | None
+    gb_per_s: float | None
+    pinned: int
+    non_blocking: int
+    pageable_non_blocking: int
+    side_stream: int
+    waited: int
+    waited_ms_per_step: float
+
+
+class Copies(TypedDict, total=False):
+    """The copies to the GPU (`gpu.h2d`, docs/gpu.md): totals over the watched steps and the
+    copying lines, costliest first."""
+
+    copies: int
+    bytes: int
+    ms: float
+    steps: int
+    sites: list[CopySite]
+
+
 @dataclass(frozen=True, eq=False)  # arrays: compare results (RunResult.__eq__)
 class Gpu:
     """The GPU side (docs/gpu.md): whether the loop ran on CUDA, its device index and name, why
@@ -143,7 +176,7 @@ class Gpu:
     device: str | None = None
     note: str | None = None
     samples: Columns | None = None
-    h2d: Facts | None = None
+    h2d: Copies | None = None
     sync_stalls: Facts | None = None
     cuda_graphs: Facts | None = None
 
