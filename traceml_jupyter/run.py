@@ -25,7 +25,15 @@ from .capture.resources.machine import describe_machine
 from .capture.steps.recorder import Recorder
 from .failures import failure_text, never_raise
 from .result import SCHEMA_VERSION, DataFeed, Gpu, Loop, Resources, RunResult, Steps
-from .result.value import Copies, frozen_as, frozen_facts, frozen_rows, frozen_summary, read_only
+from .result.value import (
+    Copies,
+    SyncStalls,
+    frozen_as,
+    frozen_facts,
+    frozen_rows,
+    frozen_summary,
+    read_only,
+)
 from .run_summary import analyse
 
 if TYPE_CHECKING:
@@ -349,7 +357,7 @@ class Run:
             gpu=Gpu(
                 used=self.gpu_used, cuda_device=self.cuda_device, device=self.gpu_device,
                 note=self.gpu_note, samples=read_only(samples) if samples is not None else None,
-                h2d=frozen_as(Copies, self.h2d), sync_stalls=frozen_facts(self.sync_stalls),
+                h2d=frozen_as(Copies, self.h2d), sync_stalls=frozen_as(SyncStalls, self.sync_stalls),
                 cuda_graphs=frozen_facts(self.cuda_graphs),
             ),
             resources=Resources(

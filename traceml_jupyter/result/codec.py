@@ -28,6 +28,7 @@ from .value import (
     Resources,
     RunResult,
     Steps,
+    SyncStalls,
     frozen_as,
     frozen_facts,
     frozen_rows,
@@ -231,7 +232,7 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
             note=got.text("gpu.note"),
             samples=read_only(_float_columns(gpu_samples)) if gpu_samples is not None else None,
             h2d=frozen_as(Copies, got.facts("h2d")),
-            sync_stalls=got.facts("sync_stalls"),
+            sync_stalls=frozen_as(SyncStalls, got.facts("sync_stalls")),
             cuda_graphs=got.facts("cuda_graphs"),
         ),
         resources=Resources(

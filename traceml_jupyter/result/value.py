@@ -165,6 +165,38 @@ class Copies(TypedDict, total=False):
     sites: list[CopySite]
 
 
+class SyncSite(TypedDict, total=False):
+    """A line whose calls waited for the GPU (capture/gpu/syncs.py): the call as written, its
+    kinds, how many calls (untimed ones apart), per step, in how many steps, the host's wait a
+    step and its share of the step."""
+
+    filename: str
+    line: int
+    in_cell: bool
+    call: str | None
+    kinds: list[str]
+    calls: int
+    untimed: int
+    calls_per_step: float
+    steps: int
+    every_step: bool
+    wait_ms_per_step: float | None
+    share: float | None
+
+
+class SyncStalls(TypedDict, total=False):
+    """The syncs that stalled the host (`gpu.sync_stalls`, docs/gpu.md): totals over the watched
+    steps, the syncing lines (longest wait first), and what the watch could not see."""
+
+    calls: int
+    untimed: int
+    steps: int
+    sites: list[SyncSite]
+    hidden: list[str]
+    counted_implicit: bool
+    all_counted: bool
+
+
 @dataclass(frozen=True, eq=False)  # arrays: compare results (RunResult.__eq__)
 class Gpu:
     """The GPU side (docs/gpu.md): whether the loop ran on CUDA, its device index and name, why
@@ -177,7 +209,7 @@ class Gpu:
     note: str | None = None
     samples: Columns | None = None
     h2d: Copies | None = None
-    sync_stalls: Facts | None = None
+    sync_stalls: SyncStalls | None = None
     cuda_graphs: Facts | None = None
 
 
