@@ -9,14 +9,15 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from time import perf_counter_ns
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import kernel_state
 from . import result as render
+from .analysis.checklist.facts import ItemRow
 from .analysis.phases import step_definition
+from .analysis.summary_keys import LineCosts, Straggler, Summary
 from .analysis.verdict import Verdict
 from .capture.data.probes import safe_len
 from .capture.resources.host import usable_cpus
@@ -24,7 +25,15 @@ from .capture.resources.machine import describe_machine
 from .capture.steps.recorder import Recorder
 from .failures import failure_text, never_raise
 from .result import SCHEMA_VERSION, DataFeed, Gpu, Loop, Resources, RunResult, Steps
-from .result.value import frozen_facts, frozen_rows, read_only
+from .result.value import (
+    Copies,
+    SyncStalls,
+    frozen_as,
+    frozen_facts,
+    frozen_rows,
+    frozen_summary,
+    read_only,
+)
 from .run_summary import analyse
 
 if TYPE_CHECKING:
@@ -327,7 +336,7 @@ class Run:
         samples = self.gpu_samples
         return RunResult(
             name=self.name, started_at=self.started_at, ended_at=self.ended_at,
-            summary=MappingProxyType(summary), verdict=verdict,
+            summary=frozen_summary(summary), verdict=verdict,
             steps=Steps(
                 columns=read_only(cols), n_steps=self.n_steps, stride=self.recorder.stride,
                 kind=self.step_kind, definition=self.step_definition, warmup=self.warmup,
@@ -348,14 +357,14 @@ class Run:
             gpu=Gpu(
                 used=self.gpu_used, cuda_device=self.cuda_device, device=self.gpu_device,
                 note=self.gpu_note, samples=read_only(samples) if samples is not None else None,
-                h2d=frozen_facts(self.h2d), sync_stalls=frozen_facts(self.sync_stalls),
+                h2d=frozen_as(Copies, self.h2d), sync_stalls=frozen_as(SyncStalls, self.sync_stalls),
                 cuda_graphs=frozen_facts(self.cuda_graphs),
             ),
             resources=Resources(
                 host=frozen_facts(self.host), gpu_memory=frozen_facts(self.gpu_memory),
                 held_before=frozen_facts(self.held_before), oom=frozen_facts(self.oom),
             ),
-            line_costs=frozen_facts(self.line_costs), ranks=frozen_rows(self.ranks),
+            line_costs=frozen_as(LineCosts, self.line_costs), ranks=frozen_rows(self.ranks),
             processes=frozen_rows(self.processes), machine=frozen_facts(self._describe_machine()),
             notes=tuple(self.notes), error=self.error,
         )
@@ -381,7 +390,7 @@ class Run:
             cols.update(at_steps(samples, cols["time_s"], cols.get("gpu_backlog_ms")))
         return cols
 
-    def keep_reading(self, checklist: list[dict[str, Any]] | None, quoted_cells: dict[str, str] | None) -> None:
+    def keep_reading(self, checklist: Sequence[ItemRow] | None, quoted_cells: dict[str, str] | None) -> None:
         """What the kernel read once the run finished (kernel/code_facts.read_kernel_at_end): the
         checklist as evaluated and the cells the report quotes. The result becomes a new value
         that holds them (the one before is left as it was)."""
@@ -389,10 +398,10 @@ class Run:
 
     # -- the result API: what `result` holds ------------------------------------------------
     @property
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> Summary:
         """The medians, shares and counts the verdict read (every key: docs/api.md): a plain
         dict, copied from the result (changing it changes nothing of the run)."""
-        return dict(self.result.summary)
+        return self.result.summary.copy()
 
     @property
     def verdict_detail(self) -> Verdict:
@@ -437,11 +446,11 @@ class Run:
         return dict(machine) if machine is not None else None
 
     @property
-    def straggler(self) -> dict[str, Any] | None:
+    def straggler(self) -> Straggler | None:
         """Several ranks: {"rank", "cause": input|h2d|compute|unknown, "score"} of the rank that
         holds the others back (RANK STRAGGLER), else None (a plain dict)."""
         found = self.result.straggler
-        return dict(found) if found is not None else None
+        return found.copy() if found is not None else None
 
     @property
     def steps(self) -> dict[str, np.ndarray]:
@@ -497,7 +506,7 @@ class Run:
         back writes what it read (keys of a later version included)."""
         return render.to_dict(self.result)
 
-    def resources_dict(self) -> dict[str, Any]:
+    def resources_dict(self) -> render.ResourcesRow:
         """What --save writes of the resources (result.resources_dict)."""
         return render.resources_dict(self.result)
 

@@ -5,12 +5,13 @@ and, with several ranks, the rank verdict. Every key is listed in docs/api.md, "
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .analysis.data_sources import loader_facts
 from .analysis.step_parts import epoch_startup, parts_summary, trend
 from .analysis.step_pattern import step_pattern
 from .analysis.summary import summarize, with_batch_size
+from .analysis.summary_keys import Summary
 from .analysis.verdict import Verdict, diagnose
 
 if TYPE_CHECKING:
@@ -19,11 +20,11 @@ if TYPE_CHECKING:
     from .run import Run
 
 
-def analyse(run: Run, cols: dict[str, np.ndarray]) -> tuple[dict[str, Any], Verdict]:
+def analyse(run: Run, cols: dict[str, np.ndarray]) -> tuple[Summary, Verdict]:
     """The summary and the verdict of what `run` recorded, its per-step columns `cols`."""
     rec = run.recorder
     summary = summarize(cols, rec.n_steps, run.warmup, run.gpu_used, rec.totals())
-    summary.update(run.watch_summary)
+    summary.update(cast(Summary, run.watch_summary))  # the GPU watch's keys (capture/gpu)
     summary.update(_source_summary(run))
     summary.update(_inside_the_step(run, cols, summary))
     with_batch_size(summary, run.batch_size, run.batches_per_step)
@@ -37,7 +38,7 @@ def analyse(run: Run, cols: dict[str, np.ndarray]) -> tuple[dict[str, Any], Verd
 
 
 
-def _source_summary(run: Run) -> dict[str, Any]:
+def _source_summary(run: Run) -> Summary:
     """What the verdict quotes of the data sources and the phases."""
     training = next((src for src in run.sources if src.get("training")), None)
     return {
@@ -54,13 +55,13 @@ def _source_summary(run: Run) -> dict[str, Any]:
     }
 
 
-def _inside_the_step(run: Run, cols: dict[str, np.ndarray], summary: dict[str, Any]) -> dict[str, Any]:
+def _inside_the_step(run: Run, cols: dict[str, np.ndarray], summary: Summary) -> Summary:
     """The parts of the step, the trend over the run and each epoch's start-up wait."""
     analysed = cols["step"] >= int(summary["warmup_steps"])
     clock = str(summary["clock"])
     out = parts_summary(cols, analysed, clock)
     parts = run.step_parts
-    out.update(parts.facts() if parts is not None else {"forward_state": None, "forward_modules": [], "optimizers": []})
+    out.update(cast(Summary, parts.facts()) if parts is not None else {"forward_state": None, "forward_modules": [], "optimizers": []})
     out["trend"] = trend(cols, analysed, clock)
     out.update(loader_facts(run.loader_info, run.pass_starts))
     workers = out["loader_workers"]
@@ -70,7 +71,7 @@ def _inside_the_step(run: Run, cols: dict[str, np.ndarray], summary: dict[str, A
     return out
 
 
-def _resource_summary(run: Run, cols: dict[str, Any], warmup: int) -> dict[str, Any]:
+def _resource_summary(run: Run, cols: dict[str, Any], warmup: int) -> Summary:
     """GPU memory, CPU and host memory in numbers and findings (analysis/resources.py)."""
     from .analysis.kept_graph import kept_graphs
     from .analysis.resources import ResourceFacts, resource_summary

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeGuard
 
+from ..failures import read_or
+
 # Calls in __getitem__ that usually cost per sample and could be done once and cached.
 COSTLY_CALL = re.compile(
     r"decode|open|read|load|imread|tokeni[sz]|encode|augment|transform|sleep|resize|crop|"
@@ -63,12 +65,13 @@ def parse_cell(source: str, transform: Callable[[str], str] | None = None) -> as
         if not re.match(r"%%traceml\b", first):
             return None
         offset = 1
+    # IPython's input transformers (an extension's too) may fail on odd input: no tree
+    code = read_or(None, transform, source) if transform is not None else source
+    if code is None:
+        return None
     try:
-        code = transform(source) if transform is not None else source
         tree = ast.parse(code)
     except (SyntaxError, ValueError):
-        return None
-    except Exception:  # a transformer that fails on odd input
         return None
     if offset:
         ast.increment_lineno(tree, offset)

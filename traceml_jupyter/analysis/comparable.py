@@ -7,12 +7,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .summary_keys import Summary
+
 # Machine facts (Run.machine) whose difference changes what a ratio means, as users name them.
 HARDWARE = (("gpu", "GPU"), ("cpu", "CPU"), ("cpus", "usable CPUs"))
 VERSIONS = (("torch", "torch"), ("cuda", "CUDA"), ("python", "Python"))
 
 
-def samples_per_step(summary: Mapping[str, Any]) -> float | None:
+def samples_per_step(summary: Summary) -> float | None:
     """Samples a step trains on (batch size x batches per step), when the batch size is known."""
     batch = summary.get("batch_size")
     return float(batch) * float(summary.get("batches_per_step") or 1.0) if batch else None
@@ -28,10 +30,10 @@ def _differs(name_a: str, a: Any, name_b: str, b: Any, what: str) -> str | None:
 
 def caveats(
     name_a: str,
-    summary_a: Mapping[str, Any],
+    summary_a: Summary,
     machine_a: Mapping[str, Any] | None,
     name_b: str,
-    summary_b: Mapping[str, Any],
+    summary_b: Summary,
     machine_b: Mapping[str, Any] | None,
     check_machines: bool = True,
 ) -> list[str]:

@@ -8,19 +8,37 @@ from __future__ import annotations
 import html
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 from .comparable import caveats as unlike
 from .comparable import samples_per_step
-from .noise import LEVEL, Change, ColumnChange, Judgement, analysed_samples, judge
+from .noise import LEVEL, Change, ColumnChange, ColumnChangeRow, Judgement, analysed_samples, judge
 from .number_text import ms as _ms
 from .number_text import pct as _pct
 from .resources import mib
+from .summary_keys import Summary
 from .verdict import VerdictLabel
 
 # Within 5 % of each other, two runs are "about as fast": step times jitter by that much.
 SAME_SPEED = 1.05
 NO_VERDICT = (VerdictLabel.NO_DATA, VerdictLabel.WARMUP, VerdictLabel.TOO_SHORT)
+
+
+class ComparisonRow(TypedDict):
+    """A comparison as `%traceml compare --save` writes it (Comparison.to_dict)."""
+
+    a: str
+    b: str
+    verdict_a: str
+    verdict_b: str
+    speedup: float | None
+    conclusion: str
+    rows: list[list[str]]
+    notes: list[str]
+    change: str | None
+    speedup_interval: list[float | None] | None
+    caveats: list[str]
+    per_step: list[ColumnChangeRow]
 
 
 @dataclass(frozen=True)
@@ -75,7 +93,7 @@ class Comparison:
     def _repr_html_(self) -> str:
         return comparison_html(self)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ComparisonRow:
         """The comparison as JSON-ready values (what `%traceml compare` and `--save` write)."""
         return {
             "a": self.name_a,
@@ -140,7 +158,7 @@ def _delta_ms(a: float | None, b: float | None) -> str:
     return text
 
 
-def _rate(summary: Mapping[str, Any]) -> tuple[str, float | None]:
+def _rate(summary: Summary) -> tuple[str, float | None]:
     """Work per second: samples/s where the batch size is known, else steps/s."""
     samples = summary.get("samples_per_s")
     if samples:
@@ -159,7 +177,7 @@ def speed_words(speedup: float) -> str:
 
 
 def still_because(
-    label: str, summary_b: Mapping[str, Any], workers_b: int | None, cpus: int | None
+    label: str, summary_b: Summary, workers_b: int | None, cpus: int | None
 ) -> str:
     """Why a verdict that did not change still holds, in a few words (empty when nothing to add)."""
     if label == VerdictLabel.INPUT_BOUND:
@@ -183,7 +201,7 @@ def _delta(a: float | None, b: float | None, unit: str) -> str:
     return text + (f" ({100 * (b - a) / a:+.0f} %)" if a > 0 else "")
 
 
-def _resource_value(value: float | None, unit: str, summary: Mapping[str, Any]) -> str:
+def _resource_value(value: float | None, unit: str, summary: Summary) -> str:
     if value is None:
         return "n/a"
     if unit == "MiB":
@@ -192,17 +210,21 @@ def _resource_value(value: float | None, unit: str, summary: Mapping[str, Any]) 
     return text + (" (saturated)" if summary.get("cpu_saturated") else "")
 
 
-def resource_rows(summary_a: Mapping[str, Any], summary_b: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
+ResourceKey = Literal["gpu_mem_peak_mib", "cpu_cores", "host_rss_mib", "worker_uss_growth_mib"]
+RESOURCE_ROWS: tuple[tuple[ResourceKey, str, str], ...] = (
+    ("gpu_mem_peak_mib", "GPU memory peak (step)", "MiB"),
+    ("cpu_cores", "CPU cores busy (process + workers)", "cores"),
+    ("host_rss_mib", "Host memory (RSS, max)", "MiB"),
+    ("worker_uss_growth_mib", "Worker memory growth", "MiB"),
+)
+
+
+def resource_rows(summary_a: Summary, summary_b: Summary) -> list[tuple[str, str, str, str]]:
     """Memory and CPU side by side (rows where either run measured them): the GPU memory peak,
     the cores busy in the process and its workers (and whether the CPU was saturated), the
     process's RSS, the growth of a worker's private memory."""
     rows = []
-    for key, what, unit in (
-        ("gpu_mem_peak_mib", "GPU memory peak (step)", "MiB"),
-        ("cpu_cores", "CPU cores busy (process + workers)", "cores"),
-        ("host_rss_mib", "Host memory (RSS, max)", "MiB"),
-        ("worker_uss_growth_mib", "Worker memory growth", "MiB"),
-    ):
+    for key, what, unit in RESOURCE_ROWS:
         a, b = summary_a.get(key), summary_b.get(key)
         if a is None and b is None:
             continue
@@ -212,9 +234,15 @@ def resource_rows(summary_a: Mapping[str, Any], summary_b: Mapping[str, Any]) ->
     return rows
 
 
+def mean_step(summary: Summary) -> float | None:
+    """The analysed steps' mean step (stats), None where not measured."""
+    stats = summary.get("stats", {}).get("step_ms")
+    return stats["mean"] if stats else None
+
+
 def summary_rows(
-    a: tuple[Mapping[str, Any], str, float | None],
-    b: tuple[Mapping[str, Any], str, float | None],
+    a: tuple[Summary, str, float | None],
+    b: tuple[Summary, str, float | None],
     unit: str,
     speedup: float | None,
     compute_name: str,
@@ -222,8 +250,7 @@ def summary_rows(
     """The comparison's table from the two summaries: (what, A, B, change) per row. `a`, `b`:
     each run's summary, verdict label and throughput in `unit`."""
     (summary_a, label_a, rate_a), (summary_b, label_b, rate_b) = a, b
-    mean_a = summary_a.get("stats", {}).get("step_ms", {}).get("mean")
-    mean_b = summary_b.get("stats", {}).get("step_ms", {}).get("mean")
+    mean_a, mean_b = mean_step(summary_a), mean_step(summary_b)
     share_a, share_b = summary_a.get("data_wait_share"), summary_b.get("data_wait_share")
     share_change = (
         f"{100 * (share_b - share_a):+.1f} points"
@@ -231,7 +258,7 @@ def summary_rows(
         else ""
     )
 
-    def medians(what: str, key: str) -> tuple[str, str, str, str]:
+    def medians(what: str, key: Literal["step_ms", "data_wait_ms", "compute_ms"]) -> tuple[str, str, str, str]:
         return (what, _ms(summary_a.get(key)), _ms(summary_b.get(key)), _delta_ms(summary_a.get(key), summary_b.get(key)))
 
     return [
@@ -260,7 +287,7 @@ def summary_rows(
 def _conclusion(
     label_a: str,
     label_b: str,
-    summary_b: Mapping[str, Any],
+    summary_b: Summary,
     speedup: float,
     judgement: Judgement | None,
     workers_b: int | None,
@@ -279,10 +306,10 @@ def _conclusion(
 
 def compare_summaries(
     name_a: str,
-    summary_a: Mapping[str, Any],
+    summary_a: Summary,
     label_a: str,
     name_b: str,
-    summary_b: Mapping[str, Any],
+    summary_b: Summary,
     label_b: str,
     workers_b: int | None = None,
     cpus: int | None = None,

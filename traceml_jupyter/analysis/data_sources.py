@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .number_text import ms as _ms
+from .summary_keys import Summary
 
 # The INPUT-BOUND and INPUT STRAGGLER advice for a DataLoader (and when the source is not known).
 DATALOADER_INPUT_NEXT = (
@@ -64,7 +65,7 @@ class Feeder:
         return f"{self.label} ({self.noun})"
 
 
-def feeder(summary: Mapping[str, Any]) -> Feeder | None:
+def feeder(summary: Summary) -> Feeder | None:
     """What fed the steps when it is no DataLoader (a loop over a generator, a list, an iterator;
     a `get_batch()` or `next()` call in the body); None for a DataLoader or an unknown source."""
     if summary.get("data_source_kind") not in ("loop", "call"):
@@ -88,7 +89,7 @@ def remedies(f: Feeder) -> str:
     )
 
 
-def loader_facts(loader: Mapping[str, Any] | None, pass_steps: Sequence[int]) -> dict[str, Any]:
+def loader_facts(loader: Mapping[str, Any] | None, pass_steps: Sequence[int]) -> Summary:
     """What the advice reads of the training DataLoader: its workers, whether they persist, and
     how many passes the loop made over it (None where no DataLoader fed the steps)."""
     if not loader:
@@ -112,13 +113,13 @@ NO_LOADER_STRAGGLER_NEXT = (
 )
 
 
-def no_loader(summary: Mapping[str, Any]) -> bool:
+def no_loader(summary: Summary) -> bool:
     """The run said what it saw of the training DataLoader, and saw none (a run saved before it
     said so is not taken for one without)."""
     return "loader_passes" in summary and summary.get("data_source_kind") != "dataloader"
 
 
-def loader_input_next(summary: Mapping[str, Any]) -> str:
+def loader_input_next(summary: Summary) -> str:
     """The INPUT-BOUND `next` for a DataLoader, true for this run: persistent workers only over
     several passes, pinned memory only on the GPU clock; DATALOADER_INPUT_NEXT when the run
     did not say what it saw of the loader (a run saved before these keys)."""
@@ -131,8 +132,9 @@ def loader_input_next(summary: Mapping[str, Any]) -> str:
         ideas.append("persistent workers")
     if summary.get("clock") == "gpu":
         ideas.append("pinned memory")
-    if pattern.get("steady_wait") and pattern.get("period") and summary.get("loader_workers"):
-        round_ms = (pattern["period"] - 1) * float(pattern.get("typical_ms") or 0.0) + float(pattern.get("slow_ms") or 0.0)
+    period = pattern.get("period")
+    if pattern.get("steady_wait") and period and summary.get("loader_workers"):
+        round_ms = (period - 1) * float(pattern.get("typical_ms") or 0.0) + float(pattern.get("slow_ms") or 0.0)
         return (
             f"Feed the loop faster: the {summary['loader_workers']} workers make a round of "
             f"batches every {_ms(round_ms)} while the steps need one every "
@@ -142,7 +144,7 @@ def loader_input_next(summary: Mapping[str, Any]) -> str:
     return f"Feed the loop faster: {', '.join(ideas)}, and less per-sample work (see the checklist)."
 
 
-def loader_straggler_next(summary: Mapping[str, Any]) -> str:
+def loader_straggler_next(summary: Summary) -> str:
     """The INPUT STRAGGLER `next` for a DataLoader: persistent workers only when workers
     restarted over several passes, a prefetch only with workers, workers when it has none."""
     passes = summary.get("loader_passes")
@@ -158,7 +160,7 @@ def loader_straggler_next(summary: Mapping[str, Any]) -> str:
     return f"{head}, and look for slow samples, files or shards."
 
 
-def input_next(summary: Mapping[str, Any]) -> str:
+def input_next(summary: Summary) -> str:
     """The INPUT-BOUND verdict's `next`: the DataLoader's settings for a DataLoader (unless the
     CPU is already saturated: then cheaper samples), else the source by name and line and its
     own remedies."""
@@ -180,7 +182,7 @@ def input_next(summary: Mapping[str, Any]) -> str:
     )
 
 
-def straggler_next(summary: Mapping[str, Any]) -> str:
+def straggler_next(summary: Summary) -> str:
     """The INPUT STRAGGLER verdict's `next`, for the source that fed the steps."""
     f = feeder(summary)
     if f is None:

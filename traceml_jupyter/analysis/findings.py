@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TypedDict
 
 
 class Label(str, Enum):
@@ -24,6 +24,16 @@ class Label(str, Enum):
     OVERSUBSCRIBED = "CPU OVERSUBSCRIBED"
 
 
+class FindingRow(TypedDict):
+    """A finding as the summary's `resource_findings` and the JSON hold it."""
+
+    label: str
+    severity: str
+    text: str
+    next: str
+    line: int | None
+
+
 @dataclass(frozen=True)
 class Finding:
     """One resource finding: a label, how serious, what was seen, what to do, and the cell
@@ -39,7 +49,7 @@ class Finding:
         """The finding in one line: its label, what was seen and what to do."""
         return f"{self.label.value}: {self.text} {self.next}".strip()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> FindingRow:
         """The finding as JSON-ready values."""
         return {
             "label": self.label.value,

@@ -23,9 +23,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
+
+from .summary_keys import Summary
 
 REPLICATES = 2000
 LEVEL = 0.95
@@ -55,6 +57,22 @@ class Change(str, Enum):
     MIXED = "MIXED"  # the step got faster, a part of it slower
 
 
+class ColumnChangeRow(TypedDict):
+    """A per-step quantity's change as a comparison's JSON holds it (ColumnChange.to_dict)."""
+
+    name: str
+    column: str
+    unit: str
+    a: float
+    b: float
+    diff: float
+    diff_interval: list[float]
+    ratio: float | None
+    ratio_interval: list[float | None] | None
+    verdict: str
+    part: bool
+
+
 @dataclass(frozen=True)
 class ColumnChange:
     """One per-step quantity in both runs: its mean per step in A and B, B - A and B / A with
@@ -80,7 +98,7 @@ class ColumnChange:
         """The change is beyond run-to-run noise (faster or slower)."""
         return self.verdict != "within noise"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ColumnChangeRow:
         """The change as JSON-ready values."""
         return {
             "name": self.name,
@@ -141,7 +159,7 @@ def column_label(column: str) -> tuple[str, str]:
 
 
 def analysed_samples(
-    summary: Mapping[str, Any], columns: Mapping[str, Any], per_sample: float | None = None
+    summary: Summary, columns: Mapping[str, Any], per_sample: float | None = None
 ) -> dict[str, np.ndarray]:
     """The analysed steps' values (after the warm-up, on the run's clock): step_ms, data_wait_ms,
     compute_ms, then every other numeric per-step column. Times are divided by `per_sample`

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -124,7 +124,25 @@ def _mean(values: np.ndarray) -> float | None:
     return float(values.mean()) if len(values) else None
 
 
-def paired_evidence(columns: Mapping[int, Mapping[str, np.ndarray]], first_step: int = 0) -> dict[int, dict[str, Any]]:
+class PairedEvidence(TypedDict, total=False):
+    """One rank's per-step evidence against the others (paired_evidence): the steps paired, the
+    phase they synchronise in, how often it was last (and the p-value of that), the others' wait
+    for it (mean, 95 % interval, median), the mean step, and the excesses behind the gap."""
+
+    n_paired: int
+    phase: str
+    last_share: float
+    expected_share: float
+    last_p: float
+    gap_ms: float
+    gap_low_ms: float
+    gap_high_ms: float
+    gap_median_ms: float
+    step_ms: float | None
+    excess_ms: dict[str, float | None]
+
+
+def paired_evidence(columns: Mapping[int, Mapping[str, np.ndarray]], first_step: int = 0) -> dict[int, PairedEvidence]:
     """Each rank's per-step evidence against the others (see the module docstring), from each
     rank's COLUMNS by step index (steps before `first_step` are the warm-up). The synchronised
     phase is backward where every rank timed it in the same steps, else the step body. Empty
@@ -150,7 +168,7 @@ def paired_evidence(columns: Mapping[int, Mapping[str, np.ndarray]], first_step:
     wait_excess = waits - _others(waits)
     body_excess = body - _others(body)
     step = _mean(aligned["step_ms"].mean(axis=0))
-    out: dict[int, dict[str, Any]] = {}
+    out: dict[int, PairedEvidence] = {}
     for i, r in enumerate(ranks):
         share, p_value = last_test(last_rank == i, world)
         low, high = mean_interval(gaps[i])

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from statistics import median
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from .number_text import ms as _ms
 from .number_text import pct as _pct
-from .rank_evidence import ALPHA, evidence_text, p_text, proven
+from .rank_evidence import ALPHA, PairedEvidence, evidence_text, p_text, proven
+from .summary_keys import RankComparison, Straggler, Summary
 from .verdict import MIN_ANALYSED, WARN_SHARE, Verdict, VerdictLabel, diagnose, severity_for
 
 CAUSE_SHARE = 0.5  # a phase is the cause when its excess explains at least half of the gap
@@ -111,7 +112,7 @@ def usable(ranks: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     ]
 
 
-def compare_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+def compare_ranks(ranks: Sequence[Mapping[str, Any]]) -> RankComparison | None:
     """The rank that arrives last at the synchronised phase, how long the others wait for it,
     and why (see the module docstring). With every rank's per-step evidence (`paired`,
     rank_evidence.py): the rank the others wait for most, its mean paired gap, its excesses per
@@ -135,7 +136,7 @@ def compare_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     else:
         late = min(ok, key=sync)
     others = [r for r in ok if r is not late]
-    evidence: Mapping[str, Any] | None = late.get("paired") if paired else None
+    evidence: PairedEvidence | None = late.get("paired") if paired else None  # a rank row: untyped
     if evidence is not None:
         gap = max(0.0, float(evidence.get("gap_ms") or 0.0))
         step = float(evidence.get("step_ms") or median(_value(r, "step_ms") or 0.0 for r in ok))
@@ -164,11 +165,11 @@ def compare_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
         "compute": excess(body) if in_backward else None,
     }
     if evidence is not None:  # per step, paired: the excesses that add up to the mean gap
-        per_step = evidence.get("excess_ms") or {}
-        if per_step.get("input") is not None:
-            excesses["input"] = float(per_step["input"])
-        if in_backward and per_step.get("compute") is not None:
-            excesses["compute"] = float(per_step["compute"]) - ((excesses["h2d"] or 0.0) if copies else 0.0)
+        wait_excess, body_excess = ((evidence.get("excess_ms") or {}).get(k) for k in ("input", "compute"))
+        if wait_excess is not None:
+            excesses["input"] = float(wait_excess)
+        if in_backward and body_excess is not None:
+            excesses["compute"] = float(body_excess) - ((excesses["h2d"] or 0.0) if copies else 0.0)
     measured = {k: v for k, v in excesses.items() if v is not None}
     cause, most = max(measured.items(), key=lambda kv: kv[1]) if measured else ("unknown", None)
     if most is None or gap <= 0 or most < CAUSE_SHARE * gap:
@@ -188,7 +189,7 @@ def compare_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
         "phase": "backward" if in_backward else "the step",
         "waiting": [int(r["rank"]) for r in others],
         "n_analysed": min(int(r.get("n_analysed") or 0) for r in ok),
-        "evidence": dict(evidence) if evidence is not None else None,
+        "evidence": PairedEvidence(**evidence) if evidence is not None else None,
         "holds_back": proven(evidence) and score >= WARN_SHARE,
     }
 
@@ -336,7 +337,7 @@ def rank_notes(ranks: Sequence[Mapping[str, Any]]) -> list[str]:
     if found is not None and paired and not holds_back(found) and (found["score"] >= WARN_SHARE or paired["last_p"] < ALPHA):
         notes.append(
             f"No rank holds the others back beyond the noise: the likeliest, rank {found['rank']}, was "
-            f"{evidence_text(found['evidence'])}."
+            f"{evidence_text(paired)}."
         )
     return notes
 
@@ -352,22 +353,24 @@ def loader_differences(ranks: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
-def combined_summary(summary: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def combined_summary(summary: Summary, ranks: Sequence[Mapping[str, Any]]) -> Summary:
     """`summary` (one rank's: its columns, stats and clock) with the headline numbers replaced
     by the median over the ranks of each rank's median: what a balanced verdict reads."""
-    out = dict(summary)
+    out = Summary(**summary)
     ok = usable(ranks)
     if not ok:
         return out
+    medians = {}
     for key in MEDIAN_KEYS:
         values = [v for v in (_value(r, key) for r in ok) if v is not None]
         if values:
-            out[key] = float(median(values))
+            medians[key] = float(median(values))
+    out.update(cast(Summary, medians))  # MEDIAN_KEYS: the summary's, each a float or None
     out["n_analysed"] = min(int(r.get("n_analysed") or 0) for r in ok)
     return out
 
 
-def with_ranks(summary: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], Verdict]:
+def with_ranks(summary: Summary, ranks: Sequence[Mapping[str, Any]]) -> tuple[Summary, Verdict]:
     """The run's summary and verdict once every rank's summary is known: RANK STRAGGLER when one
     rank holds the others back by >= 10 % of the step, else the usual verdict on the medians."""
     combined = combined_summary(summary, ranks)
@@ -378,28 +381,31 @@ def with_ranks(summary: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]]) -
     if found is not None and holds_back(found):
         # The headline numbers are the straggler's own: they show why the others wait.
         late = next(r for r in ranks if r.get("rank") == found["rank"])
-        combined.update({k: late[k] for k in MEDIAN_KEYS if _value(late, k) is not None})
+        combined.update(cast(Summary, {k: late[k] for k in MEDIAN_KEYS if _value(late, k) is not None}))
         combined["straggler"] = straggler_dict(found)
         return combined, straggler_verdict(found, ranks)
     combined["straggler"] = None
     return combined, diagnose(combined)
 
 
-def straggler_dict(found: Mapping[str, Any]) -> dict[str, Any]:
+def straggler_dict(found: Mapping[str, Any]) -> Straggler:
     """The run's `straggler`: {rank, cause, score} and the per-step evidence behind it (the share
     of steps it was last, its p-value, the paired gap and its interval)."""
-    out: dict[str, Any] = {"rank": found["rank"], "cause": found["cause"], "score": float(found["score"])}
+    out: Straggler = {"rank": found["rank"], "cause": found["cause"], "score": float(found["score"])}
     paired = found.get("evidence") or {}
-    for key in ("n_paired", "last_share", "expected_share", "last_p", "gap_ms", "gap_low_ms", "gap_high_ms"):
-        if paired.get(key) is not None:
-            out[key] = paired[key]
+    evidence = {key: paired[key] for key in STRAGGLER_EVIDENCE if paired.get(key) is not None}
+    out.update(cast(Straggler, evidence))  # STRAGGLER_EVIDENCE: Straggler's keys
     return out
+
+
+# The per-step evidence a straggler carries (Straggler's keys, rank_evidence.py's figures).
+STRAGGLER_EVIDENCE = ("n_paired", "last_share", "expected_share", "last_p", "gap_ms", "gap_low_ms", "gap_high_ms")
 
 
 CHECKLIST_VERDICTS = {"input": VerdictLabel.INPUT_BOUND, "h2d": VerdictLabel.H2D_BOUND, "compute": VerdictLabel.COMPUTE_BOUND}
 
 
-def checklist_verdict(label: str, straggler: Mapping[str, Any] | None) -> str:
+def checklist_verdict(label: str, straggler: Straggler | None) -> str:
     """The verdict the checklist reads: for a RANK STRAGGLER, its cause on that rank (its loader
     is the one the run holds), so input items bear on a rank that waits for data."""
     if label == VerdictLabel.RANK_STRAGGLER and straggler:

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from .findings import Finding, Label
 from .number_text import pct
+from .summary_keys import Summary, measured
 from .threads import oversubscription
 
 PRESSURE_WARN = 0.92
@@ -128,9 +129,9 @@ def kept_sentence(kept: Sequence[Mapping[str, Any]]) -> str:
 # -- GPU memory ------------------------------------------------------------------------------------
 
 
-def gpu_memory_summary(facts: ResourceFacts) -> tuple[dict[str, Any], list[Finding]]:
+def gpu_memory_summary(facts: ResourceFacts) -> tuple[Summary, list[Finding]]:
     """GPU memory's summary keys and findings (out of memory, high pressure, creeping up)."""
-    out: dict[str, Any] = {}
+    out: Summary = {}
     found: list[Finding] = []
     cols = facts.columns
     capacity = (facts.gpu_memory or {}).get("capacity_mib")
@@ -148,15 +149,12 @@ def gpu_memory_summary(facts: ResourceFacts) -> tuple[dict[str, Any], list[Findi
         return out, found
     top = float(peak.max())
     end = float(np.median(alloc)) if len(alloc) else None
-    out.update(
-        gpu_mem_peak_mib=top,
-        gpu_mem_peak_share=top / capacity if capacity else None,
-        gpu_mem_reserved_mib=float(reserved.max()) if len(reserved) else None,
-        gpu_mem_end_mib=end,
-    )
+    share = top / capacity if capacity else None
+    out["gpu_mem_peak_mib"], out["gpu_mem_peak_share"] = top, share
+    out["gpu_mem_reserved_mib"] = float(reserved.max()) if len(reserved) else None
+    out["gpu_mem_end_mib"] = end
     if capacity and end is not None and top > end:
         out["gpu_batch_room"] = max(0.0, (BATCH_HEADROOM * capacity - end) / (top - end))
-    share = out["gpu_mem_peak_share"]
     if share is not None and share >= PRESSURE_WARN:
         found.append(
             Finding(
@@ -218,11 +216,11 @@ def loop_span(cols: Mapping[str, np.ndarray], warmup: int) -> tuple[float, float
     return float(np.nanmin(t[analysed])), float(np.nanmax(ends))
 
 
-def cpu_summary(facts: ResourceFacts) -> tuple[dict[str, Any], list[Finding]]:
+def cpu_summary(facts: ResourceFacts) -> tuple[Summary, list[Finding]]:
     """The CPU's summary keys (usable cores, how busy) and findings (the CPU saturated)."""
     host = facts.host or {}
     usable = host.get("usable_cores")
-    out: dict[str, Any] = {"cpu_usable_cores": usable}
+    out: Summary = {"cpu_usable_cores": usable}
     samples = host.get("samples") or {}
     span = loop_span(facts.columns, facts.warmup)
     if not samples or span is None or not len(samples.get("time_s", ())):
@@ -237,11 +235,9 @@ def cpu_summary(facts: ResourceFacts) -> tuple[dict[str, Any], list[Finding]]:
     if ok.sum() < 2:
         return out, []
     family = proc[ok] + workers[ok]
-    out.update(
-        cpu_cores=float(np.median(family)),
-        cpu_process_cores=float(np.median(proc[ok])),
-        cpu_workers_cores=float(np.median(workers[ok])),
-    )
+    out["cpu_cores"] = float(np.median(family))
+    out["cpu_process_cores"] = float(np.median(proc[ok]))
+    out["cpu_workers_cores"] = float(np.median(workers[ok]))
     busy_all = machine[ok & np.isfinite(machine)]
     out["cpu_machine_cores"] = float(np.median(busy_all)) if len(busy_all) >= 2 else None
     n_workers = np.asarray(samples.get("workers", np.zeros(len(t))), dtype=np.float64)[inside][ok]
@@ -257,18 +253,18 @@ def cpu_summary(facts: ResourceFacts) -> tuple[dict[str, Any], list[Finding]]:
     return out, [Finding(Label.CPU_SATURATED, "warn", cpu_sentence(out), SATURATED_NEXT)]
 
 
-def saturated_cpu(s: Mapping[str, Any], usable: float) -> bool:
+def saturated_cpu(s: Summary, usable: float) -> bool:
     """The process and its workers use (nearly) every usable core; or the machine (other
     processes too) leaves less CPU idle than one worker uses, while the process and its workers
     use a good part of the cores and its workers compute rather than wait (found running or
     waiting for a CPU, not sleeping, in half the samples): another worker would find no CPU."""
-    family, machine = float(s["cpu_cores"]), s.get("cpu_machine_cores")
+    family, machine = measured(s["cpu_cores"]), s.get("cpu_machine_cores")
     if family >= SATURATED_SHARE * usable:
         return True
     workers, running = s.get("cpu_workers"), s.get("cpu_workers_running")
     if machine is None or not workers or running is None or family < OWN_SHARE * usable:
         return False
-    one_worker = float(s["cpu_workers_cores"]) / float(workers)
+    one_worker = measured(s["cpu_workers_cores"]) / float(workers)
     idle = usable - float(machine)
     return idle < max(one_worker, (1.0 - SATURATED_SHARE) * usable) and running >= RUNNING_WORKERS
 
@@ -283,17 +279,17 @@ def _cores(value: float) -> str:
     return f"{value:.1f}"
 
 
-def cpu_sentence(summary: Mapping[str, Any]) -> str:
+def cpu_sentence(summary: Summary) -> str:
     """"the training process and its DataLoader workers keep 1.9 of the 2 usable cores busy (the
     process 0.3, the workers 1.6)."; when other processes fill the rest, says so."""
-    usable = float(summary["cpu_usable_cores"])
+    usable = measured(summary["cpu_usable_cores"])
     ours = (
-        f"the training process and its DataLoader workers keep {_cores(summary['cpu_cores'])} of the "
-        f"{usable:g} usable cores busy (the process {_cores(summary['cpu_process_cores'])}, the "
-        f"workers {_cores(summary['cpu_workers_cores'])})"
+        f"the training process and its DataLoader workers keep {_cores(measured(summary['cpu_cores']))} of the "
+        f"{usable:g} usable cores busy (the process {_cores(measured(summary['cpu_process_cores']))}, the "
+        f"workers {_cores(measured(summary['cpu_workers_cores']))})"
     )
     machine, running = summary.get("cpu_machine_cores"), summary.get("cpu_workers_running")
-    if machine is None or float(summary["cpu_cores"]) >= SATURATED_SHARE * usable:
+    if machine is None or measured(summary["cpu_cores"]) >= SATURATED_SHARE * usable:
         return ours + "."
     text = ours + f"; counting other processes, {_cores(machine)} are busy"
     if running is not None:
@@ -304,12 +300,12 @@ def cpu_sentence(summary: Mapping[str, Any]) -> str:
 # -- the host: memory --------------------------------------------------------------------------------
 
 
-def host_memory_summary(facts: ResourceFacts) -> tuple[dict[str, Any], list[Finding]]:
+def host_memory_summary(facts: ResourceFacts) -> tuple[Summary, list[Finding]]:
     """The host memory's summary keys (the training process's and the workers' memory over the loop)
     and its findings (memory creeping up, workers' memory growing)."""
     host = facts.host or {}
     samples = host.get("samples") or {}
-    out: dict[str, Any] = {}
+    out: Summary = {}
     found: list[Finding] = []
     span = loop_span(facts.columns, facts.warmup)
     if not samples or not len(samples.get("time_s", ())):
@@ -434,12 +430,12 @@ def held_sentence(d: Mapping[str, Any]) -> str:
 HELD_NEXT = "Free what you no longer need: `del NAME`, then `gc.collect()` and `torch.cuda.empty_cache()`."
 
 
-def held_summary(facts: ResourceFacts, pressing: bool) -> tuple[dict[str, Any], list[Finding]]:
+def held_summary(facts: ResourceFacts, pressing: bool) -> tuple[Summary, list[Finding]]:
     """What earlier cells held on the GPU (a summary key), a finding when it weighs."""
     d = _held_device(facts.held, facts.device)
     if d is None:
         return {"gpu_held_before_mib": None}, []
-    out = {"gpu_held_before_mib": float(d["allocated_mib"])}
+    out: Summary = {"gpu_held_before_mib": float(d["allocated_mib"])}
     share = float(d["allocated_mib"]) / float(d["capacity_mib"]) if d.get("capacity_mib") else None
     if pressing or (share is not None and share >= HELD_SHARE):
         severity = "warn" if pressing else "info"
@@ -509,10 +505,10 @@ RESOURCE_KEYS = (
 )
 
 
-def resource_summary(facts: ResourceFacts) -> dict[str, Any]:
+def resource_summary(facts: ResourceFacts) -> Summary:
     """The summary's resource keys (RESOURCE_KEYS; None when not measured) and the findings,
     most serious first."""
-    out: dict[str, Any] = dict.fromkeys(RESOURCE_KEYS)
+    out = cast(Summary, dict.fromkeys(RESOURCE_KEYS))
     found: list[Finding] = []
     oom = oom_finding(facts)
     if oom is not None:
@@ -545,7 +541,7 @@ def resource_summary(facts: ResourceFacts) -> dict[str, Any]:
     return out
 
 
-def finding_lines(summary: Mapping[str, Any]) -> list[str]:
+def finding_lines(summary: Summary) -> list[str]:
     """The findings as the text box's "Also:" lines."""
     return [
         f"{f['label']}: {f['text']} {f['next']}".strip()
@@ -553,7 +549,7 @@ def finding_lines(summary: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def saturation_text(summary: Mapping[str, Any]) -> str | None:
+def saturation_text(summary: Summary) -> str | None:
     """CPU SATURATED in a sentence (what the verdict, the checklist and tune quote), else None."""
     if not summary.get("cpu_saturated"):
         return None

@@ -14,6 +14,7 @@ import numpy as np
 
 from .number_text import ms as _ms
 from .number_text import pct as _pct
+from .summary_keys import EpochStartup, LineCost, LineCosts, MovedPart, Summary, Trend, part_figures
 from .verdict import WARN_SHARE, severity_for
 
 PARTS = ("forward", "backward", "optimizer", "rest")
@@ -58,27 +59,37 @@ def _median(values: np.ndarray) -> float | None:
 
 
 # -- the parts ----------------------------------------------------------------------------------
-def parts_summary(columns: Mapping[str, np.ndarray], analysed: np.ndarray, clock: str) -> dict[str, Any]:
+def parts_summary(columns: Mapping[str, np.ndarray], analysed: np.ndarray, clock: str) -> Summary:
     """Medians over the analysed sampled steps of each part (ms) and of its share of the step,
     on the run's clock; None where a part was never timed."""
     suffix = "_gpu_ms" if clock == "gpu" else "_ms"
-    out: dict[str, Any] = {}
     step = np.asarray(columns.get("step" + suffix, columns["step_ms"]), dtype=np.float64)[analysed]
     sampled = np.zeros(len(step), dtype=bool)
+    ms: dict[str, float | None] = {}
+    share: dict[str, float | None] = {}
     for part in PARTS:
         col = columns.get(part + suffix)
         if col is None:
-            out[f"{part}_ms"] = out[f"{part}_share"] = None
+            ms[part] = share[part] = None
             continue
         values = np.asarray(col, dtype=np.float64)[analysed]
         ok = np.isfinite(values)
         sampled |= ok
-        out[f"{part}_ms"] = _median(values[ok])
+        ms[part] = _median(values[ok])
         good = ok & (step > 0)
-        out[f"{part}_share"] = float(np.median(values[good] / step[good])) if good.any() else None
-    out["parts_steps"] = int(sampled.sum())
-    out["parts_clock"] = clock
-    return out
+        share[part] = float(np.median(values[good] / step[good])) if good.any() else None
+    return {
+        "forward_ms": ms["forward"],
+        "forward_share": share["forward"],
+        "backward_ms": ms["backward"],
+        "backward_share": share["backward"],
+        "optimizer_ms": ms["optimizer"],
+        "optimizer_share": share["optimizer"],
+        "rest_ms": ms["rest"],
+        "rest_share": share["rest"],
+        "parts_steps": int(sampled.sum()),
+        "parts_clock": clock,
+    }
 
 
 def _label_names(labels: Sequence[str]) -> list[str]:
@@ -110,36 +121,36 @@ def part_lines(
     return found
 
 
-def rest_line(summary: Mapping[str, Any], line_costs: Mapping[str, Any] | None, cell_lines: Sequence[str]) -> dict[str, Any] | None:
+def rest_line(summary: Summary, line_costs: LineCosts | None, cell_lines: Sequence[str]) -> LineCost | None:
     """The costliest body statement that is none of the parts, when it makes a good part of
     the rest: {"line", "text", "ms_per_step"}."""
     rest = summary.get("rest_ms")
     if not line_costs or rest is None or rest <= 0:
         return None
-    statements = [s for s in line_costs.get("statements") or [] if s.get("ms_per_step") is not None]
+    timed = [(s, ms) for s in line_costs.get("statements") or [] if (ms := s.get("ms_per_step")) is not None]
+    statements = [s for s, _ in timed]
     modules = summary.get("forward_modules") or []
     optimizers = [o.get("label", "") for o in summary.get("optimizers") or []]
     parts = part_lines(statements, cell_lines, modules, optimizers)
-    others = [s for s in statements if int(s["line"]) not in parts]
+    others = [(s, ms) for s, ms in timed if int(s["line"]) not in parts]
     if not others:
         return None
-    top = max(others, key=lambda s: float(s["ms_per_step"]))
-    if float(top["ms_per_step"]) < 0.25 * rest:
+    top, top_ms = max(others, key=lambda pair: pair[1])
+    if top_ms < 0.25 * rest:
         return None
-    return {"line": int(top["line"]), "text": str(top.get("text") or ""), "ms_per_step": float(top["ms_per_step"])}
+    return {"line": int(top["line"]), "text": str(top.get("text") or ""), "ms_per_step": float(top_ms)}
 
 
-def parts_sentence(summary: Mapping[str, Any]) -> str | None:
+def parts_sentence(summary: Summary) -> str | None:
     """"forward 5.3 ms (12.4 %), backward 23.5 ms (54.4 %), ...": the split, or why there is
     none."""
     if not summary.get("parts_steps"):
         return None
     bits = []
-    for part in PARTS:
-        value = summary.get(f"{part}_ms")
+    for part, (value, share) in part_figures(summary).items():
         if value is None:
             continue
-        bits.append(f"{PART_WORDS[part]} {_ms(value)} ({_pct(summary.get(f'{part}_share'))})")
+        bits.append(f"{PART_WORDS[part]} {_ms(value)} ({_pct(share)})")
     text = ", ".join(bits) + f" of the step (median of {summary['parts_steps']} sampled steps"
     state = summary.get("forward_state")
     modules = summary.get("forward_modules") or []
@@ -158,7 +169,7 @@ def parts_sentence(summary: Mapping[str, Any]) -> str | None:
     return text + "."
 
 
-def _optimizer_advice(summary: Mapping[str, Any]) -> str | None:
+def _optimizer_advice(summary: Summary) -> str | None:
     opt, compute = summary.get("optimizer_ms"), summary.get("compute_ms")
     if opt is None or not compute or opt < OPTIMIZER_HEAVY * compute:
         return None
@@ -184,7 +195,7 @@ def _optimizer_advice(summary: Mapping[str, Any]) -> str | None:
     )
 
 
-def _backward_advice(summary: Mapping[str, Any]) -> str | None:
+def _backward_advice(summary: Summary) -> str | None:
     fwd, bwd, step = summary.get("forward_ms"), summary.get("backward_ms"), summary.get("step_ms")
     if not fwd or bwd is None or not step or bwd < BACKWARD_RATIO * fwd or bwd < BACKWARD_SHARE * step:
         return None
@@ -199,7 +210,7 @@ def _backward_advice(summary: Mapping[str, Any]) -> str | None:
     )
 
 
-def rest_verdict(summary: Mapping[str, Any], named: Mapping[str, Any] | None) -> tuple[str, str] | None:
+def rest_verdict(summary: Summary, named: LineCost | None) -> tuple[str, str] | None:
     """The rest of the step >= 10 % (critical >= 20 %): its severity and its own line."""
     share = summary.get("rest_share")
     if share is None or share < WARN_SHARE:
@@ -264,7 +275,7 @@ def steady_change(step: np.ndarray, delta: float) -> bool:
     return low <= float(np.median(middle)) <= high
 
 
-def trend(columns: Mapping[str, np.ndarray], analysed: np.ndarray, clock: str) -> dict[str, Any] | None:
+def trend(columns: Mapping[str, np.ndarray], analysed: np.ndarray, clock: str) -> Trend | None:
     """The step time's last third against its first (analysed steps, in order), with the noise
     band, and what moved: data wait, each part, GPU utilisation, clocks and temperature where
     measured. None with too few steps."""
@@ -278,14 +289,15 @@ def trend(columns: Mapping[str, np.ndarray], analysed: np.ndarray, clock: str) -
     rel = delta / m1 if m1 > 0 else 0.0
     band = Z_TREND * se / m1 if m1 > 0 else 0.0
     found = abs(delta) >= BEYOND_BAND * Z_TREND * se and abs(rel) >= MIN_TREND and steady_change(step, delta)
-    out: dict[str, Any] = {
+    moved_parts: list[MovedPart] = []
+    out: Trend = {
         "first_ms": m1,
         "last_ms": m3,
         "change": rel,
         "noise": band,
         "direction": ("slower" if delta > 0 else "faster") if found else None,
         "steps": int(len(step)),
-        "moved": [],
+        "moved": moved_parts,
     }
     components = [("data wait", "data_wait" + suffix, MIN_THIRD, "ms")]
     components += [(PART_WORDS[p], p + suffix, MIN_PART_THIRD, "ms") for p in PARTS]
@@ -307,15 +319,15 @@ def trend(columns: Mapping[str, np.ndarray], analysed: np.ndarray, clock: str) -
         d = b - a
         big = abs(d) >= MOVED_SHARE * m1 if unit == "ms" else abs(d) >= MIN_TREND * max(abs(a), 1e-9)
         if abs(d) >= Z_TREND * s and big:
-            out["moved"].append({"what": label, "first": a, "last": b, "delta": d, "unit": unit})
-    out["moved"].sort(key=lambda m: -abs(m["delta"]) if m["unit"] == "ms" else 0.0)
+            moved_parts.append({"what": label, "first": a, "last": b, "delta": d, "unit": unit})
+    moved_parts.sort(key=lambda m: -abs(m["delta"]) if m["unit"] == "ms" else 0.0)
     wait = _third_change(np.asarray(columns.get("data_wait" + suffix, columns["data_wait_ms"]), dtype=np.float64)[analysed], MIN_THIRD)
     if wait is not None:
         out["data_wait_first_ms"], out["data_wait_last_ms"] = wait[0], wait[1]
     return out
 
 
-def trend_sentence(found: Mapping[str, Any] | None) -> str | None:
+def trend_sentence(found: Trend | None) -> str | None:
     """"Steps got 23 % slower over the run (12.0 ms -> 14.8 ms, ...): forward +2.6 ms." when a
     trend was found, else None."""
     if not found or not found.get("direction"):
@@ -345,7 +357,7 @@ def epoch_startup(
     step_total_ms: float | None,
     loader: Mapping[str, Any] | None,
     clock: str = "cpu",
-) -> dict[str, Any] | None:
+) -> EpochStartup | None:
     """The wait at the first batch of each pass over the training loader after the first (the
     first pass's start is the run's own start-up), above a typical step's wait: per pass, in
     total, and as a share of the run. None with a single pass or none kept."""
@@ -371,7 +383,7 @@ def epoch_startup(
     restart = workers > 0 and not persistent
     each = float(np.median(excess))
     share = total / step_total_ms if step_total_ms else None
-    out: dict[str, Any] = {
+    out: EpochStartup = {
         "passes": len(starts),
         "restarts": len(excess),
         "wait_ms": each,
@@ -393,7 +405,7 @@ def wait_words(wait_ms: float) -> str:
     return f"{wait_ms / 1e3:.2g} s" if wait_ms >= 100 else _ms(wait_ms)
 
 
-def startup_sentence(found: Mapping[str, Any] | None) -> str | None:
+def startup_sentence(found: EpochStartup | None) -> str | None:
     """"Each epoch starts with a 1.4 s wait (workers restart, 6.0 % of the run):
     persistent_workers=True." when reported, else None."""
     if not found or not found.get("reported"):
@@ -407,8 +419,8 @@ def startup_sentence(found: Mapping[str, Any] | None) -> str | None:
 
 # -- the lines a report adds -----------------------------------------------------------------------
 def also_lines(
-    summary: Mapping[str, Any],
-    line_costs: Mapping[str, Any] | None = None,
+    summary: Summary,
+    line_costs: LineCosts | None = None,
     cell_lines: Sequence[str] = (),
 ) -> list[tuple[str, str]]:
     """(severity, text) for each line the report adds after the verdict: the rest of the step

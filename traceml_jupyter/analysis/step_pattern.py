@@ -22,6 +22,7 @@ import numpy as np
 
 from .number_text import ms as _ms
 from .summary import stalls
+from .summary_keys import StepPattern
 
 MIN_STEPS = 6  # analysed steps a shape needs
 MIN_SLOW = 3  # slow steps a second hump needs
@@ -102,7 +103,7 @@ def step_pattern(
     pass_steps: Sequence[int] = (),
     workers: int | None = None,
     batches_per_step: float | None = None,
-) -> dict[str, Any] | None:
+) -> StepPattern | None:
     """The analysed steps' shape: "two humps" (with the slow steps' period, where they have one,
     and whether the data wait or the compute makes them slow), "skewed" or "even"; `steady_wait`:
     the waits repeat with a short period away from the passes' starts (the loader's steady
@@ -116,7 +117,7 @@ def step_pattern(
     if len(finite) < MIN_STEPS:
         return None
     median, mean = float(np.median(finite)), float(finite.mean())
-    out: dict[str, Any] = {
+    out: StepPattern = {
         "shape": "even",
         "typical_ms": median,
         "slow_ms": None,
@@ -132,7 +133,7 @@ def step_pattern(
         "text": None,
     }
     near_start = near_pass_starts(numbers, pass_steps, max(1, workers or 1))
-    out.update(_stalls(step, wait, near_start))
+    out["stalls"], out["steady_wait"] = _stalls(step, wait, near_start)
     slow = slow_hump(step)
     if slow is None:
         if median > 0 and mean >= SKEWED * median:
@@ -147,18 +148,12 @@ def step_pattern(
     positions = np.flatnonzero(slow)
     period = period_of(positions)
     at_starts = float(np.mean(near_start[slow])) >= AT_STARTS
-    out.update(
-        shape="two humps",
-        typical_ms=typical,
-        slow_ms=slow_ms,
-        slow_wait_ms=float(np.nanmedian(wait[slow])),
-        slow_steps=int(slow.sum()),
-        period=period,
-        slow_in="data wait" if in_wait else "compute",
-        at_pass_starts=at_starts,
-        steady_wait=bool(in_wait and period is not None and period <= MAX_PERIOD and not at_starts)
-        or out["steady_wait"],
-    )
+    out["shape"], out["typical_ms"], out["slow_ms"] = "two humps", typical, slow_ms
+    out["slow_wait_ms"], out["slow_steps"] = float(np.nanmedian(wait[slow])), int(slow.sum())
+    out["period"], out["slow_in"] = period, "data wait" if in_wait else "compute"
+    out["at_pass_starts"] = at_starts
+    steady = in_wait and period is not None and period <= MAX_PERIOD and not at_starts
+    out["steady_wait"] = bool(steady) or out["steady_wait"]
     if period is not None and period == workers and in_wait:
         out["cause"] = f"the {workers} workers deliver a round of batches together, then all wait for the next round"
     elif period is not None and batches_per_step and period == round(batches_per_step) and in_wait:
@@ -176,8 +171,8 @@ def near_pass_starts(numbers: np.ndarray, pass_steps: Sequence[int], window: int
     return near
 
 
-def _stalls(step: np.ndarray, wait: np.ndarray, near_start: np.ndarray) -> dict[str, Any]:
-    """The stalled fetches: how many, and whether they are frequent enough, away from the
+def _stalls(step: np.ndarray, wait: np.ndarray, near_start: np.ndarray) -> tuple[int, bool]:
+    """The stalled fetches: how many (`stalls`), and (`steady_wait`) whether they are frequent enough, away from the
     passes' starts, to be the loader's steady pace."""
     ok = np.isfinite(step) & np.isfinite(wait)
     stalled = np.zeros(len(step), dtype=bool)
@@ -185,21 +180,22 @@ def _stalls(step: np.ndarray, wait: np.ndarray, near_start: np.ndarray) -> dict[
         stalled[ok] = stalls(wait[ok], step[ok])
     count = int(stalled.sum())
     if not count:
-        return {"stalls": 0, "steady_wait": False}
+        return 0, False
     at_starts = float(np.mean(near_start[stalled])) >= AT_STARTS
     share = count / max(1, int(ok.sum()))
     costly = float(np.median(wait[stalled])) >= STALL_STEP * float(np.median(step[ok]))
-    return {"stalls": count, "steady_wait": bool(share >= FREQUENT_STALLS and costly and not at_starts)}
+    return count, bool(share >= FREQUENT_STALLS and costly and not at_starts)
 
 
-def pattern_text(p: Mapping[str, Any]) -> str:
+def pattern_text(p: StepPattern) -> str:
     """"typical step 1.7 ms; every 2nd step waits 28.0 ms" (two humps) or "...; 5 of 40 steps
     take 30.0 ms" (no period)."""
     head = f"typical step {_ms(p['typical_ms'])}"
-    which = f"every {ordinal(p['period'])} step" if p.get("period") else f"{p['slow_steps']} of {p['steps']} steps"
+    period = p.get("period")
+    which = f"every {ordinal(period)} step" if period else f"{p['slow_steps']} of {p['steps']} steps"
     if p.get("at_pass_starts"):
-        which = "each pass's first step" if p.get("period") else which
-    plural = not p.get("period")
+        which = "each pass's first step" if period else which
+    plural = not period
     if p.get("slow_in") == "data wait":
         return f"{head}; {which} wait{'' if plural else 's'} {_ms(p.get('slow_wait_ms'))}"
     return f"{head}; {which} take{'' if plural else 's'} {_ms(p.get('slow_ms'))}"

@@ -4,11 +4,12 @@ tails, shares, the clock and warm-up."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Literal, cast
 
 import numpy as np
 
 from .noise import block_edges, student_t975
+from .summary_keys import Stats, Summary
 
 PHASES = ("data_wait_ms", "compute_ms", "step_ms")
 GPU_OF = {"data_wait_ms": "data_wait_gpu_ms", "compute_ms": "compute_gpu_ms", "step_ms": "step_gpu_ms"}
@@ -20,7 +21,7 @@ def auto_warmup(n_steps: int) -> int:
     return min(MAX_AUTO_WARMUP, n_steps // 10)
 
 
-def choose_clock(columns: Mapping[str, np.ndarray], analysed: np.ndarray, gpu_used: bool) -> str:
+def choose_clock(columns: Mapping[str, np.ndarray], analysed: np.ndarray, gpu_used: bool) -> Literal["gpu", "cpu"]:
     """'gpu' when every analysed step has GPU timings and the work ran on the GPU, else 'cpu'."""
     if not gpu_used or not analysed.any():
         return "cpu"
@@ -28,7 +29,7 @@ def choose_clock(columns: Mapping[str, np.ndarray], analysed: np.ndarray, gpu_us
     return "gpu" if bool(np.all(np.isfinite(gpu_steps))) else "cpu"
 
 
-def _stats(values: np.ndarray) -> dict[str, float | None]:
+def _stats(values: np.ndarray) -> Stats:
     if not len(values):
         return {"median": None, "mean": None, "p90": None, "p99": None, "max": None}
     p50, p90, p99 = np.percentile(values, [50, 90, 99])
@@ -67,7 +68,7 @@ def summarize(
     warmup: int | None = None,
     gpu_used: bool = False,
     totals_ms: Mapping[str, float] | None = None,
-) -> dict[str, Any]:
+) -> Summary:
     """Numbers behind the verdict, from the kept step columns (see Recorder.columns)."""
     steps = columns["step"]
     warm = auto_warmup(n_steps) if warmup is None else max(0, int(warmup))
@@ -94,7 +95,7 @@ def summarize(
     lost, n_spikes = straggler_share(wait, step)
     n_analysed = int(analysed.sum())
     host = col("compute_ms", "cpu")
-    out: dict[str, Any] = {
+    out: Summary = {
         "clock": clock,
         "n_steps": int(n_steps),
         "n_analysed": max(0, n_steps - warm),
@@ -112,7 +113,7 @@ def summarize(
         "totals_ms": dict(totals_ms) if totals_ms is not None else None,
     }
     out.update(gpu_work(columns, analysed, clock, med_step, out["data_wait_share"]))
-    out.update(headline(columns, n_steps, clock, totals_ms, stats, int(out["n_analysed"]), step))
+    out.update(headline(columns, n_steps, clock, totals_ms, stats, max(0, n_steps - warm), step))
     return out
 
 
@@ -163,14 +164,14 @@ def headline(
     n_steps: int,
     clock: str,
     totals_ms: Mapping[str, float] | None,
-    stats: Mapping[str, Mapping[str, float | None]],
+    stats: Mapping[str, Stats],
     n_analysed: int,
     analysed_step: np.ndarray,
-) -> dict[str, float | None]:
+) -> Summary:
     """HEADLINE_KEYS: the figures a user's stopwatch agrees with. Means over every step recorded
     (the exact totals when the recorder kept them, else the kept columns): wait + compute = step,
     and steps x step = the loop's time; the medians stay beside them (`step_ms`, ...)."""
-    out: dict[str, float | None] = dict.fromkeys(HEADLINE_KEYS)
+    out = cast(Summary, dict.fromkeys(HEADLINE_KEYS))
     out["mean_step_noise"] = mean_noise(analysed_step)
     name = {p: GPU_OF[p] if clock == "gpu" else p for p in PHASES}
     if totals_ms is not None and n_steps:
@@ -236,18 +237,18 @@ def gpu_work(
     clock: str,
     step_ms: float | None,
     data_wait_share: float | None,
-) -> dict[str, Any]:
+) -> Summary:
     """GPU_WORK_KEYS from the optional columns h2d_ms, h2d_bytes, h2d_pinned_bytes,
     h2d_async_bytes, sync_ms, sync_calls, sync_untimed, gpu_backlog_ms and gpu_util_pct (the
     NVML samples placed on the steps; NaN when too few fell inside the loop)."""
-    out: dict[str, Any] = dict.fromkeys(GPU_WORK_KEYS)
+    out = cast(Summary, dict.fromkeys(GPU_WORK_KEYS))
     if clock != "gpu" or not step_ms:
         return out
     h2d = _measured(columns, "h2d_ms", analysed)
     if h2d is not None:
-        out["h2d_ms"] = _median(h2d)
-        out["h2d_share"] = out["h2d_ms"] / step_ms
-        out["h2d_bytes"] = _median(_measured(columns, "h2d_bytes", analysed))
+        h2d_ms = out["h2d_ms"] = _median(h2d)
+        out["h2d_share"] = h2d_ms / step_ms if h2d_ms is not None else None
+        per_step = out["h2d_bytes"] = _median(_measured(columns, "h2d_bytes", analysed))
         ms = np.asarray(columns["h2d_ms"], dtype=np.float64)[analysed]
         sums: dict[str, float] = {}
         for name in ("h2d_bytes", "h2d_pinned_bytes", "h2d_async_bytes"):
@@ -256,12 +257,12 @@ def gpu_work(
                 values = np.asarray(col, dtype=np.float64)[analysed]
                 sums[name] = float(values[np.isfinite(values) & np.isfinite(ms)].sum())
         nbytes = sums.get("h2d_bytes", 0.0)
-        per_step = out["h2d_bytes"]
-        if per_step and out["h2d_ms"]:
-            out["h2d_gbps"] = per_step / out["h2d_ms"] / 1e6
+        if per_step and h2d_ms:
+            out["h2d_gbps"] = per_step / h2d_ms / 1e6
         if nbytes > 0:
-            for key, name in (("h2d_pinned_share", "h2d_pinned_bytes"), ("h2d_non_blocking_share", "h2d_async_bytes")):
-                out[key] = sums[name] / nbytes if name in sums else None
+            pinned, non_blocking = sums.get("h2d_pinned_bytes"), sums.get("h2d_async_bytes")
+            out["h2d_pinned_share"] = pinned / nbytes if pinned is not None else None
+            out["h2d_non_blocking_share"] = non_blocking / nbytes if non_blocking is not None else None
     sync = _measured(columns, "sync_ms", analysed)
     out["sync_ms"] = _median(sync)
     out["sync_calls"] = _median(_measured(columns, "sync_calls", analysed))
@@ -286,13 +287,11 @@ def gpu_work(
         busy_pct = float(np.median(util))
         out["gpu_busy_share"] = busy_pct / 100.0
         idle = (100.0 - busy_pct) / 100.0  # not 1 - busy: 90 % busy is exactly 10 % idle
-        out["host_share"] = max(0.0, idle - (data_wait_share or 0.0) - (out["h2d_share"] or 0.0))
+        out["host_share"] = max(0.0, idle - (data_wait_share or 0.0) - (out.get("h2d_share") or 0.0))
     return out
 
 
-def with_batch_size(
-    summary: dict[str, Any], batch_size: int | None, batches_per_step: float | None = None
-) -> dict[str, Any]:
+def with_batch_size(summary: Summary, batch_size: int | None, batches_per_step: float | None = None) -> Summary:
     """Add the batch size read from the batches, and the samples a second it gives (a step of
     gradient accumulation takes several batches)."""
     mean = summary["stats"]["step_ms"]["mean"]

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .findings import Finding, Label
+from .summary_keys import Oversubscription, Summary
 
 BUSY_WORKER_CORES = 0.5  # a worker that keeps at least half a core busy holds a core
 UNSTABLE_RATIO = 1.5  # compute's p90 this many times its median: the turns show (warn, else info)
@@ -55,12 +56,12 @@ def oversubscription(
     columns: Mapping[str, np.ndarray],
     warmup: int,
     loader: int | None = None,
-) -> tuple[dict[str, Any], list[Finding]]:
+) -> tuple[Summary, list[Finding]]:
     """The summary's `cpu_torch_threads` and `cpu_oversubscription` (the figures, None when the
     cores suffice or were not measured), and the finding."""
     host = host or {}
     threads, cores = host.get("torch_threads"), host.get("usable_cores")
-    out: dict[str, Any] = {"cpu_torch_threads": threads, "cpu_oversubscription": None}
+    out: Summary = {"cpu_torch_threads": threads, "cpu_oversubscription": None}
     if not isinstance(threads, int) or threads < 1 or not cores:
         return out, []
     busy = busy_workers(host.get("workers") or [], loader)
@@ -70,7 +71,7 @@ def oversubscription(
         return out, []
     p50, p90, ratio = compute_spread(columns, warmup)
     suggested = max(1, math.floor(cores) - busy)
-    figures = {
+    figures: Oversubscription = {
         "threads": threads,
         "busy_workers": busy,
         "usable_cores": cores,
@@ -90,7 +91,7 @@ def _cores(value: float) -> str:
     return f"{value:g}"
 
 
-def sentence(f: Mapping[str, Any]) -> str:
+def sentence(f: Oversubscription) -> str:
     """"torch's 2 intra-op threads and 2 DataLoader workers that keep a core busy each want
     2 x (1 + 2) = 6 cores; 2 are usable: compute's p90 is 3.4x its median (9.0 ms against 2.6 ms).\""""
     busy = int(f["busy_workers"])
@@ -110,7 +111,7 @@ def sentence(f: Mapping[str, Any]) -> str:
     return text + "."
 
 
-def fix(f: Mapping[str, Any]) -> str:
+def fix(f: Oversubscription) -> str:
     """What to change: torch's threads in the training process, or fewer workers."""
     text = (
         f"Call `torch.set_num_threads({f['suggested_threads']})` in the training process (before the loop), "

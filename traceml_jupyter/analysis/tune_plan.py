@@ -10,6 +10,7 @@ from typing import Any
 
 from .number_text import ms as _ms
 from .number_text import ms_fine
+from .tune_rows import CandidateRow, LoaderSettings, SplitRow
 
 # With workers, loading overlaps compute: the loader keeps the model fed when it makes batches
 # at least this many times faster than the model takes them (room for jitter and for the
@@ -50,9 +51,9 @@ class Setting:
     prefetch_factor: int | None = None  # None: the default (2 with workers)
     pin_memory: bool = False
 
-    def kwargs(self) -> dict[str, Any]:
+    def kwargs(self) -> LoaderSettings:
         """What the candidate's DataLoader is built with."""
-        out: dict[str, Any] = {"num_workers": self.num_workers}
+        out: LoaderSettings = {"num_workers": self.num_workers}
         if self.num_workers > 0:
             out["persistent_workers"] = self.persistent_workers
             out["prefetch_factor"] = self.prefetch_factor or DEFAULT_PREFETCH
@@ -103,7 +104,7 @@ class Row:
     # many times the run's compute (above 1: the workers' CPU work crowds the cores).
     compute_ratio: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> CandidateRow:
         """The candidate's measurement as JSON-ready values."""
         return {
             "settings": self.setting.kwargs(),
@@ -165,7 +166,7 @@ class Split:
         known = sum(v for v in (self.getitem_ms, self.collate_ms, self.pin_ms) if v is not None)
         return max(0.0, self.batch_ms - known)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> SplitRow:
         """The split as JSON-ready values."""
         return {
             "batch_ms": self.batch_ms,
@@ -185,7 +186,7 @@ class Conclusion:
     """What the measured rows say."""
 
     best: Row | None
-    changes: dict[str, Any]  # DataLoader kwargs to change (empty: keep the loader as it is)
+    changes: LoaderSettings  # DataLoader kwargs to change (empty: keep the loader as it is)
     keeps_up: bool  # the best row keeps the model fed (False also without a model rate)
     predicted_step_ms: float | None
     predicted_speedup: float | None
@@ -396,9 +397,9 @@ def quickest(
     return next(r for s, r in kept if s <= fastest * 1.02)
 
 
-def changes_from(setting: Setting, current: Mapping[str, Any]) -> dict[str, Any]:
+def changes_from(setting: Setting, current: LoaderSettings) -> LoaderSettings:
     """The keyword arguments to change on the user's loader to get `setting`."""
-    out: dict[str, Any] = {}
+    out: LoaderSettings = {}
     workers = int(current.get("num_workers") or 0)
     if setting.num_workers != workers:
         out["num_workers"] = setting.num_workers
@@ -423,7 +424,7 @@ def code_line(
     dataset: str,
     batch: str | None,
     changes: Mapping[str, Any],
-    current: Mapping[str, Any] | None = None,
+    current: LoaderSettings | None = None,
 ) -> str:
     """The line to write: `DataLoader(dataset, batch_size=64, num_workers=3, persistent_workers=True)`.
 
@@ -433,7 +434,7 @@ def code_line(
     parts = [dataset]
     if batch:
         parts.append(batch)
-    merged: dict[str, Any] = {}
+    merged: dict[str, object] = {}
     for key in ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory"):
         value = (current or {}).get(key)
         if key in changes:
@@ -523,7 +524,7 @@ def optimistic_note(
 def conclude(
     rows: Sequence[Row],
     model: ModelRate | None,
-    current: Mapping[str, Any],
+    current: LoaderSettings,
     cpus: int,
     split: Split | None = None,
     model_on_cpu: bool = False,

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypedDict
 
 from .data_sources import input_next, straggler_next
 from .number_text import ms as _ms
 from .number_text import pct as _pct
+from .summary_keys import Summary, measured
 
 WARN_SHARE = 0.10
 CRITICAL_SHARE = 0.20
@@ -60,6 +61,16 @@ class VerdictLabel(StrEnum):
     RANK_STRAGGLER = "RANK STRAGGLER"  # several ranks: one holds the others back
 
 
+class VerdictRow(TypedDict):
+    """A verdict as the JSON's `verdict` holds it (Verdict.to_dict, Verdict.from_dict)."""
+
+    label: str
+    severity: str
+    why: str
+    next: str
+    evidence: list[list[str]]
+
+
 @dataclass(frozen=True)
 class Verdict:
     """A run's verdict: its label (INPUT-BOUND, COMPUTE-BOUND, ...), how serious, why, what to do
@@ -83,7 +94,7 @@ class Verdict:
             [(str(r[0]), str(r[1])) for r in rows if isinstance(r, (list, tuple)) and len(r) == 2],
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> VerdictRow:
         """The verdict as JSON-ready values (from_dict reads them back)."""
         return {
             "label": str(self.label),
@@ -118,7 +129,7 @@ def _lines(lines: list[int]) -> str:
     return " on lines " + ", ".join(map(str, lines))
 
 
-def h2d_bound(summary: Mapping[str, Any]) -> str | None:
+def h2d_bound(summary: Summary) -> str | None:
     """The severity when host-to-device copies take >= 10 % of the GPU step, else None."""
     share = summary.get("h2d_share")
     if summary.get("clock") != "gpu" or share is None or share < WARN_SHARE:
@@ -126,7 +137,7 @@ def h2d_bound(summary: Mapping[str, Any]) -> str | None:
     return severity_for(share, int(summary["n_analysed"]))
 
 
-def gpu_behind(summary: Mapping[str, Any]) -> bool:
+def gpu_behind(summary: Summary) -> bool:
     """The GPU still had work queued when steps ended (median backlog >= BACKLOG_BEHIND_MS or
     >= BACKLOG_MAX_SHARE of the step): it was not waiting on the host."""
     backlog, step = summary.get("gpu_backlog_ms"), summary.get("step_ms")
@@ -135,13 +146,13 @@ def gpu_behind(summary: Mapping[str, Any]) -> bool:
     return bool(backlog >= BACKLOG_BEHIND_MS or (step and backlog >= BACKLOG_MAX_SHARE * step))
 
 
-def host_waits_for_gpu(summary: Mapping[str, Any]) -> bool:
+def host_waits_for_gpu(summary: Summary) -> bool:
     """The host's timed waits for the GPU (syncs) take >= BACKLOG_MAX_SHARE of the step."""
     sync, step = summary.get("sync_ms"), summary.get("step_ms")
     return bool(sync is not None and step and sync >= BACKLOG_MAX_SHARE * step)
 
 
-def host_bound(summary: Mapping[str, Any]) -> str | None:
+def host_bound(summary: Summary) -> str | None:
     """The severity when the GPU waits on the host inside the steps, else None (see the
     HOST-BOUND thresholds above): only with evidence that the GPU idled while the host issued."""
     step = summary.get("step_ms")
@@ -161,7 +172,7 @@ def host_bound(summary: Mapping[str, Any]) -> str | None:
     return "warn"
 
 
-def gpu_busy_evidence(summary: Mapping[str, Any]) -> str | None:
+def gpu_busy_evidence(summary: Summary) -> str | None:
     """What shows the GPU was busy during the steps (GPU clock), as a phrase; None: nothing
     does (no backlog, no utilisation, no timed wait for the GPU)."""
     busy = summary.get("gpu_busy_share")
@@ -174,7 +185,7 @@ def gpu_busy_evidence(summary: Mapping[str, Any]) -> str | None:
     return None
 
 
-def hidden_waits_sentence(summary: Mapping[str, Any]) -> str:
+def hidden_waits_sentence(summary: Summary) -> str:
     """" Waits nobody reports may hide: CUDA_LAUNCH_BLOCKING=1 ..." or ""."""
     hidden = list(summary.get("syncs_hidden") or [])
     return f" Waits nobody reports may hide there: {'; '.join(hidden)}." if hidden else ""
@@ -197,8 +208,8 @@ def sync_sentence(top: Mapping[str, Any] | None) -> str | None:
     return text + "."
 
 
-def _h2d_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tuple[str, str]]) -> Verdict:
-    share, h2d, step = summary["h2d_share"], summary["h2d_ms"], summary["step_ms"]
+def _h2d_verdict(summary: Summary, severity: str, evidence: list[tuple[str, str]]) -> Verdict:
+    share, h2d, step = measured(summary["h2d_share"]), summary["h2d_ms"], summary["step_ms"]
     pinned, nb = summary.get("h2d_pinned_share"), summary.get("h2d_non_blocking_share")
     gbps = summary.get("h2d_gbps")
     pinned_text = "pageable memory" if not pinned else ("pinned memory" if pinned >= 0.999 else f"{_pct(pinned)} pinned")
@@ -249,7 +260,7 @@ def _h2d_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tuple
     )
 
 
-def _host_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tuple[str, str]]) -> Verdict:
+def _host_verdict(summary: Summary, severity: str, evidence: list[tuple[str, str]]) -> Verdict:
     step, issue, backlog = summary["step_ms"], summary.get("host_issue_ms"), summary.get("gpu_backlog_ms")
     idle, busy = summary.get("host_share"), summary.get("gpu_busy_share")
     queued = f"the GPU has no work queued when a step ends (backlog {_ms(backlog)})" if backlog is not None else "the GPU is never behind the host"
@@ -299,7 +310,7 @@ def _host_verdict(summary: Mapping[str, Any], severity: str, evidence: list[tupl
     )
 
 
-def cheaper_step_ideas(summary: Mapping[str, Any]) -> list[str]:
+def cheaper_step_ideas(summary: Summary) -> list[str]:
     """Ways to make a compute-bound step cheaper that are true for this run: no mixed precision
     on the CPU clock, no torch.compile for a model that is already compiled."""
     ideas = []
@@ -310,7 +321,7 @@ def cheaper_step_ideas(summary: Mapping[str, Any]) -> list[str]:
     return ideas + [larger_batch(summary), "a smaller model"]
 
 
-def larger_batch(summary: Mapping[str, Any]) -> str:
+def larger_batch(summary: Summary) -> str:
     """"a larger batch", with the room the GPU memory peak leaves when it was measured."""
     room, share = summary.get("gpu_batch_room"), summary.get("gpu_mem_peak_share")
     if room is None or share is None:
@@ -320,7 +331,7 @@ def larger_batch(summary: Mapping[str, Any]) -> str:
     return f"a larger batch: the memory peak is {_pct(share)} of the GPU, room for about {room:.1f}x the batch"
 
 
-def diagnose(summary: Mapping[str, Any]) -> Verdict:
+def diagnose(summary: Summary) -> Verdict:
     """The first rule that holds, in order: no data, warm-up, too short, input (a steady pattern
     of waits before stragglers), straggler, host-to-device copies, host, compute (or mixed); its
     `why` ends with how sure it is when the steps are few or noisy."""
@@ -344,11 +355,11 @@ def diagnose(summary: Mapping[str, Any]) -> Verdict:
     return replace(found, why=found.why + sure) if sure else found
 
 
-def _compute_name(summary: Mapping[str, Any]) -> str:
+def _compute_name(summary: Summary) -> str:
     return "GPU compute" if summary["clock"] == "gpu" else "CPU compute"
 
 
-def _evidence(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+def _evidence(summary: Summary) -> list[tuple[str, str]]:
     """The numbers every verdict shows: the means that add up to the loop's time (where the
     summary has them), the medians, the wait's share, the steps, the clock."""
     mean_rows = [
@@ -366,7 +377,7 @@ def _evidence(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
-def _no_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> Verdict | None:
+def _no_verdict(summary: Summary, evidence: list[tuple[str, str]]) -> Verdict | None:
     """No step, too few after the warm-up, or steps too short to time: no verdict on the pace."""
     n = int(summary["n_analysed"])
     step = summary["step_ms"]
@@ -399,7 +410,7 @@ def _no_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> 
     return None
 
 
-def _input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> Verdict | None:
+def _input_verdict(summary: Summary, evidence: list[tuple[str, str]]) -> Verdict | None:
     """The loop waits for data in a typical step (INPUT-BOUND), or a few fetches stall long
     enough to cost a share of the time (INPUT STRAGGLER). When both hold, the larger loss names
     the verdict: stalls that cost most of the run (workers restarting each epoch) are the finding
@@ -413,7 +424,7 @@ def _input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) 
     steady = _steady_input_verdict(summary, evidence)
     if steady is not None:
         return steady
-    if typical and lost <= wait_share:
+    if typical and wait_share is not None and lost <= wait_share:
         return Verdict(
             VerdictLabel.INPUT_BOUND,
             severity_for(wait_share, n),
@@ -437,7 +448,7 @@ def _input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) 
     return None
 
 
-def _steady_input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> Verdict | None:
+def _steady_input_verdict(summary: Summary, evidence: list[tuple[str, str]]) -> Verdict | None:
     """Waits that repeat with a short period (workers in lockstep: a round of batches arrives at
     once, then every worker is busy) are the loader's steady state, not stragglers: INPUT-BOUND
     on the share of the time the loop waits, when that is WARN_SHARE or more."""
@@ -447,8 +458,9 @@ def _steady_input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, 
         return None
     n = int(summary["n_analysed"])
     stats = summary.get("stats") or {}
-    mean_wait = (stats.get("data_wait_ms") or {}).get("mean")
-    mean_step = (stats.get("step_ms") or {}).get("mean")
+    wait_stats, step_stats = stats.get("data_wait_ms"), stats.get("step_ms")
+    mean_wait = wait_stats["mean"] if wait_stats else None
+    mean_step = step_stats["mean"] if step_stats else None
     cause = f" ({pattern['cause']})" if pattern.get("cause") else ""
     text = pattern.get("text")
     if pattern.get("period") and pattern.get("slow_in") == "data wait":
@@ -468,7 +480,7 @@ def _steady_input_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, 
     )
 
 
-def how_sure(summary: Mapping[str, Any]) -> str:
+def how_sure(summary: Summary) -> str:
     """" Over 8 steps the mean step is known to ±23 %: run longer to be sure." when the steps
     are few (under CRITICAL_MIN_STEPS) or noisy (the mean's interval wider than ±SURE_NOISE: a
     machine shared with other work, a step that varies by a factor), else ""."""
@@ -478,7 +490,7 @@ def how_sure(summary: Mapping[str, Any]) -> str:
     return f" Over {n} steps the mean step is known to ±{100 * noise:.0f} %: run longer to be sure."
 
 
-def _compute_verdict(summary: Mapping[str, Any], evidence: list[tuple[str, str]]) -> Verdict:
+def _compute_verdict(summary: Summary, evidence: list[tuple[str, str]]) -> Verdict:
     """Compute is most of the step (COMPUTE-BOUND; on a GPU, only with evidence the GPU worked
     during it), else no phase stands out (MIXED)."""
     clock = summary["clock"]

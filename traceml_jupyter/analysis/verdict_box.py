@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .number_text import ms
+from .summary_keys import Summary
 
 WIDTH = 76
 
@@ -20,11 +21,16 @@ def _line(text: str) -> str:
     return "|" + text[:WIDTH].ljust(WIDTH) + "|"
 
 
-def headline_ms(summary: Mapping[str, Any], key: str) -> float | None:
+def headline_ms(summary: Summary, key: str) -> float | None:
     """The box's figure for `key` ("data_wait_ms", "compute_ms", "step_ms"): the mean over every
     step (they add up, and steps x step is the loop's time); the median for a run saved before."""
-    mean = summary.get(f"mean_{key}")
-    return mean if summary.get("mean_step_ms") is not None else summary.get(key)
+    means = {
+        "data_wait_ms": summary.get("mean_data_wait_ms"),
+        "compute_ms": summary.get("mean_compute_ms"),
+        "step_ms": summary.get("mean_step_ms"),
+    }
+    medians = {"data_wait_ms": summary.get("data_wait_ms"), "compute_ms": summary.get("compute_ms"), "step_ms": summary.get("step_ms")}
+    return means[key] if summary.get("mean_step_ms") is not None else medians[key]
 
 
 # The warm-up gets its own line in the box when it holds this share of the loop's time or more;
@@ -33,7 +39,7 @@ WARMUP_LINE_SHARE = 0.05
 OUTSIDE_LINE_SHARE = 0.02
 
 
-def box_notes(summary: Mapping[str, Any]) -> list[str]:
+def box_notes(summary: Summary) -> list[str]:
     """The lines under the box's numbers: the steps' shape where one figure does not describe them
     ("typical step 1.7ms; every 2nd step waits 28.0ms"), a warm-up that holds a share of the
     loop's time that the verdict does not read, and time between the steps that no step holds."""
@@ -51,7 +57,7 @@ def box_notes(summary: Mapping[str, Any]) -> list[str]:
     return notes
 
 
-def verdict_box(label: str, summary: Mapping[str, Any]) -> str:
+def verdict_box(label: str, summary: Summary) -> str:
     """The text box printed under a traced cell: the verdict's label, then the mean data wait,
     compute and step time over every step (they add up, and steps x step time is the loop's
     time), and a line for the steps' shape or the warm-up where the means alone mislead."""
@@ -66,7 +72,7 @@ def verdict_box(label: str, summary: Mapping[str, Any]) -> str:
     return "\n".join([border, _line(f"  Step Time: {label}"), _line(numbers), *notes, border])
 
 
-def report_text(name: str, label: str, why: str, next_step: str, summary: Mapping[str, Any]) -> str:
+def report_text(name: str, label: str, why: str, next_step: str, summary: Summary) -> str:
     """The box, then Why and Next, as a terminal shows it."""
     return f"{name}\n{verdict_box(label, summary)}\nWhy: {why}\nNext: {next_step}"
 

@@ -12,7 +12,8 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from types import CodeType
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..analysis.cell_code import (
     CodeSite,
@@ -32,13 +33,15 @@ from ..analysis.cell_code import (
     transfers_in,
 )
 from ..analysis.checklist import CopySeen, Facts, Item, LineSeen, default_start_method, evaluate
-from ..analysis.data_sources import feeder
+from ..analysis.checklist.facts import ItemRow
+from ..analysis.data_sources import Feeder, feeder
 from ..analysis.rank_verdict import checklist_verdict
 from ..analysis.resources import cpu_sentence
+from ..analysis.summary_keys import Summary
 from ..capture.data.dataloaders import dataset_site, inner_dataset
 from ..capture.data.sources import fed_expression, resolve_name
 from ..capture.resources.host import usable_cpus
-from ..failures import failure_text, never_raise
+from ..failures import failure_text, never_raise, read_or
 from ..kernel_state import tuned_for
 from .cells import (
     CELL_LABEL,
@@ -95,10 +98,7 @@ def loader_settings(run: Run) -> dict[str, Any] | None:
         return None
     from ..capture.data.dataloaders import describe_loader
 
-    try:
-        return describe_loader(loader)
-    except Exception:
-        return None
+    return read_or(None, describe_loader, loader)  # the user's loader: any of its properties may raise
 
 
 def _names_bound_to(obj: Any, namespace: Mapping[str, Any]) -> set[str]:
@@ -197,7 +197,7 @@ SOURCE_SAMPLES_KEPT = 16
 
 
 def _sample_code_from_object(run: Run, shell: Any, dataset: Any) -> SampleCode | None:
-    site = dataset_site(dataset)
+    site = read_or(None, dataset_site, dataset)  # the user's dataset
     if site is None:
         return None
     return _sample_code_at(run, shell, site["dataset_file"], site["dataset_line"], site["dataset_class"])
@@ -240,10 +240,7 @@ def _sample_code(run: Run, shell: Any, ctx: CodeContext) -> SampleCode | None:
         return _sample_code_at(run, shell, site["file"], site["line"], site.get("class") or "")
     dataset = _dataset_of(_loader_object(run))
     if dataset is not None:
-        try:
-            found = _sample_code_from_object(run, shell, dataset)
-        except Exception:
-            found = None
+        found = _sample_code_from_object(run, shell, dataset)
         if found is not None:
             return found
     name = (loader_settings(run) or {}).get("dataset_type")
@@ -270,24 +267,29 @@ def _feeder_code(run: Run, shell: Any) -> SampleCode | None:
         return None
     node = fed_expression(row.get("expression"))
     namespace = getattr(shell, "user_ns", None) or {}
-    try:
-        target = node.func if isinstance(node, ast.Call) else node
-        obj = resolve_name(target, namespace) if target is not None else None
-        if obj is None:
-            return None
-        name = getattr(obj, "__name__", None) or type(obj).__name__
-        code = getattr(obj, "gi_code", None) or getattr(obj, "__code__", None)
-        if code is None:
-            cls = obj if isinstance(obj, type) else type(obj)
-            step = getattr(cls, "__next__", None) or getattr(cls, "__iter__", None)
-            code = getattr(step, "__code__", None)
-            if code is None:
-                return None
-            label = f"{cls.__name__}.{getattr(step, '__name__', '')}"
-            return _sample_code_at(run, shell, code.co_filename, code.co_firstlineno, cls.__name__, label)
-        return _sample_code_at(run, shell, code.co_filename, code.co_firstlineno, "", f"{name}()")
-    except Exception:
+    target = node.func if isinstance(node, ast.Call) else node
+    obj = read_or(None, resolve_name, target, namespace) if target is not None else None
+    found = read_or(None, _code_behind, obj) if obj is not None else None
+    if found is None:
         return None
+    code, owner, label = found
+    return _sample_code_at(run, shell, code.co_filename, code.co_firstlineno, owner, label)
+
+
+def _code_behind(obj: Any) -> tuple[CodeType, str, str] | None:
+    """The code behind the user's feeder `obj` (a generator's or a function's, else its class's
+    `__next__` or `__iter__`), the class that holds it ("" for a function) and its label in the
+    checklist; None without one. Reads the user's object: its attributes may raise (read_or)."""
+    name = getattr(obj, "__name__", None) or type(obj).__name__
+    code = getattr(obj, "gi_code", None) or getattr(obj, "__code__", None)
+    if isinstance(code, CodeType):
+        return code, "", f"{name}()"
+    cls = obj if isinstance(obj, type) else type(obj)
+    step = getattr(cls, "__next__", None) or getattr(cls, "__iter__", None)
+    code = getattr(step, "__code__", None)
+    if not isinstance(code, CodeType):
+        return None
+    return code, cls.__name__, f"{cls.__name__}.{getattr(step, '__name__', '')}"
 
 
 def _process_start_method() -> str:
@@ -415,7 +417,7 @@ def facts_for(
     if run.result.steps.expected and run.n_steps > run.result.steps.expected:
         several = True
     method = (loader or {}).get("multiprocessing_context") or start_method
-    wait = (summary.get("stats") or {}).get("data_wait_ms") or {}
+    wait = (summary.get("stats") or {}).get("data_wait_ms")
     return Facts(
         verdict=checklist_verdict(run.verdict, run.straggler),  # a rank straggler: its cause
         loader=loader,
@@ -428,7 +430,7 @@ def facts_for(
         start_method=method or _process_start_method(),
         straggler_steps=int(summary.get("straggler_steps") or 0),
         wait_median_ms=summary.get("data_wait_ms"),
-        wait_p99_ms=wait.get("p99"),
+        wait_p99_ms=wait["p99"] if wait else None,
         pinned_share=summary.get("h2d_pinned_share"),
         non_blocking_share=summary.get("h2d_non_blocking_share"),
         copies=copies_seen(run, shell),
@@ -448,7 +450,15 @@ def facts_for(
     )
 
 
-def _feeder_facts(run: Run, shell: Any, summary: Mapping[str, Any], ctx: CodeContext) -> dict[str, Any]:
+class FeederFacts(TypedDict, total=False):
+    """The checklist's facts (Facts' fields) about a source that is no DataLoader."""
+
+    feeder: Feeder
+    feeder_site: CodeSite | None
+    feeder_code: SampleCode | None
+
+
+def _feeder_facts(run: Run, shell: Any, summary: Summary, ctx: CodeContext) -> FeederFacts:
     """What fed the steps when it is no DataLoader, where, and the code behind it."""
     source = feeder(summary)
     if source is None:
@@ -462,7 +472,7 @@ def checklist_items(run: Run, shell: Any = None, context: CodeContext | None = N
     return evaluate(facts_for(run, shell, context=context))
 
 
-def checklist_for(run: Run) -> list[dict[str, Any]]:
+def checklist_for(run: Run) -> list[ItemRow]:
     """The evaluated checklist as JSON-ready dicts."""
     return [item.to_dict() for item in checklist_items(run, ipython_shell())]
 
@@ -470,14 +480,13 @@ def checklist_for(run: Run) -> list[dict[str, Any]]:
 def read_kernel_at_end(run: Run) -> KernelReading | None:
     """Read the code around the run and evaluate the checklist once, leave the checklist on the
     run (`run.result.reading.checklist`, what `to_dict` and `--save` write) and return both for the report (the
-    kernel's history is read once a run). Never raises: a failure is a note (and None)."""
-    with never_raise(run.notes, "The checklist could not be evaluated"):
-        shell = ipython_shell()
-        ctx = CodeContext.of(run, shell)
-        items = checklist_items(run, shell, ctx)
-        run.keep_reading([item.to_dict() for item in items], quoted_cells(ctx, items))
-        return KernelReading(ctx, items)
-    return None
+    kernel's history is read once a run). A failure to read the kernel is a note (and None)."""
+    reading = kernel_reading(run)
+    if reading.problem is not None:
+        run.notes.append(reading.problem)
+        return None
+    run.keep_reading([item.to_dict() for item in reading.checklist], quoted_cells(reading.code, reading.checklist))
+    return reading
 
 
 @dataclass(frozen=True)

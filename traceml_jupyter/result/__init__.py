@@ -5,7 +5,7 @@ torch, IPython or the capture: a result is built from a recording once, or read 
 
 from __future__ import annotations
 
-from .codec import SCHEMA_VERSION, LoadError, from_dict, resources_dict, to_dict
+from .codec import SCHEMA_VERSION, LoadError, ResourcesRow, from_dict, resources_dict, to_dict
 from .render import box, lines_after_verdict, text
 from .value import DataFeed, Gpu, KernelRead, Loop, Resources, RunResult, Steps, jsonable
 
@@ -17,6 +17,7 @@ __all__ = [
     "LoadError",
     "Loop",
     "Resources",
+    "ResourcesRow",
     "RunResult",
     "Steps",
     "box",

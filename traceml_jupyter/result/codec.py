@@ -9,13 +9,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import numpy as np
 
+from ..analysis.checklist.facts import ItemRow
+from ..analysis.findings import FindingRow
+from ..analysis.summary_keys import LineCosts
 from ..analysis.verdict import Verdict
 from .value import (
     Columns,
+    Copies,
     DataFeed,
     Facts,
     Gpu,
@@ -24,8 +28,11 @@ from .value import (
     Resources,
     RunResult,
     Steps,
+    SyncStalls,
+    frozen_as,
     frozen_facts,
     frozen_rows,
+    frozen_summary,
     jsonable,
     read_only,
 )
@@ -124,7 +131,17 @@ def to_dict(result: RunResult) -> dict[str, Any]:
     return out
 
 
-def resources_dict(result: RunResult) -> dict[str, Any]:
+class ResourcesRow(TypedDict):
+    """The JSON's `resources` (resources_dict): docs/resources.md says what each holds."""
+
+    host: dict[str, object] | None
+    gpu_memory: Facts | None
+    held_before: Facts | None
+    oom: Facts | None
+    findings: list[FindingRow] | None
+
+
+def resources_dict(result: RunResult) -> ResourcesRow:
     """What --save writes of the resources: the host's samples (columns) and workers, the
     GPU memory watch, what earlier cells held, an out-of-memory error, the findings; null
     where not measured. The per-step GPU memory columns are in `steps`."""
@@ -187,7 +204,7 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
         name=str(doc["name"]),
         started_at=_float(doc.get("started_at")) or math.nan,
         ended_at=_float(doc.get("ended_at")),
-        summary=MappingProxyType(dict(summary)),
+        summary=frozen_summary(summary),
         verdict=Verdict.from_dict(doc["verdict"]),
         steps=_steps(got, read_only(columns), summary),
         loop=Loop(
@@ -214,8 +231,8 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
             device=got.text("gpu.device"),
             note=got.text("gpu.note"),
             samples=read_only(_float_columns(gpu_samples)) if gpu_samples is not None else None,
-            h2d=got.facts("h2d"),
-            sync_stalls=got.facts("sync_stalls"),
+            h2d=frozen_as(Copies, got.facts("h2d")),
+            sync_stalls=frozen_as(SyncStalls, got.facts("sync_stalls")),
             cuda_graphs=got.facts("cuda_graphs"),
         ),
         resources=Resources(
@@ -224,11 +241,12 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
             held_before=got.facts("resources.held_before"),
             oom=got.facts("resources.oom"),
         ),
-        line_costs=got.facts("line_costs"),
+        line_costs=frozen_as(LineCosts, got.facts("line_costs")),
         ranks=got.rows("ranks"),
         processes=got.rows("processes"),
         machine=got.facts("machine"),
-        reading=KernelRead(got.rows("checklist"), got.facts("quoted_cells")),
+        # the file's checklist rows as Item.to_dict wrote them (Item.from_dict reads any row)
+        reading=KernelRead(cast("tuple[ItemRow, ...] | None", got.rows("checklist")), got.facts("quoted_cells")),
         notes=tuple(str(n) for n in doc.get("notes") or []),
         error=got.text("error"),
         schema_version=int(doc["schema_version"]),

@@ -10,16 +10,19 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypedDict, TypeVar, cast
 
 import numpy as np
 
+from ..analysis.checklist.facts import ItemRow
+from ..analysis.summary_keys import LineCosts, Straggler, Summary
 from ..analysis.verdict import Verdict
 
 # One measured feature's facts, as the capture described them and the JSON holds them (its keys:
 # docs/api.md and the feature's page).
 Facts = Mapping[str, Any]
 Columns = Mapping[str, np.ndarray]
+T = TypeVar("T")
 NO_FACTS: Facts = MappingProxyType({})
 
 
@@ -58,6 +61,18 @@ def read_only(columns: Mapping[str, np.ndarray]) -> Columns:
 def frozen_facts(facts: Mapping[str, Any] | None) -> Facts | None:
     """A read-only view of a copy of `facts` (None stays None)."""
     return None if facts is None else MappingProxyType(dict(facts))
+
+
+def frozen_summary(summary: Mapping[str, Any]) -> Summary:
+    """A read-only view of a copy of `summary` (setting a key raises TypeError), read as the
+    Summary it holds; `.copy()` gives a plain dict of it."""
+    return cast(Summary, MappingProxyType(dict(summary)))
+
+
+def frozen_as(kind: type[T], facts: Mapping[str, Any] | None) -> T | None:
+    """A read-only view of a copy of `facts` (None stays None), read as the TypedDict `kind` its
+    builder (or the file it was read from) gives it."""
+    return None if facts is None else cast(T, MappingProxyType(dict(facts)))
 
 
 def frozen_rows(rows: Sequence[Mapping[str, Any]] | None) -> tuple[Facts, ...] | None:
@@ -117,6 +132,71 @@ class DataFeed:
     dataset_site: Facts | None = None
 
 
+class CopySite(TypedDict, total=False):
+    """A line that copied to the GPU (capture/gpu/h2d.py): its copies, per step their bytes, time
+    and bandwidth, how many were pinned, non_blocking, pageable non_blocking, on a side stream,
+    and what the loop's stream waited for."""
+
+    filename: str
+    line: int
+    in_cell: bool
+    copies: int
+    timed: int
+    copies_per_step: float
+    bytes_per_step: float
+    ms_per_step: float | None
+    gb_per_s: float | None
+    pinned: int
+    non_blocking: int
+    pageable_non_blocking: int
+    side_stream: int
+    waited: int
+    waited_ms_per_step: float
+
+
+class Copies(TypedDict, total=False):
+    """The copies to the GPU (`gpu.h2d`, docs/gpu.md): totals over the watched steps and the
+    copying lines, costliest first."""
+
+    copies: int
+    bytes: int
+    ms: float
+    steps: int
+    sites: list[CopySite]
+
+
+class SyncSite(TypedDict, total=False):
+    """A line whose calls waited for the GPU (capture/gpu/syncs.py): the call as written, its
+    kinds, how many calls (untimed ones apart), per step, in how many steps, the host's wait a
+    step and its share of the step."""
+
+    filename: str
+    line: int
+    in_cell: bool
+    call: str | None
+    kinds: list[str]
+    calls: int
+    untimed: int
+    calls_per_step: float
+    steps: int
+    every_step: bool
+    wait_ms_per_step: float | None
+    share: float | None
+
+
+class SyncStalls(TypedDict, total=False):
+    """The syncs that stalled the host (`gpu.sync_stalls`, docs/gpu.md): totals over the watched
+    steps, the syncing lines (longest wait first), and what the watch could not see."""
+
+    calls: int
+    untimed: int
+    steps: int
+    sites: list[SyncSite]
+    hidden: list[str]
+    counted_implicit: bool
+    all_counted: bool
+
+
 @dataclass(frozen=True, eq=False)  # arrays: compare results (RunResult.__eq__)
 class Gpu:
     """The GPU side (docs/gpu.md): whether the loop ran on CUDA, its device index and name, why
@@ -128,8 +208,8 @@ class Gpu:
     device: str | None = None
     note: str | None = None
     samples: Columns | None = None
-    h2d: Facts | None = None
-    sync_stalls: Facts | None = None
+    h2d: Copies | None = None
+    sync_stalls: SyncStalls | None = None
     cuda_graphs: Facts | None = None
 
 
@@ -149,7 +229,7 @@ class KernelRead:
     """What the kernel read when the run ended: the checklist as evaluated (its items as dicts)
     and the earlier cells the report quotes ({"In [2]": text})."""
 
-    checklist: tuple[Facts, ...] | None = None
+    checklist: tuple[ItemRow, ...] | None = None
     quoted_cells: Mapping[str, str] | None = None
 
 
@@ -173,14 +253,14 @@ class RunResult:
     name: str
     started_at: float
     ended_at: float | None
-    summary: Facts
+    summary: Summary
     verdict: Verdict
     steps: Steps
     loop: Loop = field(default_factory=Loop)
     data: DataFeed = field(default_factory=DataFeed)
     gpu: Gpu = field(default_factory=Gpu)
     resources: Resources = field(default_factory=Resources)
-    line_costs: Facts | None = None
+    line_costs: LineCosts | None = None
     ranks: tuple[Facts, ...] | None = None
     processes: tuple[Facts, ...] | None = None
     machine: Facts | None = None
@@ -212,16 +292,17 @@ class RunResult:
         return self.steps.columns
 
     @property
-    def straggler(self) -> Facts | None:
+    def straggler(self) -> Straggler | None:
         """Several ranks: {"rank", "cause": input|h2d|compute|unknown, "score"} of the rank that
         holds the others back (RANK STRAGGLER), else None."""
         found = self.summary.get("straggler") if self.ranks else None
-        return MappingProxyType(dict(found)) if found else None
+        return cast(Straggler, MappingProxyType(dict(found))) if found else None
 
-    def with_reading(self, checklist: Sequence[Mapping[str, Any]] | None, quoted_cells: Mapping[str, str] | None) -> RunResult:
+    def with_reading(self, checklist: Sequence[ItemRow] | None, quoted_cells: Mapping[str, str] | None) -> RunResult:
         """The same result with what the kernel read at its end (a new value)."""
         cells = MappingProxyType(dict(quoted_cells)) if quoted_cells is not None else None
-        return replace(self, reading=KernelRead(frozen_rows(checklist), cells))
+        rows = tuple(cast(ItemRow, MappingProxyType(dict(row))) for row in checklist) if checklist is not None else None
+        return replace(self, reading=KernelRead(rows, cells))
 
 
 PROVENANCE = ("schema_version", "unsaved", "kept")

@@ -88,7 +88,7 @@ def workers_cpu_s(iterator: Any) -> float | None:
         for worker in workers:
             times = psutil.Process(worker.pid).cpu_times()
             total += times.user + times.system
-    except Exception:  # a worker that is gone, psutil missing a platform's counters
+    except (psutil.Error, OSError, AttributeError, ValueError):  # a worker gone; a platform without the counters
         return None
     return total if workers else None
 

@@ -12,10 +12,7 @@ from ..analysis.tune_plan import ModelCpu, ModelRate, Split, model_cpu
 def run_loader(run: Any) -> Any:
     """The DataLoader the run trained on, while it is alive; else None."""
     ref = getattr(run, "loader_ref", None)
-    try:
-        return ref() if ref is not None else None
-    except Exception:
-        return None
+    return ref() if ref is not None else None
 
 
 def model_rate(
@@ -40,10 +37,7 @@ def model_rate(
                 "batches are assumed."
             )
         if same:
-            try:
-                summary = run.summary
-            except Exception:
-                summary = {}
+            summary = run.summary
         elif compute_ms is None:
             notes.append(
                 f"The last run ({run.name!r}) trained on another loader: pass compute_ms= "
@@ -68,24 +62,21 @@ def stand_in_cpu(run: Any, model: ModelRate | None, split: Split | None, on_cpu:
     (model_cpu), else all of it burnt on the CPU clock and all of it slept on a GPU."""
     found = None
     if model is not None and model.source.startswith("run") and run is not None:
-        try:
-            import numpy as np
+        import numpy as np
 
-            steps = run.steps
-            loading = None
-            if split is not None and split.cpu_share is not None:
-                loading = split.cpu_share * split.batch_ms  # CPU ms a batch at num_workers=0
-            found = model_cpu(
-                run.process_cpu_ms,
-                float(np.nansum(steps["compute_ms"])),
-                len(steps["compute_ms"]) * model.batches_per_step,
-                loading,
-                float(np.nansum(steps["data_wait_ms"])),
-                run.thread_cpu_ms,
-                run.thread_wait_ms,
-            )
-        except Exception:
-            found = None
+        steps = run.steps
+        loading = None
+        if split is not None and split.cpu_share is not None:
+            loading = split.cpu_share * split.batch_ms  # CPU ms a batch at num_workers=0
+        found = model_cpu(
+            run.process_cpu_ms,
+            float(np.nansum(steps["compute_ms"])),
+            len(steps["compute_ms"]) * model.batches_per_step,
+            loading,
+            float(np.nansum(steps["data_wait_ms"])),
+            run.thread_cpu_ms,
+            run.thread_wait_ms,
+        )
     return found if found is not None else ModelCpu(1.0 if on_cpu else 0.0)
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..analysis.tune_plan import Setting, Split
+from ..analysis.tune_rows import LoaderSettings
+from ..failures import read_or
 
 # -- the user's loader, rebuilt with other settings ----------------------------------------------
 
@@ -25,7 +27,7 @@ class Recipe:
     kwargs: dict[str, Any]  # everything but num_workers, persistent, prefetch and pin_memory
     iterable: bool  # an IterableDataset
     batch_text: str  # how the code line writes the batching
-    current: dict[str, Any]  # the user's num_workers, persistent_workers, prefetch, pin_memory
+    current: LoaderSettings  # the user's num_workers, persistent_workers, prefetch, pin_memory
 
     def build(self, setting: Setting, timer: SplitTimer | None = None) -> Any:
         """A new DataLoader with `setting`; `timer`: time its dataset and collate_fn
@@ -57,10 +59,7 @@ def _fresh(sampler: Any, dataset: Any) -> Any:
             num_samples=sampler._num_samples,
             generator=sampler.generator,
         )
-    try:
-        return copy.copy(sampler)
-    except Exception:
-        return sampler
+    return read_or(sampler, copy.copy, sampler)  # the user's sampler: its copy may raise
 
 
 def _accepts(name: str) -> bool:
@@ -109,7 +108,7 @@ def recipe_of(loader: Any, names: Mapping[str, Any] | None = None) -> Recipe:
     if not str(getattr(collate, "__module__", "")).startswith("torch."):
         label = name_of(collate, names) or getattr(collate, "__name__", None) or "collate_fn"
         batch_text = f"{batch_text}, collate_fn={label}"
-    current = {
+    current: LoaderSettings = {
         "num_workers": int(loader.num_workers or 0),
         "persistent_workers": bool(loader.persistent_workers),
         "prefetch_factor": loader.prefetch_factor if loader.num_workers else None,

@@ -1,49 +1,13 @@
-"""TuneResult rendered: the plain-text table and the HTML table with a bar per setting."""
+"""The tune table, row by row: as plain text and as HTML with a bar per setting (the result and
+the progress views draw it)."""
 
 from __future__ import annotations
 
 import html
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..analysis.number_text import ms as _ms
 from ..analysis.tune_plan import OK, TIMEOUT, Split, rate_text
-
-if TYPE_CHECKING:
-    from .result import TuneResult
-
-
-def result_text(result: TuneResult) -> str:
-    """The result as plain text: the model's rate, the table, the advice, the line to write."""
-    lines = [
-        f"traceml tune: {result.loader_label}, {len(result.rows)} setting(s) in "
-        f"{result.elapsed_s:.1f} s (budget {result.budget_s:g} s)"
-    ]
-    if result.stopped:
-        lines.append("  Stopped: the table has what was measured before the stop.")
-    if result.error:
-        lines.append(f"  Error: {result.error}")
-    if result.model_batches_per_s is not None:
-        lines.append(
-            f"  model: {rate_text(result.model_batches_per_s)} batches/s "
-            f"({_ms(result.compute_ms)} compute a step, {result.batches_per_step or 1:g} "
-            f"batch(es) a step; {result.model_source})"
-        )
-    else:
-        lines.append("  model: rate unknown (no %%traceml run of this loader, no compute_ms=)")
-    lines.extend(
-        "  " + line
-        for line in table_lines(result.rows, result.model_batches_per_s, result.best_settings)
-    )
-    lines.extend(f"  {a}" for a in result.advice)
-    if result.code:
-        lines.append(f"  Write: {result.code}")
-    if result.split is not None and not any(
-        a.startswith("At num_workers=0") for a in result.advice
-    ):
-        lines.append("  " + split_text(result.split))
-    lines.extend(f"  Note: {n}" for n in result.notes)
-    return "\n".join(lines)
 
 
 def split_text(split: Mapping[str, Any]) -> str:
@@ -118,16 +82,15 @@ def _td(content: str, left: bool = False) -> str:
     return f"<td style='{style}'>{content}</td>"
 
 
-def result_html(result: TuneResult) -> str:
-    """The result as HTML: a bar per setting against the model's rate, the advice, the line to
-    write."""
+def table_html(rows: Sequence[Mapping[str, Any]], model: float | None, best: Mapping[str, Any] | None) -> str:
+    """The rows as an HTML table: a bar per setting against the model's rate (a red line), the
+    best one in bold and green."""
     e = html.escape
-    model = result.model_batches_per_s
-    top = max([r.get("batches_per_s") or 0.0 for r in result.rows] + [model or 0.0]) or 1.0
+    top = max([r.get("batches_per_s") or 0.0 for r in rows] + [model or 0.0]) or 1.0
     body = []
-    for row in result.rows:
+    for row in rows:
         rate = row.get("batches_per_s")
-        is_best = row.get("settings") == result.best_settings
+        is_best = row.get("settings") == best
         width = 100.0 * (rate or 0.0) / top
         bar = (
             f'<div style="position:relative;height:12px;width:220px;background:rgba(127,127,127,.15)">'
@@ -158,40 +121,7 @@ def result_html(result: TuneResult) -> str:
         f"<th style='{CELL.replace('right', 'left') if h == 'setting' else CELL}'>{h}</th>"
         for h in ("setting", "batches/s", "", "fed", "start-up", "samples", "")
     )
-    model_line = (
-        f"model: <b>{e(rate_text(model))}</b> batches/s ({e(_ms(result.compute_ms))} compute a "
-        f"step, {result.batches_per_step or 1:g} batch(es) a step; {e(str(result.model_source))})"
-        f' <span style="color:{MODEL}">&#9474;</span>'
-        if model is not None
-        else "model: rate unknown (no %%traceml run of this loader, no compute_ms=)"
-    )
-    parts = [
-        '<div class="traceml-tune" style="font-family:var(--jp-ui-font-family,sans-serif);'
-        'font-size:13px;line-height:1.5">',
-        f"<div><b>traceml tune</b> {e(result.loader_label)}: {len(result.rows)} setting(s) in "
-        f"{result.elapsed_s:.1f} s (budget {result.budget_s:g} s)</div>",
-    ]
-    if result.stopped:
-        parts.append("<div><b>Stopped</b>: the table has what was measured before the stop.</div>")
-    if result.error:
-        parts.append(f"<div><b>Error</b>: {e(result.error)}</div>")
-    parts.append(f"<div>{model_line}</div>")
-    parts.append(
+    return (
         f"<table style='border-collapse:collapse;margin:4px 0'><thead><tr>{head}</tr></thead>"
         f"<tbody>{''.join(body)}</tbody></table>"
     )
-    parts.extend(f"<div>{e(a)}</div>" for a in result.advice)
-    if result.code:
-        parts.append(
-            "<pre style='margin:4px 0;padding:4px 8px;background:rgba(127,127,127,.12)'>"
-            f"{e(result.code)}</pre>"
-        )
-    if result.split is not None and not any(
-        a.startswith("At num_workers=0") for a in result.advice
-    ):
-        parts.append(f"<div>{e(split_text(result.split))}</div>")
-    parts.extend(f"<div><i>Note</i>: {e(n)}</div>" for n in result.notes)
-    parts.append("</div>")
-    return "".join(parts)
-
-

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..failures import never_raise
+from ..failures import read_or
 
 
 class OutOfTime(BaseException):
@@ -221,12 +221,7 @@ def close_workers(iterator: Any, force: bool) -> None:
     if not workers:
         return
     if force:
-        with never_raise():
-            from torch.utils.data._utils import signal_handling
-
-            if getattr(iterator, "_worker_pids_set", False):
-                signal_handling._remove_worker_pids(id(iterator))  # type: ignore[attr-defined]
-                iterator._worker_pids_set = False
+        read_or(None, _unwatch_workers, iterator)
         thread = getattr(iterator, "_pin_memory_thread", None)
         if thread is not None:
             iterator._pin_memory_thread_done_event.set()
@@ -239,7 +234,16 @@ def close_workers(iterator: Any, force: bool) -> None:
                 w.terminate()
         for w in workers:
             w.join(timeout=1.0)
-    with never_raise():
-        iterator._shutdown_workers()
+    read_or(None, iterator._shutdown_workers)  # the user's loader's iterator (a subclass may differ)
+
+
+def _unwatch_workers(iterator: Any) -> None:
+    """Take the iterator's workers off torch's SIGCHLD watch (a private API of the user's
+    loader's iterator: it may be gone or raise, hence read_or at the call)."""
+    from torch.utils.data._utils import signal_handling
+
+    if getattr(iterator, "_worker_pids_set", False):
+        signal_handling._remove_worker_pids(id(iterator))  # type: ignore[attr-defined]
+        iterator._worker_pids_set = False
 
 

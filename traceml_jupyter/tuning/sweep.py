@@ -61,7 +61,7 @@ def _remember(loader: Any, result: TuneResult) -> None:
     from ..kernel_state import remember_tune, tuned_for
     from ..run import runs
 
-    remember_tune(loader, result.to_dict())
+    remember_tune(loader, dict(result.to_dict()))  # kernel_state (a base module) holds it untyped
     for run in reversed(runs()):
         ref = run.loader_ref
         if ref is not None and tuned_for(ref()) is not None:

@@ -84,11 +84,9 @@ def print_whole(text: str) -> None:
 def start_live_view(run: Run, show: bool = True) -> LiveView | None:
     """The live chart for a notebook front-end, or (show=False, or no front-end) only the
     GPU sampling behind it; None if it cannot start."""
-    with never_raise(run.notes, "The live view could not start"):  # never stop the user's cell
-        from .live import start
+    from .live import start
 
-        return start(run, show)
-    return None
+    return start(run, show)  # never raises: a view that cannot start is a note
 
 
 def release_charts() -> int:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..failures import failure_text, never_raise
+from ..failures import never_raise
 from ..kernel.shell import ipython_shell
 from . import environment
 from .live_header import (
@@ -336,9 +336,6 @@ class LiveView:
         try:
             chart = WidgetChart(self.run.name)
         except ImportError:  # no bqplot: the HTML chart goes on
-            return
-        except Exception as exc:
-            self.run.notes.append(f"The live chart stayed HTML: {failure_text(exc)}")
             return
         chart.handle = html.handle
         self.chart = chart  # from now on released (and its widgets closed) like any chart

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import html
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
 from ..analysis.number_text import pct as _pct
+from ..analysis.summary_keys import Summary
 from ..analysis.verdict import VerdictLabel
 from .live_svg import LEGEND_HTML, WINDOW
 
@@ -41,7 +42,7 @@ def format_duration(seconds: float | None) -> str:
     return f"{hours} h {minutes:02d} min"
 
 
-def verdict_share(label: str, summary: Mapping[str, Any]) -> str:
+def verdict_share(label: str, summary: Summary) -> str:
     """The share behind a verdict, as the header says it ("data wait 94 % of step")."""
     if label == VerdictLabel.INPUT_BOUND:
         return f"data wait {_pct(summary.get('data_wait_share'), 0)} of step"
@@ -82,6 +83,30 @@ def rank_share(straggler: Mapping[str, Any] | None) -> str:
     )
 
 
+# What the header says (live_numbers; with_ranks_live adds `ranks`). "pass" is a keyword: the
+# functional form of TypedDict.
+HeaderNumbers = TypedDict(
+    "HeaderNumbers",
+    {
+        "name": str,
+        "step": int,
+        "total": "int | None",
+        "pass": "tuple[int, int, int] | None",
+        "steps_per_s": "float | None",
+        "samples_per_s": "float | None",
+        "eta_s": "float | None",
+        "verdict": str,
+        "severity": str,
+        "share": str,
+        "finished": bool,
+        "elapsed_s": "float | None",
+        "error": "str | None",
+        "ranks": str,
+    },
+    total=False,
+)
+
+
 def live_ranks(run: Run) -> dict[str, Any] | None:
     """Several forked ranks: each one's last WINDOW steps and the rank that holds the others
     back (ranks.Collector.live); None for one process."""
@@ -89,7 +114,7 @@ def live_ranks(run: Run) -> dict[str, Any] | None:
     return live(WINDOW) if live is not None else None
 
 
-def with_ranks_live(numbers: dict[str, Any], ranks: Mapping[str, Any]) -> None:
+def with_ranks_live(numbers: HeaderNumbers, ranks: Mapping[str, Any]) -> None:
     """The header while ranks run: how many, and the rank that holds the others back (the
     window of the rank the run shows cannot tell: it waits in backward like any other)."""
     numbers["ranks"] = f"{len(ranks['series'])} ranks"
@@ -118,7 +143,7 @@ def live_numbers(
     tail: Mapping[str, np.ndarray],
     total: int | None,
     pass_info: tuple[int, int, int] | None,
-) -> dict[str, Any]:
+) -> HeaderNumbers:
     """What the header says: position, throughput, ETA and the running verdict.
 
     While the loop runs the verdict comes from the window (bounded work); at the end it is the
@@ -171,7 +196,7 @@ def _count(n: float | None, unit: str) -> str:
     return f"{n:,.0f} {unit}" if n >= 100 else f"{n:,.1f} {unit}"
 
 
-def header_parts(numbers: Mapping[str, Any], gpu: str) -> list[str]:
+def header_parts(numbers: HeaderNumbers, gpu: str) -> list[str]:
     """The header's pieces, in order, as plain text."""
     step, total, pass_info = numbers["step"], numbers["total"], numbers["pass"]
     if numbers["finished"]:
@@ -252,7 +277,7 @@ def host_text(run: Run) -> str | None:
     return _host_line(cores, watch.host.usable_cores, row["process_rss_mib"], False)
 
 
-def kept_host_text(summary: Mapping[str, Any]) -> str | None:
+def kept_host_text(summary: Summary) -> str | None:
     """The cores busy and the memory a finished run's summary kept, as host_text says them."""
     cores, usable = summary.get("cpu_cores"), summary.get("cpu_usable_cores")
     if cores is None or not usable:
@@ -274,12 +299,12 @@ def resources_text(run: Run) -> str:
     return gpu_text(run) + (f" | {host}" if host else "")
 
 
-def header_text(numbers: Mapping[str, Any], gpu: str) -> str:
+def header_text(numbers: HeaderNumbers, gpu: str) -> str:
     """The header as one line of text (live_numbers' `numbers`, resources_text's `gpu`)."""
     return f"traceml {numbers['name']} | " + " | ".join(header_parts(numbers, gpu))
 
 
-def header_html(numbers: Mapping[str, Any], gpu: str) -> str:
+def header_html(numbers: HeaderNumbers, gpu: str) -> str:
     """The header as HTML: the verdict in its severity's colour, the chart's legend."""
     parts = [html.escape(p) for p in header_parts(numbers, gpu)]
     colour = SEVERITY_COLOUR.get(numbers["severity"], "#555")

@@ -119,10 +119,7 @@ def window_parts(run: Run, cols: Mapping[str, np.ndarray], on_gpu: bool) -> dict
     parts = getattr(run, "step_parts", None)
     if parts is None or not len(cols["step"]):
         return None
-    try:
-        got = parts.columns(dict(cols))
-    except Exception:
-        return None
+    got = parts.columns(dict(cols))
     suffix = "_gpu_ms" if on_gpu else "_ms"
     return {k: got[k + suffix] for k in ("forward", "backward", "optimizer") if k + suffix in got}
 

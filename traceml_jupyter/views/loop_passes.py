@@ -9,9 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..analysis.cell_code import parse_cell
 from ..capture.instrument.locate import range_call
+from ..failures import read_or
 
 if TYPE_CHECKING:
     pass
+
+
+def _index(value: Any) -> int:
+    return int(value.__index__())
 
 
 def _int_value(node: ast.expr, names: Mapping[str, Any]) -> int | None:
@@ -22,10 +27,7 @@ def _int_value(node: ast.expr, names: Mapping[str, Any]) -> int | None:
         value = names.get(node.id)
         if isinstance(value, bool) or not hasattr(value, "__index__"):
             return None
-        try:
-            return int(value.__index__())  # type: ignore[union-attr]
-        except Exception:
-            return None
+        return read_or(None, _index, value)  # the user's value: its __index__ may raise
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         inner = _int_value(node.operand, names)
         return None if inner is None else -inner

@@ -19,6 +19,7 @@ from ..analysis.number_text import pct as fmt_pct
 from ..analysis.phases import phase_sentence, phase_verdict
 from ..analysis.resources import mib
 from ..analysis.step_parts import parts_sentence
+from ..analysis.summary_keys import Summary, part_figures
 from ..analysis.verdict_box import headline_ms
 from ..kernel.code_facts import CodeContext, KernelReading, kernel_reading
 from .report_code import code_pane, legend_html
@@ -73,7 +74,7 @@ def _banner(result: RunResult) -> str:
     )
 
 
-def _tile_notes(summary: Mapping[str, Any]) -> tuple[str, str, str]:
+def _tile_notes(summary: Summary) -> tuple[str, str, str]:
     """What each tile's figure is: the mean's share of the loop's time (the medians for a run
     saved before the means), and under the step time, the steps' shape or its median."""
     if summary.get("mean_step_ms") is None:
@@ -84,7 +85,7 @@ def _tile_notes(summary: Mapping[str, Any]) -> tuple[str, str, str]:
             "median",
         )
     step = summary["mean_step_ms"]
-    shares = [summary.get(k) / step if step and summary.get(k) is not None else None for k in ("mean_data_wait_ms", "mean_compute_ms")]
+    shares = [v / step if step and v is not None else None for v in (summary.get("mean_data_wait_ms"), summary.get("mean_compute_ms"))]
     pattern = (summary.get("step_pattern") or {}).get("text")
     median = f"mean; median {ms_fine(summary.get('step_ms'))}"
     return (
@@ -94,7 +95,7 @@ def _tile_notes(summary: Mapping[str, Any]) -> tuple[str, str, str]:
     )
 
 
-def _tiles(summary: Mapping[str, Any]) -> str:
+def _tiles(summary: Summary) -> str:
     notes = _tile_notes(summary)
     tiles = [
         ("Data wait", headline_ms(summary, "data_wait_ms"), notes[0], WAIT_COLOUR),
@@ -118,7 +119,7 @@ def _tiles(summary: Mapping[str, Any]) -> str:
 PART_LABELS = (("forward", "Forward"), ("backward", "Backward"), ("optimizer", "Optimizer"), ("rest", "The rest"))
 
 
-def step_parts(summary: Mapping[str, Any]) -> list[tuple[str, float, float]] | None:
+def step_parts(summary: Summary) -> list[tuple[str, float, float]] | None:
     """What a step is made of: (label, median share of the step, bar width) for data wait,
     compute (split into forward, backward, optimizer and the rest where the parts of the step
     were timed) and what none explains. Medians of shares need not add up to one, so the
@@ -126,7 +127,8 @@ def step_parts(summary: Mapping[str, Any]) -> list[tuple[str, float, float]] | N
     wait, compute = summary.get("data_wait_share"), summary.get("compute_share")
     if wait is None or compute is None:
         return None
-    split = [(label, summary.get(f"{key}_share")) for key, label in PART_LABELS]
+    figures = part_figures(summary)
+    split = [(label, figures[key][1]) for key, label in PART_LABELS]
     inside: list[tuple[str, float]] = [(compute_name(summary), compute)]
     if all(share is not None for _, share in split):
         inside = [(label, float(share)) for label, share in split if share is not None]
@@ -148,7 +150,7 @@ PART_COLOURS = {
 }
 
 
-def _step_bar(summary: Mapping[str, Any]) -> str:
+def _step_bar(summary: Summary) -> str:
     parts = step_parts(summary)
     if parts is None:
         return f'<div style="color:{MUTED}">n/a: no step was analysed.</div>'

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..analysis.cell_code import CodeSite, dataloader_lines
 from ..analysis.checklist import FIX, Item
 from ..analysis.number_text import ms_fine
+from ..analysis.summary_keys import LineCosts
 from ..kernel.code_facts import CodeContext
 from .report_style import (
     BADGE,
@@ -49,7 +50,7 @@ def _fraction(value: float | None, top: float) -> float:
     return min(1.0, max(0.0, value / top)) if value is not None and top > 0 else 0.0
 
 
-def line_bars(costs: Mapping[str, Any] | None, n_lines: int) -> dict[int, LineBar]:
+def line_bars(costs: LineCosts | None, n_lines: int) -> dict[int, LineBar]:
     """Heat bars by cell line from `run.line_costs`: each timed statement's mean ms per step,
     and the loop line's data wait, on one scale (the costliest line fills the bar). On CUDA the
     bar is the GPU time (events on sampled steps) and a thin bar under it the host's time."""
@@ -221,7 +222,7 @@ def _elsewhere(ctx: CodeContext, items: Sequence[Item]) -> str:
 
 
 def heat_legend(
-    costs: Mapping[str, Any], bars: Mapping[int, LineBar]
+    costs: LineCosts, bars: Mapping[int, LineBar]
 ) -> list[tuple[str, str, str]]:
     """Legend entries of the bars beside the code."""
     on_gpu = bool(costs.get("gpu_ms_per_step"))
@@ -233,7 +234,7 @@ def heat_legend(
     return entries
 
 
-def heat_note(costs: Mapping[str, Any]) -> str:
+def heat_note(costs: LineCosts) -> str:
     """How the bars beside the code were measured."""
     clock = "CUDA events" if costs.get("gpu_ms_per_step") else "wall clock"
     note = (
@@ -273,8 +274,9 @@ def code_pane(result: RunResult, ctx: CodeContext, items: Sequence[Item]) -> str
             marks.setdefault(item.site.line, []).append(item.key)
     if not result.loop.loop_cell_source:  # a resource finding's line (a kept graph) is a line of this cell
         for finding in result.summary.get("resource_findings") or []:
-            if finding.get("line") is not None and finding["severity"] != "info":
-                marks.setdefault(int(finding["line"]), []).append(str(finding["label"]).lower())
+            line = finding["line"]
+            if line is not None and finding["severity"] != "info":
+                marks.setdefault(line, []).append(finding["label"].lower())
     costs = result.line_costs if not result.loop.loop_cell_source else None
     bars = line_bars(costs, len(lines))
     parts.append(

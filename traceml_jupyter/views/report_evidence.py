@@ -164,9 +164,9 @@ def evidence_table(result: RunResult, code: CodeContext) -> str:
         ("compute_ms", compute_name(s)),
         ("step_ms", "Step time"),
     ):
-        st = stats.get(key) or {}
+        st = stats.get(key)
         values = "".join(
-            f'<td style="{num}">{ms_fine(st.get(q))}</td>' for q in ("median", "p90", "max")
+            f'<td style="{num}">{ms_fine(st[q] if st else None)}</td>' for q in ("median", "p90", "max")
         )
         rows.append(f'<tr style="{ROW}"><td style="{left}">{esc(label)}</td>{values}</tr>')
     table = f'<table class="tml-evidence" style="{TABLE}">{"".join(rows)}</table>'

@@ -4,11 +4,11 @@ titles, values that read as code (inline styles only: JupyterLab's sanitizer dro
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from html import escape
 from typing import TYPE_CHECKING, Any
 
 from ..analysis.checklist import CHECK, FIX, OK
+from ..analysis.summary_keys import Summary
 
 if TYPE_CHECKING:
     pass
@@ -63,7 +63,7 @@ def fmt_rate(value: float | None, unit: str) -> str:
     return f"{value:,.1f} {unit}" if value < 1000 else f"{value:,.0f} {unit}"
 
 
-def compute_name(summary: Mapping[str, Any]) -> str:
+def compute_name(summary: Summary) -> str:
     """"GPU compute" when the verdict read the GPU clock, else "CPU compute"."""
     return "GPU compute" if summary.get("clock") == "gpu" else "CPU compute"
 

@@ -12,7 +12,8 @@ def torch_threads_item(f: Facts) -> Item | None:
     o = f.oversubscription
     if not o:
         return None
-    unstable = o.get("compute_p90_p50") is not None and float(o["compute_p90_p50"]) >= 1.5
+    ratio = o.get("compute_p90_p50")
+    unstable = ratio is not None and ratio >= 1.5
     return Item(
         "torch_threads",
         "Threads beside the workers (torch.set_num_threads)",

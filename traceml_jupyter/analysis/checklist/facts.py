@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from ..cell_code import CodeSite, SampleCode, Transfer
 from ..data_sources import Feeder
+from ..summary_keys import EpochStartup, Oversubscription, SyncTop
 from ..verdict import VerdictLabel
 
 OK, FIX, CHECK = "ok", "fix", "check"
@@ -17,6 +18,21 @@ TRANSFER_VERDICTS = frozenset({VerdictLabel.INPUT_BOUND, VerdictLabel.H2D_BOUND,
 DEFAULT_PREFETCH = 2
 PREFETCH_TO_TRY = 4
 UNSAFE_START_METHODS = frozenset({"spawn", "forkserver"})
+
+
+class ItemRow(TypedDict):
+    """A checklist item as the JSON's `checklist` holds it (Item.to_dict, Item.from_dict)."""
+
+    key: str
+    title: str
+    status: str
+    seen: str
+    to_try: str | None
+    line: int | None
+    cell: str | None
+    where: str | None
+    reason: str
+    bears_on_verdict: bool
 
 
 @dataclass(frozen=True)
@@ -53,7 +69,7 @@ class Item:
             bool(saved.get("bears_on_verdict")),
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ItemRow:
         """The item as JSON-ready values (Item.from_dict reads it back)."""
         return {
             "key": self.key,
@@ -110,18 +126,18 @@ class Facts:
     pinned_share: float | None = None  # measured share of copied bytes from pinned memory
     non_blocking_share: float | None = None  # measured share of bytes copied non_blocking
     copies: tuple[CopySeen, ...] | None = None  # measured copies to the GPU, costliest first
-    sync_top: Mapping[str, Any] | None = None  # the line whose syncs cost most (summary key)
+    sync_top: SyncTop | None = None  # the line whose syncs cost most (summary key)
     batch_size: int | None = None
     step_ms: float | None = None  # median step on the run's clock
     host_issue_ms: float | None = None  # median host time issuing a step (GPU clock)
     gpu_idle_share: float | None = None  # GPU idle inside steps (NVML), else None
     busiest_line: LineSeen | None = None  # the body statement with the most host time
     tuned: Mapping[str, Any] | None = None  # the last `%traceml tune` of this loader (to_dict())
-    epoch_startup: Mapping[str, Any] | None = None  # each pass's start-up wait (summary key)
+    epoch_startup: EpochStartup | None = None  # each pass's start-up wait (summary key)
     cpu_saturated: bool | None = None  # CPU SATURATED (analysis/resources.py); None: not measured
     cpu_sentence: str | None = None  # the cores busy, in words ("the training process and ...")
     workers_cores: float | None = None  # median cores the DataLoader workers kept busy
-    oversubscription: Mapping[str, Any] | None = None  # CPU OVERSUBSCRIBED's figures (analysis/threads.py)
+    oversubscription: Oversubscription | None = None  # CPU OVERSUBSCRIBED's figures (analysis/threads.py)
     # What fed the steps when it is no DataLoader (a generator, a list, an iterator, get_batch()),
     # where it is, and the code behind it (its costly calls), when found.
     feeder: Feeder | None = None
