@@ -10,6 +10,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 
+from ..capture.inside.step_parts import PartsFacts
 from ..processes.startup_hook import KIND, LENGTH, pack
 from ..result import RunResult, from_dict, to_dict
 from ..result.codec import REQUIRED_COLUMNS
@@ -69,7 +70,7 @@ class End(TypedDict, total=False):
     note: str
     result: dict[str, object]
     loader: RankLoader | None
-    parts: dict[str, object]
+    parts: PartsFacts
     pass_steps: list[int]
 
 
