@@ -489,13 +489,11 @@ HAND_WRITTEN_EXCEPTS = {
     # set and taken off at each sampled step (install/remove); the scan of a session's values
     # at once (one by one when a value's isinstance raises: a per-value guard costs 0.2 µs).
     "capture/inside/model_calls.py": 9,
-    # Per step: the GPU clock's events and the GPU watch (the clock turns itself off); the GPU
-    # clock off at its start and end too; the probe stops; no patch without torch's hooks.
-    "capture/session.py": 10,
+    # The GPU clock's one guard (it turns itself off), the GPU watch's (it stops).
+    "capture/loop_gpu.py": 2,
     # Per sampled step (timing a part, the sampler, the optimizer's hooks, merges): the parts or
     # their GPU time turn themselves off; fallbacks (no torch.optim, `on` off); GPU parts off.
     "capture/inside/step_parts.py": 12,
-    "capture/step_hooks.py": 3,  # per fetch: the GPU clock turns itself off; a fallback (True)
     "capture/stamping.py": 1,  # the stamps' replay (per-step path): stamping off for the run
 }
 

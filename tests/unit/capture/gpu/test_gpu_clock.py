@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from traceml_jupyter import kernel_state
-from traceml_jupyter.capture import session as capture_module
+from traceml_jupyter.capture import loop_gpu, session
 from traceml_jupyter.capture.gpu.cuda_clock import CudaStepClock, Marks, busiest_device
 from traceml_jupyter.capture.session import Capture, capture_session
 from traceml_jupyter.capture.steps.recorder import Recorder
@@ -112,9 +112,9 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     def marks(device: int) -> Marks:
         return state["streams"].setdefault(device, Stream(device)).marks()
 
-    monkeypatch.setattr(capture_module, "cuda_initialized", lambda: True)
-    monkeypatch.setattr(capture_module, "allocation_counts", lambda: dict(state["counts"]))
-    monkeypatch.setattr(capture_module, "current_device", lambda: state["current"])
+    monkeypatch.setattr(session, "cuda_initialized", lambda: True)
+    monkeypatch.setattr(loop_gpu, "allocation_counts", lambda: dict(state["counts"]))
+    monkeypatch.setattr(loop_gpu, "current_device", lambda: state["current"])
     state["marks"] = marks
     return state
 
