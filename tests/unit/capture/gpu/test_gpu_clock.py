@@ -169,3 +169,59 @@ def test_an_error_in_the_gpu_bookkeeping_turns_the_gpu_clock_off_with_a_note(fak
         assert any("GPU timings turned off" in note for note in run.notes)
     finally:
         kernel_state.RUNS.remove(run)
+
+
+class StepClock:
+    """A GPU clock that records the steps it closed, or fails at the first."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+        self.closed: list[int] = []
+
+    def step_closed(self, index: int, next_serial: int) -> None:
+        if self.fails:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self.closed.append(index)
+
+
+class BrokenWatch:
+    """A GPU watch whose step bookkeeping fails."""
+
+    syncs = None
+
+    def step_ended(self, t: int) -> None:
+        raise RuntimeError("the watch's own bug")
+
+
+def a_loop_on_the_gpu(clock: StepClock, heard: list[str]) -> tuple[Run, loop_gpu.LoopGpu]:
+    run = Run("gpu parts")
+    gpu = loop_gpu.LoopGpu(run, 0, lambda: heard.append("changed"))
+    gpu.deciding = False  # the loop's device is known
+    gpu.cuda = clock  # type: ignore[assignment]
+    return run, gpu
+
+
+def test_an_error_of_the_gpu_watch_stops_the_watch_and_the_gpu_clock_goes_on() -> None:
+    clock, heard = StepClock(), []
+    run, gpu = a_loop_on_the_gpu(clock, heard)
+    try:
+        run.gpu_watch = BrokenWatch()
+        gpu.step_closed(0, 1_000, 1)
+        gpu.step_closed(1, 2_000, 2)
+        assert clock.closed == [0, 1] and gpu.cuda is clock and gpu.note is None and not heard
+        assert run.gpu_watch is None
+        assert [n for n in run.notes if n.startswith("GPU watch stopped")] == ["GPU watch stopped: RuntimeError: the watch's own bug"]
+    finally:
+        kernel_state.RUNS.remove(run)
+
+
+def test_an_error_of_the_gpu_clock_turns_it_off_once_with_a_note_and_the_hooks_look_again() -> None:
+    clock, heard = StepClock(fails=True), []
+    run, gpu = a_loop_on_the_gpu(clock, heard)
+    try:
+        gpu.step_closed(0, 1_000, 1)
+        gpu.step_closed(1, 2_000, 2)  # on the CPU clock now: nothing of the GPU's
+        assert gpu.cuda is None and heard == ["changed"]
+        assert gpu.note is not None and gpu.note.startswith("GPU timings turned off: RuntimeError: CUDA error")
+    finally:
+        kernel_state.RUNS.remove(run)
