@@ -85,7 +85,13 @@ class Capture:
         and the model look at it."""
         self.stamping.listen()
 
-    # What the traced cell, the resources' watch and the run's sources set or read, on its parts.
+    # What the traced cell, the resources' watch, the run's sources and the fork hooks set or
+    # read, on its parts.
+    @property
+    def active(self) -> bool:
+        """The capture records (between `open` and `close`)."""
+        return self.stamping.active
+
     @property
     def lines(self) -> LineClock | None:
         """The per-line costs' clock (line_costs.py), set by the traced cell."""
