@@ -801,6 +801,10 @@ def install_fake_cuda(monkeypatch: Any, gpu: FakeGpu) -> None:
         from traceml_jupyter.capture import session as capture_module
     except ImportError:
         capture_module = None
+    try:  # where the loop's device is decided, in a core that has it apart
+        from traceml_jupyter.capture import loop_gpu
+    except ImportError:
+        loop_gpu = capture_module
     if capture_module is not None and hasattr(cuda_clock, "Marks"):
 
         def marks(device: int) -> Any:
@@ -822,6 +826,7 @@ def install_fake_cuda(monkeypatch: Any, gpu: FakeGpu) -> None:
         }
         for name, value in seams.items():
             monkeypatch.setattr(capture_module, name, value, raising=False)
+            monkeypatch.setattr(loop_gpu, name, value, raising=False)
             monkeypatch.setattr(cuda_clock, name, value, raising=False)
     monkeypatch.setattr(run_module, "cuda_in_use", lambda: True, raising=False)
     monkeypatch.setattr(run_module, "gpu_memory_in_use", lambda: True, raising=False)

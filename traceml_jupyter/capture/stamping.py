@@ -3,24 +3,31 @@ decisions; stamps.py holds the stamps and the replay).
 
 While `deferred`, the hooks (step_hooks.py) stamp instead of reporting each event to the step
 model; `room` is how many step ends their stamps may still hold (each hook takes what it can end)
-and `_loop_room` the located loop's iterations not yet granted to it, so that a sampled step is
+and `loop_room` the located loop's iterations not yet granted to it, so that a sampled step is
 never missed; `due` is the run's next tick. The stamps are replayed (`flush`) before anything
 reports an event at once, before anyone reads the model, at the ticks and at the end.
+
+Each event is reported at once instead where something needs the step's boundaries when they
+happen: the GPU clock or the loop's device being decided (loop_gpu.py), a sampled step under way
+or next (step_parts.py), several located loops under way, or a training loop whose sampled steps
+come too often for the stamps to pay (TRAINING_BUDGET).
 """
 
 from __future__ import annotations
 
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..failures import failure_text
+from .inside.line_costs import LineClock
+from .inside.step_parts import StepParts
+from .instrument import hooks
+from .loop_gpu import LoopGpu
 from .steps.stamps import Stamps
-from .steps.step_model import BACKWARD, ITERATION, NEVER, StepModel
+from .steps.step_model import BACKWARD, ITERATION, NEVER, Pass, StepModel
 
 if TYPE_CHECKING:
     from ..run import Run
-    from .gpu.cuda_clock import CudaStepClock
-    from .inside.step_parts import StepParts
 
 # Step ends (and other hooks' stamps) held before a replay: bounded memory. The stamps are Python
 # ints in lists (an `array` append costs ~50 ns more a stamp), 80 B a step end while pending, so
@@ -39,29 +46,34 @@ MIN_BUDGET = 2  # fewer step ends before a sampled step: report each event at on
 TRAINING_BUDGET = 512
 
 
-class Stamping:
-    """The capture's stamping state and decisions (recording.Capture sets the attributes)."""
+AT_ONCE_LOOKS = 64  # iterations reported at once that may skip the loop's look in a row
 
-    run: Run
-    model: StepModel
-    stamps: Stamps
-    parts: StepParts
-    cuda: CudaStepClock | None
-    gpu_note: str | None
-    active: bool
-    deferred: bool
-    room: int
-    due: int
-    _loop_room: int
-    _live_loops: int
-    _events_seen: bool
-    _level: int
-    _level_free: bool
-    _level_pos: int
-    _deciding: bool
-    _broken: bool
-    _at_once_left: int
-    lines: Any
+
+class Stamping:
+    """Whether the hooks stamp or report, and the replay of their stamps (see the module
+    docstring). The hooks read and count down `deferred`, `room`, `due` and the `level` fields."""
+
+    def __init__(self, run: Run, model: StepModel, parts: StepParts, gpu: LoopGpu) -> None:
+        self.run, self.model, self.parts, self.gpu = run, model, parts, gpu
+        self.stamps = Stamps()
+        self.lines: LineClock | None = None  # the per-line costs' clock, set by the traced cell
+        self.active = False  # the capture records (stamps after it closed are dropped)
+        self.deferred = False
+        self.room = 0
+        self.due = 0
+        self.loop_room = 0
+        self.live_loops = 0  # passes of located loops under way (stamped only when one)
+        # Iterations of the located loop that may report at once without looking again
+        # (`look_again` chose so; zeroed when the sampler or a listener changes its reasons).
+        self.at_once_left = 0
+        self.events_seen = False  # hooks other than the loop's stamped since the loop last looked
+        # What a stamped event can end, from the model as it was when the hooks began stamping
+        # (`defer`): its level (steps only get stronger), whether the first event of that level
+        # in an iteration's body ends no step (`training_event`), and where the last one was.
+        self.level = 0
+        self.level_free = False
+        self.level_pos = -1
+        self.broken = False  # the replay failed once: every event is reported at once
 
     def flush(self) -> None:
         """Report what the hooks stamped to the step model (stamps.py): before anything reports
@@ -73,28 +85,28 @@ class Stamping:
             stamps.discard()
             return
         if stamps.events:
-            self._events_seen = True
+            self.events_seen = True
         try:
             stamps.replay(self.model)
             # pos restarts at 0: an event of the steps' kind already held in this iteration?
-            self._level_pos = 0 if self.model.deferred is not None else -1
+            self.level_pos = 0 if self.model.deferred is not None else -1
         except Exception as exc:  # ours: never raised into the user's loop
             stamps.discard()
             self.run.notes.append(f"traceml failed replaying the steps' stamps: {failure_text(exc)}")
-            self._broken = True
-            self._report_now()
+            self.broken = True
+            self.report_now()
 
-    def _budget(self) -> int:
+    def budget(self) -> int:
         """How many step ends the stamps may hold before the capture must look again: 0 when
         each event must be reported when it happens (the GPU path, the device not yet known,
         a sampled step under way or next, several located loops under way)."""
-        if not self.active or self.cuda is not None or self._deciding or self.parts.on or self._broken:
+        if not self.active or self.gpu.cuda is not None or self.gpu.deciding or self.parts.on or self.broken:
             return 0
-        if self._live_loops > 1:
+        if self.live_loops > 1:
             return 0
         # The step end that arms the sampler may be stamped only as the last one before a look.
         model = self.model
-        budget = model.sample_in - (1 if self._events_seen else 0)
+        budget = model.sample_in - (1 if self.events_seen else 0)
         if budget < TRAINING_BUDGET and model.level > ITERATION:
             # Fewer training steps than pay for their bulk replay (stamps.py): replayed one
             # transition at a time, or in a numpy window whose fixed cost is shared by few
@@ -102,61 +114,61 @@ class Stamping:
             return 0
         return min(budget, MAX_PENDING)
 
-    def _defer(self, room: int, loop: bool) -> None:
+    def defer(self, room: int, loop: bool) -> None:
         """From now on the hooks stamp, until they have stamped `room` step ends (`loop`: in
         the located loop's iterations, which the loop counts itself)."""
         model = self.model
-        self._untake_at_once()
+        self.untake_at_once()
         self.deferred = True
         self.room = room
-        self._level = model.level
-        self._level_free = loop and model.iterations_are_steps and model.level >= BACKWARD
-        self._level_pos = 0 if model.deferred is not None else -1
+        self.level = model.level
+        self.level_free = loop and model.iterations_are_steps and model.level >= BACKWARD
+        self.level_pos = 0 if model.deferred is not None else -1
         model.notify_every_step = False  # the ticks are the stamps' (no step end is heard)
         model.notify_from = NEVER
 
-    def _report_now(self) -> None:
+    def report_now(self) -> None:
         """From now on each event is reported when it happens. Each step end is heard where
         our bookkeeping needs every one (the GPU clock, the loop's device being decided); else
-        those at the run's ticks, and the one the sampler is called at (`_sample_due`): what
-        the hooks may stamp (`_budget`) changes only then."""
+        those at the run's ticks, and the one the sampler is called at (`sample_due`): what
+        the hooks may stamp (`budget`) changes only then."""
         self.deferred = False
         self.room = 0
         self.stamps.writer = None
         model = self.model
-        model.notify_every_step = self.cuda is not None or self._deciding
+        model.notify_every_step = self.gpu.cuda is not None or self.gpu.deciding
         model.notify_from = self.run.next_tick
 
-    def _grant(self) -> None:
+    def grant(self) -> None:
         """The hooks alone (no located loop stamping): stamp while the budget allows."""
         if self.stamps.writer is not None:
-            self._report_now_hooks()
+            self.report_now_hooks()
             return
-        budget = self._budget()
+        budget = self.budget()
         if budget >= MIN_BUDGET:
-            self._defer(budget, loop=False)
+            self.defer(budget, loop=False)
         else:
-            self._report_now()
+            self.report_now()
 
-    def _report_now_hooks(self) -> None:
+    def report_now_hooks(self) -> None:
         """The hooks report at once; the located loop's stamps go on until it looks again."""
         self.deferred = False
         self.room = 0
 
-    def _settle(self, t: int) -> None:
+    def settle(self, t: int) -> None:
         """A hook's stamps are due (its room is used up, or a tick is): replay, tick, grant.
         Inside another fetch (a DataLoader's inside the loop's `next()`) our time is that
         fetch's wait: no tick there, and nothing kept out of the step."""
         began, kept_out = perf_counter_ns(), self.model.kept_out_ns
         self.flush()
         outside = not self.model._stack
-        if outside and self._tick_due(t):
-            self._tick(t)
-        self._grant()
+        if outside and self.tick_due(t):
+            self.tick(t)
+        self.grant()
         if outside:
-            self._own_time(began, kept_out)
+            self.own_time(began, kept_out)
 
-    def _own_time(self, began: int, kept_out: int) -> None:
+    def own_time(self, began: int, kept_out: int) -> None:
         """Our own time since `began` (the replay, the views) is no step's: kept out of the open
         step, less what was kept out meanwhile (a sampled step's bookkeeping keeps out its own)."""
         model = self.model
@@ -164,17 +176,18 @@ class Stamping:
         if ns > 0:
             model.exclude_time(ns)
 
-    def _tick_due(self, t: int) -> bool:
+    def tick_due(self, t: int) -> bool:
         """The run's views are due and no step end tells them (the model is silent while the
         hooks stamp: its steps close in a replay). They start with a step."""
         model = self.model
         return t >= self.run.next_tick and not model.notify_every_step and model.recorder.n_steps > 0
 
-    def _tick(self, t: int) -> None:
+    def tick(self, t: int) -> None:
+        """The run's views, now (at t); the next look is at their next tick."""
         run = self.run
         run.tick(t)
         self.due = run.next_tick
-        if not self.deferred:  # (stamping, the model is silent: `_defer`)
+        if not self.deferred:  # (stamping, the model is silent: `defer`)
             self.model.notify_from = self.due
 
     def current_step(self) -> int | None:
@@ -182,35 +195,105 @@ class Stamping:
         self.flush()
         return self.model.current_step
 
-    def _sample_due(self, start: int, end: int) -> None:
+    def sample_due(self, start: int, end: int) -> None:
         """The step model's sampler callback (step_parts.py): it arms the sampler or sets the
         steps to the next sampled one. Where the hooks report at once and may now stamp, the
         located loop looks again at its next fetch, and this step's end is heard (it grants
         the other hooks); while stamping, a look or grant follows the replay anyway."""
         self.parts.sample_due(start, end)
-        if not self.deferred and self._budget() >= MIN_BUDGET:
-            self._untake_at_once()
+        if not self.deferred and self.budget() >= MIN_BUDGET:
+            self.untake_at_once()
             self.model.notify_every_step = True
 
-    def _untake_at_once(self) -> None:
+    def untake_at_once(self) -> None:
         """The located loop looks again at its next fetch: the iterations its last look let
         report at once without looking, not run yet, give their line flag back."""
-        if self._at_once_left:
+        if self.at_once_left:
             if self.lines is not None:
-                self.lines.untake(self._at_once_left)
-            self._at_once_left = 0
+                self.lines.untake(self.at_once_left)
+            self.at_once_left = 0
 
     def listen(self) -> None:
         """The run's next tick changed (an observer came, the GPU clock changed): the hooks
         and the model look at it."""
-        self._untake_at_once()
+        self.untake_at_once()
         self.due = self.run.next_tick
         if not self.deferred:
             self.model.notify_every_step = True
 
-    def _gpu_failed(self, exc: BaseException) -> None:
-        """Any error in the GPU bookkeeping: the run goes on the CPU clock, with a note."""
-        self.cuda = None
-        self._deciding = False
-        self.gpu_note = f"GPU timings turned off: {failure_text(exc)}"
-        self.listen()
+    # -- the located loop ------------------------------------------------------------------
+    def loop_ended(self, pass_: Pass) -> None:
+        """A pass of the located loop is over (its end, `break`, an exception, closed)."""
+        self.live_loops -= 1
+        self.untake_at_once()
+        if not self.deferred:  # the next step end grants the hooks again (`budget`)
+            self.model.notify_every_step = True
+        if self.active:
+            self.flush()
+            self.model.pass_ended(pass_)
+        if self.stamps.writer is pass_:
+            self.stamps.writer = None
+
+    def settle_loop(self, t: int, left: int, pass_: Pass) -> tuple[int, int]:
+        """After a fetch of the located loop gave its batch (at t): set the line flag for the
+        iterations to come, and say how many of the next fetches may be stamped before the
+        capture looks again (0: report each one now) and until when. `left`: fetches granted
+        that did not run (a tick is due before them)."""
+        stamps = self.stamps
+        if not left and t < self.due and self.deferred and self.room >= 0 and stamps.writer is pass_:
+            loop_room = self.loop_room
+            if loop_room <= 0 < self.room:  # the step ends the other hooks left: granted again, no replay
+                room = self.room // 4 if self.events_seen or stamps.events else 0
+                loop_room, self.room = self.room - room, room
+            if loop_room > 0:  # the line flag's next run only: the per-step path's one call
+                if (lines := self.lines) is None:
+                    self.loop_room = 0
+                    return loop_room, self.due
+                hooks.lines.on, n = lines.take(loop_room)
+                self.loop_room = loop_room - n
+                return n, self.due
+        return self.look_again(t, left, pass_)
+
+    def look_again(self, t: int, left: int, pass_: Pass) -> tuple[int, int]:
+        """`settle_loop` when the stamps are due: replay them, tick if due, grant again. (After
+        each fetch while events are reported at once: then nothing is pending, and each step's
+        end ticks, so this is the budget and the line flag.)"""
+        lines, stamps, model = self.lines, self.stamps, self.model
+        if left and lines is not None:
+            lines.untake(left)
+        self.untake_at_once()
+        worked = bool(stamps.loop or stamps.events)
+        began = kept_out = 0
+        if worked or not model.notify_every_step:  # (else no tick is due here: `tick_due`)
+            began, kept_out = perf_counter_ns(), model.kept_out_ns
+            if worked:
+                self.flush()
+            if self.tick_due(t):
+                self.tick(t)
+                worked = True
+        budget = self.budget()
+        k = 0
+        at_once = budget < MIN_BUDGET
+        if not at_once:
+            room = budget // 4 if self.events_seen else 0
+            k = budget - room
+            self.defer(room, loop=True)
+            stamps.writer = pass_
+        else:
+            self.report_now()
+        self.events_seen = False
+        self.loop_room = 0
+        if at_once:
+            # Until the sampler is called or a listener changes something, the loop's next
+            # looks would decide the same: the next iterations that share the line flag skip
+            # them (AT_ONCE_LOOKS at most).
+            self.at_once_left = AT_ONCE_LOOKS - 1
+            if lines is not None:
+                hooks.lines.on, n = lines.take(AT_ONCE_LOOKS)
+                self.at_once_left = n - 1
+        elif lines is not None:
+            hooks.lines.on, n = lines.take(k)
+            k, self.loop_room = n, k - n
+        if worked:
+            self.own_time(began, kept_out)
+        return k, self.due

@@ -12,7 +12,7 @@ import pytest
 from IPython.utils.capture import capture_output
 
 import traceml_jupyter
-from traceml_jupyter.capture import session, stamping
+from traceml_jupyter.capture import stamping
 from traceml_jupyter.capture.steps.step_model import BACKWARD
 
 # -- a traced run: stamped or reported, the same steps ----------------------------------------
@@ -69,7 +69,7 @@ def stamped_and_reported(ip: Any, cell: str, monkeypatch: pytest.MonkeyPatch) ->
     seen = {}
     for how in ("stamped", "reported"):
         if how == "reported":
-            monkeypatch.setattr(session.Capture, "_budget", lambda self: 0)
+            monkeypatch.setattr(stamping.Stamping, "budget", lambda self: 0)
         with capture_output():
             result = ip.run_cell(f"%%traceml --no-live\n{CELLS[cell]}")
         assert result.error_in_exec is None
@@ -98,14 +98,14 @@ def test_training_steps_stamped_whenever_they_may_be_are_the_steps_reported(
     (`stamping.TRAINING_BUDGET`: fewer cost more replayed than reported); stamped from two on,
     as plain iterations are, their hooks' stamps still give the steps reported at once."""
     stamped = []
-    real_defer = session.Capture._defer
+    real_defer = stamping.Stamping.defer
 
     def defer(self: Any, room: int, loop: bool) -> None:
         stamped.append(self.model.level)
         real_defer(self, room, loop)
 
     monkeypatch.setattr(stamping, "TRAINING_BUDGET", stamping.MIN_BUDGET)
-    monkeypatch.setattr(session.Capture, "_defer", defer)
+    monkeypatch.setattr(stamping.Stamping, "defer", defer)
     seen = stamped_and_reported(ip, cell, monkeypatch)
     assert seen["stamped"] == seen["reported"]
     assert any(level >= BACKWARD for level in stamped)  # training steps were stamped

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -20,6 +20,14 @@ NAN = float("nan")
 COLUMNS = ("step", "time_s", "data_wait_ms", "compute_ms", "step_ms")
 GPU_COLUMNS = ("data_wait_gpu_ms", "compute_gpu_ms", "step_gpu_ms")
 TOTALS = COLUMNS[2:] + GPU_COLUMNS
+
+
+class RecorderSize(TypedDict):
+    """What `Recorder.describe` says of its size."""
+
+    n_steps: int
+    stride: int
+    nbytes: int
 
 
 class Recorder:
@@ -257,6 +265,6 @@ class Recorder:
         raw = sum(a.buffer_info()[1] * a.itemsize for a in arrays)
         return raw + self._history.nbytes()
 
-    def describe(self) -> dict[str, Any]:
-        """Its size: {"n_steps", "stride", "nbytes"}."""
+    def describe(self) -> RecorderSize:
+        """Its size: steps recorded, the stride of the kept history, bytes held."""
         return {"n_steps": self.n_steps, "stride": self.stride, "nbytes": self.nbytes()}

@@ -21,6 +21,7 @@ they may, and when the stamps are replayed (the run's ticks, a sampled step comi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,149 @@ def _closed(model: StepModel, ends: list[tuple[int, int, int]]) -> None:
             add(t0_, t1_, t2_)
     if ends and model.spans:
         model.spans.clear()
+
+
+def _steady_model(model: StepModel, writer: Pass | None) -> bool:
+    """Steps end at iterations or at the training events of the model's level, every pass is
+    classified, no listener and no sampler due: what `Stamps._steady` writes out on locals."""
+    return not (
+        model.level < ITERATION
+        or not model.iterations_are_steps
+        or model.open_passes
+        or model._outer_passes
+        or (writer is not None and not writer.trained)
+        or (model.on_step is not None and (model.notify_every_step or model.notify_from < NEVER))
+    )
+
+
+@dataclass
+class _Window:
+    """Training iterations in a row, as `_training_window` takes them: `n_pairs` iterations
+    (their loop stamps `s` and `e`: each fetch's start and end) and their `n_ev` events (each
+    one's iteration `pair`, whether it falls in the body, its kind and time), and which of the
+    iterations' ends end a step (`closes`)."""
+
+    n_pairs: int
+    n_ev: int
+    s: np.ndarray
+    e: np.ndarray
+    pair: np.ndarray
+    in_body: np.ndarray
+    kind: np.ndarray
+    t: np.ndarray
+    closes: np.ndarray
+    n_body_fetches: int = 0  # the fetches in the iterations' bodies (counted by `_window_waits`)
+
+
+def _window(model: StepModel, loop_stamps: list[int], events: list[int], li: int, ei: int) -> _Window | None:
+    """The training iterations from loop stamp `li` and event `ei` on that go in bulk (up to
+    the step that calls the sampler), or None when fewer than WINDOW of them have the shape."""
+    level = model.level
+    loop = np.fromiter(loop_stamps[li:], dtype=np.int64)
+    n_pairs = len(loop) // 2
+    ev = np.fromiter(events[2 * ei :], dtype=np.int64).reshape(-1, 2)
+    at_pos = ev[:, 0] >> 3
+    for _ in range(2):  # the second time for fewer iterations, the sampler's step left out
+        if n_pairs < WINDOW:
+            return None
+        # the events of pairs 0 .. n_pairs-1, not the last one's body
+        n_ev = int(np.searchsorted(at_pos, li + 2 * n_pairs - 1, side="right"))
+        pos, kind, t = at_pos[:n_ev] - li - 1, ev[:n_ev, 0] & 7, ev[:n_ev, 1]
+        pair, in_body = pos >> 1, (pos & 1).astype(bool)
+        level_kind = FIRST_STEP if level == OPTIMIZER else BACKWARD_DONE
+        if level == ITERATION:
+            if ((kind == BACKWARD_DONE) | (kind == FIRST_STEP)).any():
+                return None  # a stronger kind of step: merges
+            closes = np.ones(n_pairs, dtype=bool)
+        else:
+            if (kind == FIRST_STEP).any() and level == BACKWARD:
+                return None
+            marks = kind == level_kind
+            if (marks & ~in_body).any():
+                return None  # the steps' kind inside a fetch ends a step there
+            held = np.bincount(pair[marks], minlength=n_pairs)
+            if (held > 1).any():
+                return None  # two in one iteration: each ends a step
+            closes = np.empty(n_pairs, dtype=bool)
+            closes[0] = model.deferred is not None
+            closes[1:] = held[:-1] > 0
+        done = np.cumsum(closes)
+        if not n_pairs or done[-1] < model.sample_in:
+            break
+        n_pairs = int(np.searchsorted(done, model.sample_in - 1, side="right"))  # before the call
+    if n_pairs < WINDOW:
+        return None
+    s, e = loop[0 : 2 * n_pairs : 2], loop[1 : 2 * n_pairs : 2]
+    return _Window(n_pairs, n_ev, s, e, pair, in_body, kind, t, closes[:n_pairs])
+
+
+def _window_waits(w: _Window, refs: list[Any], writer: Pass) -> np.ndarray | None:
+    """Each iteration's data wait: its fetch, then its body's fetches (each source's own time
+    and batches counted); None, counting nothing, when the fetches are not the usual shape (a
+    start right before its end, none inside another but in the loop's own fetch, classified
+    passes)."""
+    kind, t = w.kind, w.t
+    f_at = np.flatnonzero(kind <= CALL_END)
+    starts_at, ends_at = f_at[0::2], f_at[1::2]
+    if (
+        len(starts_at) != len(ends_at)
+        or (ends_at != starts_at + 1).any()
+        or (kind[starts_at] & 1).any()
+        or (kind[ends_at] != kind[starts_at] + 1).any()
+    ):
+        return None
+    fetched = set(refs)  # the passes and sources fetched from (a few), None for the rest
+    fetched.discard(None)
+    if any(isinstance(ref, Pass) and not ref.trained for ref in fetched):
+        return None
+    nested = ~w.in_body[starts_at]
+    duration = t[ends_at] - t[starts_at]
+    d = w.e - w.s
+    if len(fetched) == 1:
+        masks: list[tuple[Any, Any]] = [(fetched.pop(), slice(None))]
+    else:
+        ids = np.fromiter(map(id, refs), dtype=np.int64, count=w.n_ev)[starts_at]
+        masks = [(ref, ids == id(ref)) for ref in fetched]
+    for ref, mask in masks:
+        src, picked = (ref.source if isinstance(ref, Pass) else ref), duration[mask]
+        src.wait_ns += int(picked.sum())
+        src.batches += len(picked)
+    loop_source = writer.source
+    loop_source.wait_ns += int(d.sum()) - int(duration[nested].sum())
+    loop_source.batches += w.n_pairs
+    body = ~nested
+    per_pair: np.ndarray = d.copy()
+    np.add.at(per_pair, w.pair[starts_at[body]], duration[body])
+    w.n_body_fetches = int(body.sum())
+    return per_pair
+
+
+def _window_steps(model: StepModel, w: _Window, per_pair: np.ndarray) -> None:
+    """The window's steps to the recorder, and the model's state after its last iteration's
+    fetch (its body is still to come)."""
+    assert model.start is not None, "a window starts in an open step"
+    waited = np.concatenate(([0], np.cumsum(per_pair)))
+    at = np.flatnonzero(w.closes)
+    total = int(waited[-1])
+    if len(at):
+        t0 = np.empty(len(at), dtype=np.int64)
+        t0[0], t0[1:] = model.start, w.s[at[:-1]]
+        wait = np.diff(waited[at], prepend=0)
+        wait[0] += model.wait
+        t2 = w.s[at].copy()
+        t2[0] -= model.excluded
+        model.recorder.add_many(t0, t0 + wait, t2)
+        last = int(at[-1])
+        model.step_wait_base = model.wait_total + int(waited[last])
+        model.start, model.wait, model.excluded = int(w.s[last]), total - int(waited[last]), 0
+        if model.spans:
+            model.spans.clear()
+    else:
+        model.wait += total
+    model.wait_total += total
+    model.fetch_serial += w.n_pairs + w.n_body_fetches
+    model.sample_in -= len(at)
+    model.in_iteration, model.deferred = True, None
 
 
 class Stamps:
@@ -160,24 +304,12 @@ class Stamps:
             self._open = None
 
     def _steady(self, model: StepModel, li: int, ei: int, window_from: int = 0) -> tuple[int, int]:
-        """From loop stamp `li` and event `ei` on, while the model is steady (steps end at
-        iterations or at the training events of its level, every pass is classified, no
-        listener, no sampler due): its transitions written out, on locals. Stops before an
-        item that needs the model's own methods; returns where it stopped.
-
-        This is `iteration_end`, `fetch_end`, `trained` and `boundary` of step_model.py for that
-        state, item for item (test_stamps.py holds them to it)."""
-        writer = self.writer
-        start = model.start
-        if (
-            start is None
-            or model.level < ITERATION
-            or not model.iterations_are_steps
-            or model.open_passes
-            or model._outer_passes
-            or (writer is not None and not writer.trained)
-            or (model.on_step is not None and (model.notify_every_step or model.notify_from < NEVER))
-        ):
+        """From loop stamp `li` and event `ei` on, while the model is steady (`_steady_model`):
+        its transitions written out, on locals; stops before an item that needs the model's own
+        methods and returns where. This is `iteration_end`, `fetch_end`, `trained` and `boundary`
+        of step_model.py for that state, item for item (test_stamps.py holds them to it)."""
+        writer, start = self.writer, model.start
+        if start is None or not _steady_model(model, writer):
             return li, ei
         level = model.level
         loop, events, refs = self.loop, self.events, self.refs
@@ -201,9 +333,7 @@ class Stamps:
                 elif kind == FETCH_END or kind == CALL_END:
                     d = t - starts.pop()
                     if _fetched(ref.source if kind == FETCH_END else ref, d, stack):
-                        wait += d
-                        wait_total += d
-                        serial += 1
+                        wait, wait_total, serial = wait + d, wait_total + d, serial + 1
                 elif kind != OTHER_STEP:  # backward() or the first optimizer's step
                     event_level = BACKWARD if kind == BACKWARD_DONE else OPTIMIZER
                     if event_level > level:
@@ -241,13 +371,10 @@ class Stamps:
                 in_iteration = False
                 stack.append(0)
                 opened = t
-            else:  # it gave its batch
-                assert loop_source is not None
+            else:  # it gave its batch (loop stamps come with their writer: `loop_source` is set)
                 d = t - opened
                 if _fetched(loop_source, d, stack):
-                    wait += d
-                    wait_total += d
-                    serial += 1
+                    wait, wait_total, serial = wait + d, wait_total + d, serial + 1
                 in_iteration = True
                 opened = None
             li += 1
@@ -265,112 +392,24 @@ class Stamps:
         with at most one of the steps' own kind. Each iteration's end then ends the step when
         the iteration before it held that event (or always, when iterations are the steps).
         The last iteration's body is left to `_steady`. Returns where it stopped."""
-        writer, level = self.writer, model.level
-        start = model.start
+        writer = self.writer
         if (
             writer is None
-            or start is None
+            or model.start is None
             or self._open is not None
             or self.events[2 * ei] >> 3 <= li  # an event before the first fetch: by itself first
             or not model.settled(writer)
             or (model.on_step is not None and (model.notify_every_step or model.notify_from < NEVER))
         ):
             return li, ei
-        events, refs = self.events, self.refs
-        loop = np.fromiter(self.loop[li:], dtype=np.int64)
-        n_pairs = len(loop) // 2
-        ev = np.fromiter(events[2 * ei :], dtype=np.int64).reshape(-1, 2)
-        at_pos = ev[:, 0] >> 3
-        for _ in range(2):  # the second time for fewer iterations, the sampler's step left out
-            if n_pairs < WINDOW:
-                return li, ei
-            # the events of pairs 0 .. n_pairs-1, not the last one's body
-            n_ev = int(np.searchsorted(at_pos, li + 2 * n_pairs - 1, side="right"))
-            pos, kind, t = at_pos[:n_ev] - li - 1, ev[:n_ev, 0] & 7, ev[:n_ev, 1]
-            pair, in_body = pos >> 1, (pos & 1).astype(bool)
-            fetch = kind <= CALL_END
-            level_kind = FIRST_STEP if level == OPTIMIZER else BACKWARD_DONE
-            if level == ITERATION:
-                if ((kind == BACKWARD_DONE) | (kind == FIRST_STEP)).any():
-                    return li, ei  # a stronger kind of step: merges
-                closes = np.ones(n_pairs, dtype=bool)
-            else:
-                if (kind == FIRST_STEP).any() and level == BACKWARD:
-                    return li, ei
-                marks = kind == level_kind
-                if (marks & ~in_body).any():
-                    return li, ei  # the steps' kind inside a fetch ends a step there
-                held = np.bincount(pair[marks], minlength=n_pairs)
-                if (held > 1).any():
-                    return li, ei  # two in one iteration: each ends a step
-                closes = np.empty(n_pairs, dtype=bool)
-                closes[0] = model.deferred is not None
-                closes[1:] = held[:-1] > 0
-            done = np.cumsum(closes)
-            if not n_pairs or done[-1] < model.sample_in:
-                break
-            n_pairs = int(np.searchsorted(done, model.sample_in - 1, side="right"))  # before the call
-        if n_pairs < WINDOW:
+        window = _window(model, self.loop, self.events, li, ei)
+        if window is None:
             return li, ei
-        # fetches: a start right before its end (none inside another), classified passes
-        f_at = np.flatnonzero(fetch)
-        starts_at, ends_at = f_at[0::2], f_at[1::2]
-        if (
-            len(starts_at) != len(ends_at)
-            or (ends_at != starts_at + 1).any()
-            or (kind[starts_at] & 1).any()
-            or (kind[ends_at] != kind[starts_at] + 1).any()
-        ):
+        waited = _window_waits(window, self.refs[ei : ei + window.n_ev], writer)
+        if waited is None:
             return li, ei
-        window = refs[ei : ei + n_ev]
-        fetched = set(window)  # the passes and sources fetched from (a few), None for the rest
-        fetched.discard(None)
-        if any(isinstance(ref, Pass) and not ref.trained for ref in fetched):
-            return li, ei
-        nested = ~in_body[starts_at]
-        duration = t[ends_at] - t[starts_at]
-        s_, e_ = loop[0 : 2 * n_pairs : 2], loop[1 : 2 * n_pairs : 2]
-        d = e_ - s_
-        # each source's own time (no fetch inside another but in the loop's own fetch)
-        if len(fetched) == 1:
-            masks: list[tuple[Any, Any]] = [(fetched.pop(), slice(None))]
-        else:
-            ids = np.fromiter(map(id, window), dtype=np.int64, count=n_ev)[starts_at]
-            masks = [(ref, ids == id(ref)) for ref in fetched]
-        for ref, mask in masks:
-            src, picked = (ref.source if isinstance(ref, Pass) else ref), duration[mask]
-            src.wait_ns += int(picked.sum())
-            src.batches += len(picked)
-        loop_source = writer.source
-        loop_source.wait_ns += int(d.sum()) - int(duration[nested].sum())
-        loop_source.batches += n_pairs
-        # the open step's wait: each pair's fetch, then its body's fetches
-        body = ~nested
-        per_pair = d.copy()
-        np.add.at(per_pair, pair[starts_at[body]], duration[body])
-        waited = np.concatenate(([0], np.cumsum(per_pair)))
-        at = np.flatnonzero(closes)
-        total = int(waited[-1])
-        if len(at):
-            t0 = np.empty(len(at), dtype=np.int64)
-            t0[0], t0[1:] = start, s_[at[:-1]]
-            w = np.diff(waited[at], prepend=0)
-            w[0] += model.wait
-            t2 = s_[at].copy()
-            t2[0] -= model.excluded
-            model.recorder.add_many(t0, t0 + w, t2)
-            last = int(at[-1])
-            model.step_wait_base = model.wait_total + int(waited[last])
-            model.start, model.wait, model.excluded = int(s_[last]), total - int(waited[last]), 0
-            if model.spans:
-                model.spans.clear()
-        else:
-            model.wait += total
-        model.wait_total += total
-        model.fetch_serial += n_pairs + int(body.sum())
-        model.sample_in -= len(at)
-        model.in_iteration, model.deferred = True, None
-        return li + 2 * n_pairs, ei + n_ev
+        _window_steps(model, window, waited)
+        return li + 2 * window.n_pairs, ei + window.n_ev
 
     def _event(self, model: StepModel, kind: int, t: int, ref: Any) -> None:
         if kind == FETCH_START:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from traceml_jupyter import kernel_state
-from traceml_jupyter.capture import session as capture_module
+from traceml_jupyter.capture import loop_gpu, session
 from traceml_jupyter.capture.gpu.cuda_clock import CudaStepClock, Marks, busiest_device
 from traceml_jupyter.capture.session import Capture, capture_session
 from traceml_jupyter.capture.steps.recorder import Recorder
@@ -112,9 +112,9 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     def marks(device: int) -> Marks:
         return state["streams"].setdefault(device, Stream(device)).marks()
 
-    monkeypatch.setattr(capture_module, "cuda_initialized", lambda: True)
-    monkeypatch.setattr(capture_module, "allocation_counts", lambda: dict(state["counts"]))
-    monkeypatch.setattr(capture_module, "current_device", lambda: state["current"])
+    monkeypatch.setattr(session, "cuda_initialized", lambda: True)
+    monkeypatch.setattr(loop_gpu, "allocation_counts", lambda: dict(state["counts"]))
+    monkeypatch.setattr(loop_gpu, "current_device", lambda: state["current"])
     state["marks"] = marks
     return state
 
@@ -167,5 +167,61 @@ def test_an_error_in_the_gpu_bookkeeping_turns_the_gpu_clock_off_with_a_note(fak
         run.finish()
         assert done == list(range(6)) and run.n_steps == 6 and run.clock == "cpu"
         assert any("GPU timings turned off" in note for note in run.notes)
+    finally:
+        kernel_state.RUNS.remove(run)
+
+
+class StepClock:
+    """A GPU clock that records the steps it closed, or fails at the first."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+        self.closed: list[int] = []
+
+    def step_closed(self, index: int, next_serial: int) -> None:
+        if self.fails:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self.closed.append(index)
+
+
+class BrokenWatch:
+    """A GPU watch whose step bookkeeping fails."""
+
+    syncs = None
+
+    def step_ended(self, t: int) -> None:
+        raise RuntimeError("the watch's own bug")
+
+
+def a_loop_on_the_gpu(clock: StepClock, heard: list[str]) -> tuple[Run, loop_gpu.LoopGpu]:
+    run = Run("gpu parts")
+    gpu = loop_gpu.LoopGpu(run, 0, lambda: heard.append("changed"))
+    gpu.deciding = False  # the loop's device is known
+    gpu.cuda = clock  # type: ignore[assignment]
+    return run, gpu
+
+
+def test_an_error_of_the_gpu_watch_stops_the_watch_and_the_gpu_clock_goes_on() -> None:
+    clock, heard = StepClock(), []
+    run, gpu = a_loop_on_the_gpu(clock, heard)
+    try:
+        run.gpu_watch = BrokenWatch()
+        gpu.step_closed(0, 1_000, 1)
+        gpu.step_closed(1, 2_000, 2)
+        assert clock.closed == [0, 1] and gpu.cuda is clock and gpu.note is None and not heard
+        assert run.gpu_watch is None
+        assert [n for n in run.notes if n.startswith("GPU watch stopped")] == ["GPU watch stopped: RuntimeError: the watch's own bug"]
+    finally:
+        kernel_state.RUNS.remove(run)
+
+
+def test_an_error_of_the_gpu_clock_turns_it_off_once_with_a_note_and_the_hooks_look_again() -> None:
+    clock, heard = StepClock(fails=True), []
+    run, gpu = a_loop_on_the_gpu(clock, heard)
+    try:
+        gpu.step_closed(0, 1_000, 1)
+        gpu.step_closed(1, 2_000, 2)  # on the CPU clock now: nothing of the GPU's
+        assert gpu.cuda is None and heard == ["changed"]
+        assert gpu.note is not None and gpu.note.startswith("GPU timings turned off: RuntimeError: CUDA error")
     finally:
         kernel_state.RUNS.remove(run)
