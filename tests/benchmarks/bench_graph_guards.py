@@ -51,8 +51,8 @@ def measure() -> list[Table]:
 
     run = Run("bench")
     capture = recording.Capture(run)
-    capture.active = True
-    capture._deciding = False
+    capture.stamping.active = True  # recording, as between open() and close()
+    capture.gpu.deciding = False
     opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
     event = ns_per_call(lambda: capture.training_event(OPTIMIZER, opt), n=20_000) - empty
     kernel_state.RUNS.remove(run)
