@@ -47,7 +47,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from threading import get_ident
 from time import perf_counter_ns
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeVar
 
 import numpy as np
 
@@ -84,6 +84,8 @@ from .part_store import (
 EVERY_BY_STEP_NS = ((1_000_000, LINE_EVERY), (100_000, 64), (0, 256))
 MAX_SEARCH = 8  # training steps the roots may take to show before the forward is "not found"
 SEED = 0x7ACE
+
+T = TypeVar("T")
 
 
 class OptimizerFacts(TypedDict, total=False):
@@ -186,11 +188,18 @@ class StepParts:
             self.model.sample_in = NEVER
             return
         began = perf_counter_ns()
-        try:
-            self._due(start, end)
-        except Exception as exc:  # ours: never raised into the user's loop
-            self.failed(exc)
+        self.guarded(self._due, start, end)
         self.model.exclude_time(perf_counter_ns() - began)  # our time is no step's
+
+    def guarded(self, call: Callable[..., T], *args: Any) -> T | None:
+        """The edge of the parts: every entry point that the user's loop, torch's hooks or the
+        step model calls runs its bookkeeping through here. Any error of ours turns the parts
+        off for the run (`failed`) and answers None; it never reaches the user's code."""
+        try:
+            return call(*args)
+        except Exception as exc:
+            self.failed(exc)
+            return None
 
     def failed(self, exc: BaseException) -> None:
         """Any error in our bookkeeping: the parts are off for the rest of the run, with a note."""
@@ -302,11 +311,8 @@ class StepParts:
         t0, w0 = self._enter()
         try:
             return call(*args, **kwargs)
-        finally:
-            try:  # the edge of a timed part: it runs in the user's `finally`, never replaces their error
-                self._exit(kind, t0, w0)
-            except Exception as exc:
-                self.failed(exc)
+        finally:  # in the user's `finally`: our error never replaces theirs
+            self.guarded(self._exit, kind, t0, w0)
 
     def module_call(self, orig: Callable[..., Any], module: Any, args: Any, kwargs: Any) -> Any:
         """A patched `__call__` of a root's class: time the call when it is an outermost call
@@ -382,18 +388,18 @@ class StepParts:
         def pre(opt: Any, args: Any, kwargs: Any) -> Any:
             if not parts.on or get_ident() != parts.thread:
                 return None
-            try:
-                t0, w0 = parts._enter()
-                parts._opt_open.append((t0, w0, who))
-                return parts._timed_closure(args, kwargs)
-            except Exception as exc:  # ours: never raised into the optimizer's step
-                parts.failed(exc)
-                return None
+            return parts.guarded(parts._optimizer_starts, who, args, kwargs)  # never raised into the step
 
         self._optimizers[id(optimizer)] = (ref, pre_hooks, key, pre, who)
         if self.on:
             pre_hooks[key] = pre
         return True
+
+    def _optimizer_starts(self, who: int, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """Our pre hook's work: the optimizer's step starts now (its closure, if any, timed)."""
+        t0, w0 = self._enter()
+        self._opt_open.append((t0, w0, who))
+        return self._timed_closure(args, kwargs)
 
     def _timed_closure(self, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         """`optimizer.step(closure)`: the closure timed, so its time is not the optimizer's."""
@@ -419,10 +425,7 @@ class StepParts:
         """An optimizer step ended on a sampled step (the capture's global post hook, before
         the step may end): its time is stamped. An optimizer seen for the first time is hooked
         from now on; its start was missed here."""
-        try:
-            self._optimizer_ended(optimizer)
-        except Exception as exc:
-            self.failed(exc)
+        self.guarded(self._optimizer_ended, optimizer)
 
     def _optimizer_ended(self, optimizer: Any) -> None:
         known = self._optimizers.get(id(optimizer))
@@ -479,12 +482,9 @@ class StepParts:
         """The last n closed steps were merged into the open step (the step model saw what a
         step is): their stamps become the open step's, which is whole only if each was
         sampled; a merged step that is not sampled takes its stamps with it."""
-        try:
-            flags = self.store.merged(self.model.recorder.n_steps, n, self.on)
-            if flags is not None:
-                self._flags &= flags
-        except Exception as exc:
-            self.failed(exc)
+        flags = self.guarded(self.store.merged, self.model.recorder.n_steps, n, self.on)
+        if flags is not None:
+            self._flags &= flags
 
     def _merges_possible(self) -> bool:
         model = self.model
