@@ -93,7 +93,7 @@ def layer(module: str) -> str:
     head = module.split(".")[0]
     if head in ("capture", "analysis", "result", "kernel", "views"):
         return head
-    return "run" if module in ("run", "run_summary") else "top"
+    return "run" if module in ("run", "recording", "run_summary") else "top"
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -123,7 +123,6 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 # cycle, outside capture/: the cycle check counts every other import. Each is a cycle to open (a
 # protocol where the type is needed, say): the list may only shrink.
 TYPE_ONLY_CYCLES = {
-    "run_summary -> run",  # the summary reads a Run; the Run asks for its summary
     "tuning.render -> tuning.result",  # the views name TuneResult; TuneResult renders through them
 }
 
@@ -180,13 +179,66 @@ def test_imports_point_one_way_capture_analysis_run_views() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+# What reads a finished run reads its result (result/), never the recording or the capture: the
+# views, the kernel's reading, the history and compare, the files, tune. Counting imports for the
+# type checker too. The live view reads the live recording through a read-only protocol
+# (views/live_header.LiveRecording), the kernel's reading the finished handle through another
+# (kernel/cells.FinishedRun).
+READS_RESULTS = ("views", "kernel", "tuning", "history", "saved")
+NOT_FOR_READERS = ("capture", "recording", "run_summary", "run")
+# Edges that still break the rule, each with why (the list may only shrink).
+READERS_ALLOWED = {
+    # load() hands out the handle users hold, a Run holding the RunResult its file holds.
+    "saved -> run": "load() returns a Run (the handle) holding the file's RunResult",
+    # compare and resolve name this kernel's runs and hand out Run handles.
+    "history -> run": "resolve/compare take and return Run handles (runs, find_run)",
+    # One CPU count helper for the package, written once, in the capture's host sampler.
+    "history -> capture.resources.host": "compare's CPU count (usable_cpus)",
+    "tuning.sweep -> capture.resources.host": "tune's CPU count (usable_cpus)",
+    # Pure helpers of the capture that the kernel's reading and the report use (to move to
+    # analysis/ with their capture halves split off).
+    "kernel.code_facts -> capture.data.dataloaders": "the loader's settings and site, read as the capture reads them",
+    "kernel.code_facts -> capture.data.sources": "the training source's label",
+    "kernel.code_facts -> capture.gpu.gpu_watch": "the copies' and syncs' facts for the checklist",
+    "kernel.code_facts -> capture.gpu.syncs": "the sync calls' names",
+    "kernel.code_facts -> capture.resources.host": "the CPU count for the workers' advice",
+    "views.loop_passes -> capture.instrument.locate": "range_call: the pass count read off the loop",
+    "views.report_code -> capture.inside.line_costs": "heat: the cost-per-line bars' scale",
+}
+
+
+def readers_importing_the_recording(edges: dict[str, set[str]]) -> list[str]:
+    """The imports of a module that reads results (READS_RESULTS) of the recording, the capture,
+    the run summary or the run's module, as "module -> target"."""
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in edges.items()
+        if module.split(".")[0] in READS_RESULTS
+        for target in targets
+        if target.split(".")[0] in NOT_FOR_READERS
+    )
+
+
+def test_what_reads_a_run_reads_its_result_not_the_recording() -> None:
+    found = readers_importing_the_recording(graph(for_types=True))
+    wrong = [edge for edge in found if edge not in READERS_ALLOWED]
+    stale = [edge for edge in READERS_ALLOWED if edge not in found]
+    assert not wrong, "import the result package (result/) instead: " + "; ".join(wrong)
+    assert not stale, "no longer imported: take off READERS_ALLOWED: " + "; ".join(stale)
+
+
+def test_the_readers_rule_bites_on_new_code() -> None:
+    edges = {"views.live": {"recording", "result.value"}, "kernel.cells": {"run"}, "capture.session": {"run"}}
+    assert readers_importing_the_recording(edges) == ["kernel.cells -> run", "views.live -> recording"]
+
+
 def test_the_tree_reads_as_the_flow() -> None:
     subpackages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
     assert subpackages == ["analysis", "capture", "kernel", "processes", "ranks", "result", "tuning", "views"]
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
     assert top == [
         "__init__", "__main__", "async_cells", "cli", "demo", "failures", "history", "kernel_state", "magic",
-        "run", "run_summary", "saved", "syntax_cells", "traced_cell", "tracing",
+        "recording", "run", "run_summary", "saved", "syntax_cells", "traced_cell", "tracing",
     ]
 
 
@@ -478,7 +530,6 @@ HAND_WRITTEN_EXCEPTS = {
     "ranks/follow.py": 1,  # a guarded read of the user's namespace (False)
     "ranks/gather.py": 1,  # a fallback (no process group)
     "ranks/sender.py": 1,  # the error goes into the end frame's note
-    "run.py": 1,  # a fallback: a loader whose settings cannot be read has none ({})
     "saved.py": 1,  # a field of an unexpected type: the file's one-line LoadError
     "traced_cell.py": 2,  # the report or --save failed: the error in the user's words on stderr
     "views/environment.py": 1,  # a fallback (False: no Colab widgets)

@@ -47,7 +47,7 @@ from .steps.stamps import Stamps
 from .steps.step_model import BACKWARD, OPTIMIZER, Pass, Source, Span, StepModel
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..recording import Recording
 
 DECIDE_STEPS = 3  # the loop's device is decided from the allocations of its first steps
 _tokens = iter(range(1, 1 << 62))
@@ -62,7 +62,7 @@ class Capture(StepHooks):
     """Routes the training's events to a StepModel (its hooks: step_hooks.py; when they stamp:
     stamping.py); owns the GPU clock and the view's ticks."""
 
-    def __init__(self, run: Run, token: int | None = None, marks: Callable[[int], Marks] | None = None) -> None:
+    def __init__(self, run: Recording, token: int | None = None, marks: Callable[[int], Marks] | None = None) -> None:
         self.run = run
         self.token = token if token is not None else new_token()
         self.thread = get_ident()
@@ -343,7 +343,7 @@ class Capture(StepHooks):
         return any(c[0] is optimizer for c in calls)
 
 
-def _graphs_read(run: Run, capture: Capture) -> None:
+def _graphs_read(run: Recording, capture: Capture) -> None:
     """The cell's CUDA graphs on the run (None: it used none), with the report's note."""
     graphs = capture.graphs
     run.cuda_graphs = graphs.summary(int(run.recorder.n_steps))
@@ -448,13 +448,13 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
         stack.callback(handle.remove)
 
 
-def _guarded(run: Run, what: str, step: Callable[[], Any]) -> None:
+def _guarded(run: Recording, what: str, step: Callable[[], Any]) -> None:
     with never_raise(run.notes, f"traceml failed {what}"):
         step()
 
 
 @contextmanager
-def capture_session(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
+def capture_session(run: Recording, capture: Capture | None = None) -> Iterator[Capture]:
     """Record `run` on this thread for the duration: the hook names in builtins, the patches,
     the GPU clock. Everything is undone on exit (nested captures restore the outer one)."""
     capture = capture or Capture(run)

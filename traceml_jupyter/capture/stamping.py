@@ -18,7 +18,7 @@ from .steps.stamps import Stamps
 from .steps.step_model import BACKWARD, ITERATION, NEVER, StepModel
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..recording import Recording
     from .gpu.cuda_clock import CudaStepClock
     from .inside.step_parts import StepParts
 
@@ -42,7 +42,7 @@ TRAINING_BUDGET = 512
 class Stamping:
     """The capture's stamping state and decisions (recording.Capture sets the attributes)."""
 
-    run: Run
+    run: Recording
     model: StepModel
     stamps: Stamps
     parts: StepParts

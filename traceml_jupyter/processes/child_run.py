@@ -23,8 +23,9 @@ from ..capture.instrument.patches import patched
 from ..capture.instrument.rewrite import instrument_loop
 from ..capture.session import Capture, capture_session, new_token
 from ..failures import failure_text, never_raise
+from ..recording import Recording
 from ..result import jsonable as _jsonable
-from ..run import Run
+from ..result import resources_dict
 from .startup_hook import command_line
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 class ChildSender(ranks.Sender):
     """A child's end of its connection to the kernel."""
 
-    def __init__(self, sock: Any, tap: ranks.StepTap, run: Run, tripwires: Tripwires) -> None:
+    def __init__(self, sock: Any, tap: ranks.StepTap, run: Recording, tripwires: Tripwires) -> None:
         super().__init__(sock, tap, run, 0)
         self.tripwires = tripwires
         self.status: int | None = None
@@ -54,7 +55,7 @@ class ChildSender(ranks.Sender):
         self._put(ranks.frame(ranks.HELLO, meta))
         self._push()
 
-    def __call__(self, run: Run) -> None:
+    def __call__(self, run: Recording) -> None:
         self.tripwires.tidy()
         super().__call__(run)
 
@@ -87,7 +88,7 @@ class ChildSender(ranks.Sender):
                 loop_line=run.loop_line,
                 loop_where=run.loop_where,
                 job_ranks=_jsonable(run.ranks),
-                resources=_jsonable(run.resources_dict()),  # this process's CPU, memory, workers
+                resources=_jsonable(resources_dict(run.result)),  # this process's CPU, memory, workers
             )
         except Exception as exc:
             end["note"] = f"what fed its steps could not be read: {failure_text(exc)}"
@@ -134,7 +135,7 @@ def script_loader_info(info: dict[str, Any], main_file: str | None) -> dict[str,
 def start_capture(tripwires: Tripwires, sock: Any) -> ChildCapture:
     """Start recording this process on the calling thread, streaming to the kernel over `sock`
     (connected, token sent); at exit, tripwires.finish sends the end."""
-    run = Run(command_line())
+    run = Recording(command_line())
     loop = tripwires.loop  # --loop FILE:LINE: (path, line, token)
     capture = Capture(run, token=loop[2] if loop else None)
     if loop:
@@ -179,7 +180,7 @@ def multi_node() -> bool:
         return False
 
 
-def gather_before_the_group_goes(run: Run) -> None:
+def gather_before_the_group_goes(run: Recording) -> None:
     """A job over several nodes: when the script destroys its process group (every rank does,
     at its end), every rank's summary is gathered over it first (ranks.gather, as at the end
     of trace()), so the kernel or command line of each node sees the whole job's ranks."""

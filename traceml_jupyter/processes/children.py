@@ -43,7 +43,8 @@ from . import startup_hook
 from .startup_hook import CHANNEL, LOOP, NOTE, PACKAGE, TOKEN
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..recording import Recording
+    from ..result import RunResult
 
 HOOK_FILE = "sitecustomize.py"
 MAX_KNOCKS = 64  # connections waiting to give the token
@@ -223,7 +224,7 @@ class ChildCollector(ranks.Collector):
     """The ranks' collector, also listening on the channel: each child that gives the token is
     one more stream."""
 
-    def __init__(self, run: Run, channel: Channel) -> None:
+    def __init__(self, run: Recording, channel: Channel) -> None:
         super().__init__(run)
         self.channel = channel
         self.knocks: list[Knock] = []
@@ -298,7 +299,7 @@ class ChildCollector(ranks.Collector):
             found.update(slowest=None, cause=None, score=None, text=f"{len(stepped)} processes")
         return found
 
-    def adopt_into(self, run: Run, drain_s: float) -> None:
+    def adopt_into(self, run: Recording, drain_s: float) -> None:
         """Put what the children sent into the run: their steps where they trained, else notes."""
         adopt_children(run, self, drain_s)
 
@@ -321,7 +322,7 @@ class ChildCollector(ranks.Collector):
 
 
 # -- what the children sent becomes the run's -----------------------------------------------------------
-def adopt_children(run: Run, collector: ChildCollector, drain_s: float) -> None:
+def adopt_children(run: Recording, collector: ChildCollector, drain_s: float) -> None:
     """See the module docstring."""
     children = [s for s in collector.streams if isinstance(s, ChildStream)]
     if len(children) < len(collector.streams):  # ranks forked from the cell: theirs is the run
@@ -380,7 +381,7 @@ def steps(stream: ranks.Stream) -> str:
     return f"{n} step" + ("" if n == 1 else "s")
 
 
-def become(run: Run, stream: ChildStream, ranked: bool) -> None:
+def become(run: Recording, stream: ChildStream, ranked: bool) -> None:
     """The run shows `stream`'s steps, with what its END said: what a step was, the batches,
     the loader and where it was built, the passes kept out, its notes, and how it ended."""
     run.recorder = stream.recorder
@@ -470,7 +471,7 @@ def script_loop(value: Any) -> str | None:
 
 
 @contextmanager
-def followed(run: Run, tcp: bool = False, loop: str | None = None) -> Iterator[ChildCollector]:
+def followed(run: Recording, tcp: bool = False, loop: str | None = None) -> Iterator[ChildCollector]:
     """For a traced cell: the channel open and in the environment while it runs; its children's
     streams go to the run's collector (the forked ranks' too). After it, nothing is left:
     the environment as before, no socket, no file, no thread."""
@@ -512,10 +513,10 @@ def started_commands(tree: ast.AST) -> list[str]:
     return found
 
 
-def no_training_line(run: Run, commands: list[str], started_by: str = "this cell") -> str | None:
+def no_training_line(run: RunResult, commands: list[str], started_by: str = "this cell") -> str | None:
     """The one line for a cell (or a command: `started_by`) whose processes ran no step (None
     when it started none)."""
-    processes = run.processes or []
+    processes = run.processes or ()
     if not processes and not commands:
         return None
     reasons = [str(n) for n in run.notes if " before its first step" in n or "was not traced" in n or "ran no step" in n]

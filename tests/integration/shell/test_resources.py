@@ -453,7 +453,7 @@ def test_one_usable_cpus_for_every_caller() -> None:
     from traceml_jupyter.kernel import code_facts
 
     one = host_module.usable_cpus
-    for name in ("traceml_jupyter.run", "traceml_jupyter.tuning.sweep"):
+    for name in ("traceml_jupyter.recording", "traceml_jupyter.tuning.sweep"):
         assert sys.modules[name].usable_cpus is one
     assert demo.usable_cpus is one and code_facts.usable_cpus is one
 
@@ -485,7 +485,8 @@ def test_the_live_header_reads_what_capture_sampled() -> None:
     from traceml_jupyter.run import Run
     from traceml_jupyter.views.live_header import resources_text
 
-    run = Run("header")
+    handle = Run("header")
+    run = handle.recording
     try:
         watch = ResourceWatch(run, types.SimpleNamespace(memory=None, on_workers=None))
         run.resource_watch = watch
@@ -496,7 +497,7 @@ def test_the_live_header_reads_what_capture_sampled() -> None:
         assert "RSS 1.5 GiB" in text
     finally:
         run.resource_watch = None
-        kernel_state.RUNS.remove(run)
+        kernel_state.RUNS.remove(handle)
 
 
 def test_compare_puts_memory_and_cpu_side_by_side() -> None:
