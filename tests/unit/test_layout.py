@@ -515,7 +515,6 @@ HAND_WRITTEN_EXCEPTS = {
     "capture/data/sources.py": 4,  # guarded reads of the user's objects
     "capture/gpu/syncs.py": 2,  # per sync: the watch turns itself off; a fallback
     "cli.py": 2,  # the error in the command line's own words on stderr
-    "demo.py": 1,  # a fallback (no device count)
     "history.py": 1,  # the error in the user's words on stderr
     "kernel/code_facts.py": 3,  # guarded reads of the user's loader and dataset (None)
     "processes/child_run.py": 1,  # the error goes into the end frame's note
