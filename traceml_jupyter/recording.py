@@ -22,10 +22,13 @@ from .capture.steps.recorder import Recorder
 from .failures import failure_text, never_raise, read_or
 from .result import DataFeed, Gpu, Loop, Resources, RunResult, Steps
 from .result.value import frozen_facts, frozen_rows, read_only
-from .run_summary import analyse
+from .run_summary import StepFacts, analyse
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from .capture.gpu.gpu_watch import GpuWatch
+    from .capture.resources.watch import ResourceWatch
 
 __all__ = ["COPIES_KEPT", "REFRESH_NS", "Observer", "Recording"]
 REFRESH_NS = 250_000_000  # observers (the live view) run at most 4 times a second
@@ -96,16 +99,16 @@ class Recording:
         self.capture_thread: int | None = None
         self.extra_columns: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
         self.watch_summary: dict[str, Any] = {}
-        self.gpu_watch: Any = None  # loop_started(device) and step_ended(t); CUDA path only
+        self.gpu_watch: GpuWatch | None = None  # loop_started(device) and step_ended(t); CUDA path only
         self.h2d: dict[str, Any] | None = None
         self.sync_stalls: dict[str, Any] | None = None
         self.line_costs: dict[str, Any] | None = None
-        self.step_parts: Any = None  # capture/inside/step_parts.py: columns(cols) and facts()
+        self.step_parts: StepFacts | None = None  # columns(cols) and facts() of the sampled steps
         self.pass_starts: list[int] = []
         self.cuda_graphs: dict[str, Any] | None = None
         self.gpu_note: str | None = None
         self.gpu_device: str | None = None
-        self.resource_watch: Any = None  # capture/resources.ResourceWatch while recording
+        self.resource_watch: ResourceWatch | None = None  # while recording
         self.host: dict[str, Any] | None = None
         self.gpu_memory: dict[str, Any] | None = None
         self.held_before: dict[str, Any] | None = None

@@ -21,7 +21,11 @@ if TYPE_CHECKING:
 
 
 class StepFacts(Protocol):
-    """The parts of the step as the capture measured them (capture/inside/step_parts.py)."""
+    """The parts of the step as they were measured (capture/inside/step_parts.StepParts, or the
+    rank shown: ranks/backward.RankParts)."""
+
+    def columns(self, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The parts' per-step columns, placed on the steps of `cols`."""
 
     def facts(self) -> dict[str, Any]:
         """The summary's facts of the parts: forward_state, forward_modules, optimizers."""
