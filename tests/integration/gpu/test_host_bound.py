@@ -439,11 +439,11 @@ def test_item_every_step_is_named_on_its_line(ip: Any, gpu: FakeGpu) -> None:
         """,
     )
     assert run.clock == "gpu"
-    top = run.sync_stalls["sites"][0]
+    top = run.result.gpu.sync_stalls["sites"][0]
     assert (top["line"], top["call"], top["every_step"]) == (5, "loss.item()", True)
     assert top["share"] > 0.5  # the host waits there for the GPU's 6 ms
-    assert [s["line"] for s in run.sync_stalls["sites"]] == [5, 6]  # the capture's own waits are not
-    implicit = next(s for s in run.sync_stalls["sites"] if s["line"] == 6)
+    assert [s["line"] for s in run.result.gpu.sync_stalls["sites"]] == [5, 6]  # the capture's own waits are not
+    implicit = next(s for s in run.result.gpu.sync_stalls["sites"] if s["line"] == 6)
     assert implicit["kinds"] == ["implicit"] and implicit["calls_per_step"] == 1.0
     assert run.summary["sync_top"]["call"] == "loss.item()"
     assert run.summary["sync_calls"] == 2.0
