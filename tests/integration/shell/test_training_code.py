@@ -349,7 +349,7 @@ def test_an_inference_loop_without_optimizer_steps_per_batch(shell: Any) -> None
     got, _ = traced(shell, cell)
     assert got.n_steps == 6 and got.result.steps.kind == "iteration"
     assert len(shell.user_ns["preds"]) == 6 and got.verdict == "INPUT-BOUND"
-    assert got.result.data.phases == []
+    assert got.result.data.phases == ()
 
 
 def test_the_hugging_face_trainer_steps_are_optimizer_steps(shell: Any) -> None:
