@@ -277,7 +277,7 @@ FACTS = """\
 keys = ("rank", "n_steps", "status", "error")
 print(json.dumps({
     "runs": {r.name: {"verdict": r.verdict, "straggler": r.straggler,
-                      "ranks": [{k: x[k] for k in keys} for x in r.ranks or []]}
+                      "ranks": [{k: x[k] for k in keys} for x in r.result.ranks or []]}
              for r in traceml_jupyter.runs()},
     "threads": [t.name for t in threading.enumerate() if t.name.startswith("traceml")],
     "children": [p.pid for p in mp.active_children()],
