@@ -186,7 +186,7 @@ def test_a_python_list_read_by_forked_workers_grows_their_private_memory(shell: 
     got = traceml_jupyter.last()
     assert got is not None
     s = got.summary
-    workers = (got.host or {})["workers"]
+    workers = (got.result.resources.host or {})["workers"]
     assert len(workers) == 2 and all(w["uss_reads"] >= 2 for w in workers), workers
     assert s["worker_uss_growth_mib"] >= 64, workers
     found = next(f for f in s["resource_findings"] if f["label"] == "WORKER MEMORY GROWTH")
@@ -220,7 +220,7 @@ def test_a_short_run_whose_workers_copy_a_list_is_reported_every_time(shell: Any
         wall = time.perf_counter() - float(shell.user_ns["cell_t0"])
         got = traceml_jupyter.last()
         assert got is not None
-        workers = (got.host or {})["workers"]
+        workers = (got.result.resources.host or {})["workers"]
         growth = got.summary["worker_uss_growth_mib"]
         assert growth is not None and 64 <= growth <= held, (wall, held, workers)
         labels = [f["label"] for f in got.summary["resource_findings"]]
