@@ -419,7 +419,7 @@ def known_gpu_time(ctx: Context) -> list[Check]:
     check.near("GPU compute", run.summary["compute_ms"], 8.0)
     backlog = run.summary.get("gpu_backlog_ms")
     check.expect(backlog is not None and backlog >= 1.0, f"backlog {backlog}, want >= 1 ms")
-    gpu_lines = (run.line_costs or {}).get("gpu_ms_per_step") or {}
+    gpu_lines = (run.result.line_costs or {}).get("gpu_ms_per_step") or {}
     check.numbers["gpu line 4"] = gpu_lines.get(4)
     check.near("GPU ms of line 4 (torch.cuda._sleep)", gpu_lines.get(4), 8.0)
     return [check]
@@ -496,7 +496,7 @@ def item_every_step(ctx: Context) -> list[Check]:
     run = ctx.traced("item", cell, {"batches": batches, "device": "cuda", "torch": torch, "CYCLES": ctx.cycles(5)})
     describe(check, run)
     check.expect(run.verdict == "COMPUTE-BOUND", f"verdict {run.verdict}, want COMPUTE-BOUND")
-    top = ((run.sync_stalls or {}).get("sites") or [{}])[0]
+    top = ((run.result.gpu.sync_stalls or {}).get("sites") or [{}])[0]
     check.numbers["sync share"] = top.get("share")
     check.expect(top.get("line") == 6 and top.get("call") == "loss.item()", f"top sync {top}")
     check.expect(bool(top.get("every_step")), "the .item() line does not sync every step")
@@ -526,7 +526,7 @@ def hidden_input(ctx: Context) -> list[Check]:
     check.near("data wait (CPU)", median_after_warmup(run, "data_wait_ms"), 8.0, 0.125)
     check.near("GPU compute", s["compute_ms"], 12.0)
     check.expect((s.get("gpu_backlog_ms") or 0) > 10.0, f"backlog {s.get('gpu_backlog_ms')}, want > 10 ms")
-    raw = [v for v in (run.gpu_samples or {}).get("gpu_util_pct", []) if v == v]
+    raw = [v for v in (run.result.gpu.samples or {}).get("gpu_util_pct", []) if v == v]
     check.numbers["raw NVML median"] = statistics.median(raw) if raw else None
     if raw:
         check.expect(statistics.median(raw) >= 90, f"raw NVML median {statistics.median(raw):.0f} %")
@@ -599,7 +599,7 @@ def gpu_bound_syncs(ctx: Context) -> list[Check]:
         describe(check, run)
         check.expect(run.verdict != "HOST-BOUND", f"verdict {run.verdict}: {run.verdict_detail.why}")
         check.expect(run.verdict == "COMPUTE-BOUND", f"verdict {run.verdict}, want COMPUTE-BOUND")
-        top = ((run.sync_stalls or {}).get("sites") or [{}])[0]
+        top = ((run.result.gpu.sync_stalls or {}).get("sites") or [{}])[0]
         check.numbers["sync line"] = top.get("line")
         check.expect(top.get("line") == 5, f"top sync line {top.get('line')}, want 5")
         check.expect((top.get("wait_ms_per_step") or 0) > 5.0, f"sync wait {top.get('wait_ms_per_step')} ms a step, want > 5")
@@ -715,7 +715,7 @@ def side_streams(ctx: Context) -> list[Check]:
     """
     run = ctx.traced("G-prefetch", cell, {"pinned": pinned, "side": torch.cuda.Stream(), "torch": torch, "CYCLES": ctx.cycles(5)})
     describe(check, run)
-    site = ((run.h2d or {}).get("sites") or [{}])[0]
+    site = ((run.result.gpu.h2d or {}).get("sites") or [{}])[0]
     check.numbers["side/copies/timed"] = f"{site.get('side_stream')}/{site.get('copies')}/{site.get('timed')}"
     check.expect(site.get("side_stream") == site.get("copies") == site.get("timed"), f"copy site {site}")
     check.expect((run.summary.get("h2d_ms") or 0.0) < 0.05, f"h2d_ms {run.summary.get('h2d_ms')}, want ~0")
@@ -745,7 +745,7 @@ def waited_side_copy(ctx: Context, check: Check, recorded: str, join: str) -> Ch
     """
     run = ctx.traced(check.scenario.split()[0], cell, {"big": big, "side": torch.cuda.Stream(), "torch": torch, "CYCLES": ctx.cycles(1)})
     describe(check, run)
-    site = ((run.h2d or {}).get("sites") or [{}])[0]
+    site = ((run.result.gpu.h2d or {}).get("sites") or [{}])[0]
     copy_ms, waited_ms = site.get("ms_per_step") or 0.0, site.get("waited_ms_per_step") or 0.0
     check.numbers["copy/waited ms per step"] = f"{copy_ms:.3f}/{waited_ms:.3f}"
     check.expect(copy_ms > 0 and waited_ms >= 0.8 * copy_ms, f"waited {waited_ms} of a {copy_ms} ms copy, want most")
@@ -767,7 +767,7 @@ def pageable_non_blocking(ctx: Context) -> list[Check]:
     describe(check, run)
     s = run.summary
     check.expect(s.get("h2d_non_blocking_share") == 0.0, f"async share {s.get('h2d_non_blocking_share')}, want 0")
-    kinds = {k for site in (run.sync_stalls or {}).get("sites", []) for k in site["kinds"]}
+    kinds = {k for site in (run.result.gpu.sync_stalls or {}).get("sites", []) for k in site["kinds"]}
     check.expect("pageable non_blocking copy" in kinds, f"sync kinds {kinds}")
     return [check]
 
@@ -791,8 +791,8 @@ def long_run(ctx: Context) -> list[Check]:
     check.expect(run.n_steps == 70_000, f"{run.n_steps} steps")
     finite = np.isfinite(cols["step_gpu_ms"])
     check.expect(bool(finite.all()), f"{int((~finite).sum())} kept steps without GPU timings")
-    total = run.recorder.totals().get("step_gpu_ms")
-    colsum = float(np.nansum(cols["step_gpu_ms"])) * run.recorder.stride
+    total = (run.summary.get("totals_ms") or {}).get("step_gpu_ms")
+    colsum = float(np.nansum(cols["step_gpu_ms"])) * run.result.steps.stride
     check.numbers["totals vs columns"] = (total or 0) / colsum if colsum else None
     check.expect(total is not None and abs(total - colsum) <= 0.01 * colsum, f"total {total} vs columns {colsum}")
     wait = cols["data_wait_ms"]
@@ -801,7 +801,7 @@ def long_run(ctx: Context) -> list[Check]:
     spike = float(wait[near].max()) if near.any() else 0.0
     check.numbers["wait at the fold / median"] = spike / med if med else None
     check.expect(spike <= 5 * max(med, 0.01), f"data wait {spike:.3f} ms at the fold, median {med:.3f} ms")
-    wall = float(run.wall_ms or 0.0) / 1000.0 if getattr(run, "wall_ms", None) else None
+    wall = float(run.result.loop.wall_ms or 0.0) / 1000.0 if run.result.loop.wall_ms else None
     if wall is not None:
         per_step_us = (wall - plain) / 70_000 * 1e6
         check.numbers["overhead µs/step"] = per_step_us
@@ -869,7 +869,7 @@ def amp(ctx: Context) -> list[Check]:
     names = {"model": model, "opt": opt, "batches": batches, "torch": torch, "scaler": torch.amp.GradScaler("cuda")}
     run = ctx.traced("K-amp", cell, names)
     describe(check, run)
-    top = ((run.sync_stalls or {}).get("sites") or [{}])[0]
+    top = ((run.result.gpu.sync_stalls or {}).get("sites") or [{}])[0]
     check.numbers["top sync"] = f"line {top.get('line')}: {top.get('call')}"
     check.expect(top.get("line") == 8 and bool(top.get("every_step")), f"top sync {top}")
     check.expect(run.verdict != "HOST-BOUND", f"verdict {run.verdict}")
@@ -901,7 +901,7 @@ def to_dtype_calls(ctx: Context) -> list[Check]:
     body = "for i in range(200):  # traceml: loop\n    for _ in range(100):\n        h = t.to(torch.float16)\n"
     plain = min(ctx.plain(body, {"t": t, "torch": torch}) for _ in range(3))
     run = ctx.traced("M-to-dtype", body, {"t": t, "torch": torch}, "--no-live --lines off")
-    wall = float(getattr(run, "wall_ms", 0.0) or 0.0) / 1000.0
+    wall = float(run.result.loop.wall_ms or 0.0) / 1000.0
     per_call = (wall - plain) / 20_000 * 1e6
     check.verdict = run.verdict
     check.numbers["µs a call over plain"] = per_call
@@ -944,7 +944,7 @@ def overhead_and_syncs(ctx: Context) -> list[Check]:
             torch.cuda.set_sync_debug_mode(0)
             torch.cuda.synchronize = original_sync
             torch.cuda.Event.synchronize = original_event_sync
-        wall = float(getattr(run, "wall_ms", 0.0) or 0.0) / 1000.0
+        wall = float(run.result.loop.wall_ms or 0.0) / 1000.0
         warned = sum("synchronizing CUDA operation" in str(w.message) for w in seen)
         results[n] = ((wall - plain) / n * 1e6, warned, dict(counts))
     per_step = results[5000][0]
@@ -1008,11 +1008,11 @@ def hf_trainer(ctx: Context) -> list[Check]:
             trainer = Trainer(model=model, args=args, train_dataset=Tokens(8 * 30 * accumulation))
             run = ctx.traced(f"hf-ga{accumulation}", "trainer.train()", {"trainer": trainer})
         describe(check, run)
-        check.numbers["step kind"] = getattr(run, "step_kind", None)
-        check.numbers["batches/step"] = getattr(run, "batches_per_step", None)
+        check.numbers["step kind"] = run.result.steps.kind
+        check.numbers["batches/step"] = run.result.steps.batches_per_step
         check.expect(run.n_steps == 30, f"{run.n_steps} steps, want 30 optimizer steps")
-        check.expect(getattr(run, "step_kind", "optimizer") == "optimizer", f"steps are {getattr(run, 'step_kind', None)}")
-        bps = getattr(run, "batches_per_step", None)
+        check.expect(run.result.steps.kind == "optimizer", f"steps are {run.result.steps.kind}")
+        bps = run.result.steps.batches_per_step
         check.expect(bps is None or abs(bps - accumulation) < 0.01, f"{bps} batches a step, want {accumulation}")
         check.expect((run.verdict, run.severity) != ("INPUT-BOUND", "critical"), f"verdict {run.verdict} {run.severity}")
         del trainer, model
@@ -1191,7 +1191,7 @@ def memory_held(ctx: Context) -> list[Check]:
     batches = [torch.ones(1024, device="cuda") for _ in range(8)]
     names = {"old_model": old_model, "same_model": old_model, "outputs": outputs, "batches": batches}
     run = ctx.traced("held", "for x in batches:\n    y = (x * 2).sum()\n", names)
-    devices = (run.held_before or {}).get("devices") or []
+    devices = (run.result.resources.held_before or {}).get("devices") or []
     holders = {h["name"]: h["mib"] for h in devices[0]["holders"]} if devices else {}
     want_model = sum(p.untyped_storage().nbytes() for p in old_model.parameters()) / 2**20
     check.numbers.update(holders=holders, allocated=devices[0]["allocated_mib"] if devices else None)
@@ -1226,7 +1226,7 @@ def memory_oom(ctx: Context) -> list[Check]:
     text = run.text() if run is not None else ""
     check.verdict = type(error).__name__
     check.expect(isinstance(error, torch.cuda.OutOfMemoryError), f"the cell raised {error!r}")
-    oom = getattr(run, "oom", None) or {}
+    oom = run.result.resources.oom or {}
     check.numbers.update(step=oom.get("step"), requested_mib=oom.get("requested_mib"), capacity_mib=oom.get("capacity_mib"))
     check.expect(oom.get("step") == 4, f"step {oom.get('step')}, want 4")
     check.expect("OUT OF MEMORY: CUDA ran out of memory in step 4" in text, "the report does not explain it")

@@ -224,7 +224,7 @@ def graph_capture(ctx: Context) -> list[Check]:
     """
     run = ctx.traced("G1-graph", cell, {"model": model, "opt": opt, "static_x": static_x, "inputs": inputs, "torch": torch})
     describe(check, run)
-    graphs = run.cuda_graphs or {}
+    graphs = run.result.gpu.cuda_graphs or {}
     replay = replay_ms(torch, ctx.shell.user_ns["g"], 10)
     check.numbers.update({"replay ms": replay, "replays": graphs.get("replays"), "steps": run.n_steps})
     check.expect(graphs.get("captures") == 1 and graphs.get("invalidated") == 0, f"graphs {graphs}")
@@ -256,7 +256,7 @@ def graph_capture(ctx: Context) -> list[Check]:
         return checks
     run = ctx.traced("G2c-copy-in-capture", cell, {"pinned": pinned, "torch": torch})
     describe(check, run)
-    graphs = run.cuda_graphs or {}
+    graphs = run.result.gpu.cuda_graphs or {}
     check.numbers["skipped in capture"] = graphs.get("calls_skipped_during_capture")
     check.expect(graphs.get("invalidated") == 0 and graphs.get("replays") == 25, f"graphs {graphs}")
     checks.append(check)
@@ -284,7 +284,7 @@ def compiled_reduce_overhead(ctx: Context) -> list[Check]:
     """
     run = ctx.traced("G3-compile", cell, {"compiled": compiled, "batches": batches, "torch": torch})
     describe(check, run)
-    check.numbers["replays"] = (run.cuda_graphs or {}).get("replays")
+    check.numbers["replays"] = (run.result.gpu.cuda_graphs or {}).get("replays")
     check.expect(run.n_steps == 40, f"{run.n_steps} steps")
     return [check]
 
@@ -542,7 +542,7 @@ def empty_cache_loop(ctx: Context) -> list[Check]:
     finally:
         undo()
     describe(check, run)
-    top = ((run.sync_stalls or {}).get("sites") or [{}])[0]
+    top = ((run.result.gpu.sync_stalls or {}).get("sites") or [{}])[0]
     check.numbers["top sync"] = f"line {top.get('line')}: {top.get('call')}"
     check.expect(run.verdict != "HOST-BOUND", f"verdict {run.verdict}")
     check.expect(top.get("line") == 5, f"top sync {top}")
@@ -570,14 +570,14 @@ def own_costs(ctx: Context) -> list[Check]:
     copy_cell = "for i in range(200):  # traceml: loop\n    xs = {k: t.to('cuda', non_blocking=True) for k, t in batch.items()}\n"
     plain = min(ctx.plain(copy_cell.replace("  # traceml: loop", ""), {"batch": batch}) for _ in range(3))
     run = ctx.traced("C4-copies", copy_cell, {"batch": batch}, "--no-live --lines off")
-    per_copy = ((run.wall_ms or 0.0) / 1e3 - plain) / (200 * 20) * 1e6
+    per_copy = ((run.result.loop.wall_ms or 0.0) / 1e3 - plain) / (200 * 20) * 1e6
     check.numbers["µs per timed copy"] = per_copy
     check.numbers["own_host_ms a step (copies)"] = run.summary.get("own_host_ms")
     warn_cell = "for i in range(200):  # traceml: loop\n    n = torch.nonzero(x)\n"
     plain = min(ctx.plain(warn_cell.replace("  # traceml: loop", ""), {"x": x, "torch": torch}) for _ in range(3))
     run = ctx.traced("C4-warnings", warn_cell, {"x": x, "torch": torch}, "--no-live --lines off")
-    check.numbers["µs per sync warning"] = ((run.wall_ms or 0.0) / 1e3 - plain) / 200 * 1e6
-    check.numbers["warning µs measured by the run"] = (run.sync_stalls or {}).get("warning_us")
+    check.numbers["µs per sync warning"] = ((run.result.loop.wall_ms or 0.0) / 1e3 - plain) / 200 * 1e6
+    check.numbers["warning µs measured by the run"] = (run.result.gpu.sync_stalls or {}).get("warning_us")
     body = "for i in range(2000):  # traceml: loop\n    y = x + 1\n    z = y * 2\n    w = z - 1\n"
     off = ctx.traced("C4-lines-off", body, {"x": x}, "--no-live --lines off")
     on = ctx.traced("C4-lines-on", body, {"x": x}, "--no-live --lines on")

@@ -344,7 +344,7 @@ a step is one `optimizer.step()` (the same hook sees the optimizers inside Huggi
             ("md", "Where each loop was found, or what a step was:"),
             (
                 "code",
-                'for r in traceml_jupyter.runs():\n    print(f"{r.name:8} {r.verdict:12} {r.loop_where or r.step_definition}")',
+                'for r in traceml_jupyter.runs():\n    print(f"{r.name:8} {r.verdict:12} {r.result.loop.where or r.result.steps.definition}")',
             ),
         ]
     )

@@ -30,21 +30,23 @@ def result_of(
     as the capture would (loop_line, loader_info, ranks, notes, error, ...)."""
     run = Run(name, warmup)
     kernel_state.RUNS.remove(run)  # a value, not a run of this kernel
-    t = run.recorder.origin_ns or 0
+    rec = run.recording
+    t = rec.recorder.origin_ns or 0
     for k, (wait, compute) in enumerate(zip(wait_ms, compute_ms, strict=True)):
         fetched = t + int(wait * 1e6)
         end = fetched + int(compute * 1e6)
-        run.recorder.add(t, fetched, end)
+        rec.recorder.add(t, fetched, end)
         if gpu_ms is not None:
-            run.recorder.add_gpu(k, *gpu_ms[k])
+            rec.recorder.add_gpu(k, *gpu_ms[k])
         t = end
     if gpu_ms is not None:
-        run.loop_on_gpu(0)
+        rec.loop_on_gpu(0)
     notes = recorded.pop("notes", [])
     for key, value in recorded.items():
-        setattr(run, key, value)
-    run.notes.extend(notes)
-    run.wall_ms = (t - (run.recorder.origin_ns or 0)) / 1e6
+        assert hasattr(rec, key), f"the recording has no {key}"
+        setattr(rec, key, value)
+    rec.notes.extend(notes)
+    rec.wall_ms = (t - (rec.recorder.origin_ns or 0)) / 1e6
     return run.finish().result
 
 

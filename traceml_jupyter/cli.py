@@ -109,8 +109,9 @@ def run_command(
 
     run = Run(name or command_line(command), warmup)
     channel = children.Channel(loop=children.script_loop(loop))
-    collector = children.ChildCollector(run, channel)
-    run.rank_collector = collector
+    recording = run.recording
+    collector = children.ChildCollector(recording, channel)
+    recording.rank_collector = collector
     returncode = 127
     error: BaseException | None = None
     try:
@@ -131,10 +132,10 @@ def run_command(
                 process.kill()
                 returncode = process.wait()
     finally:
-        collector.adopt_into(run, 0.0 if error is not None else _drain_s())
+        collector.adopt_into(recording, 0.0 if error is not None else _drain_s())
         channel.close()
-    if returncode != 0 and run.error is None:
-        run.error = f"`{command_line(command)}` exited with status {exit_code(returncode)}"
+    if returncode != 0 and recording.error is None:
+        recording.error = f"`{command_line(command)}` exited with status {exit_code(returncode)}"
     run.finish(error)
     return exit_code(returncode), run
 
@@ -152,7 +153,7 @@ def report(run: Run, command: Sequence[str]) -> None:
     from .views.display import show_report
 
     if run.n_steps == 0:
-        line = children.no_training_line(run, [command_line(command)], "the command")
+        line = children.no_training_line(run.result, [command_line(command)], "the command")
         print(line or "traceml: no step ran.", flush=True)
         return
     show_report(run)  # the text box; the checklist is kept on the run

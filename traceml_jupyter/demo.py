@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .analysis.verdict import VerdictLabel
 from .capture.resources.host import usable_cpus
+from .failures import read_or
 
 SCENARIOS = ("fast", "slow", "fixed", "collate", "spiky", "h2d")
 CPU_SCENARIOS = ("fast", "slow", "fixed", "collate", "spiky")
@@ -402,14 +403,15 @@ def default_device() -> torch.device:
     """CUDA when a GPU is there, found without initialising CUDA (NVML's device count) unless
     CUDA is initialised already: `torch.cuda.is_available()` would initialise it and break a
     later fork-started launcher (accelerate.notebook_launcher). Pass device="cuda" to insist."""
-    cuda = torch.cuda
-    try:
-        if cuda.is_initialized():
-            return torch.device("cuda" if cuda.device_count() > 0 else "cpu")
-        count = getattr(cuda, "_device_count_nvml", lambda: -1)()
-    except Exception:
-        count = -1
+    count = read_or(-1, _cuda_devices, torch.cuda)  # a broken driver or NVML: none seen
     return torch.device("cuda" if count > 0 else "cpu")
+
+
+def _cuda_devices(cuda: Any) -> int:
+    """The CUDA devices torch sees: its count once CUDA is initialised, else NVML's (-1: none)."""
+    if cuda.is_initialized():
+        return int(cuda.device_count())
+    return int(getattr(cuda, "_device_count_nvml", lambda: -1)())
 
 
 def setup(

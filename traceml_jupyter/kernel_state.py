@@ -51,15 +51,15 @@ def tuned_for(loader: Any) -> dict[str, Any] | None:
     return dict(_LAST_TUNE["result"]) if same else None
 
 
-def keep_loader_copy(owner: Any, copy: Any) -> Callable[[], Any]:
-    """Keep `copy` as the training loader of `owner` (a run) until the next run or clear();
-    the reference to it that the run holds instead of its gone loader."""
+def keep_loader_copy(copy: Any) -> Callable[[], Any]:
+    """Keep `copy` as the last run's training loader until the next run or clear(); the
+    reference to it that the run holds instead of its gone loader (None once it is dropped)."""
     _KEPT_LOADER.clear()
-    _KEPT_LOADER.update(run=weakref.ref(owner), loader=copy)
+    token = object()
+    _KEPT_LOADER.update(token=token, loader=copy)
 
     def kept() -> Any:
-        run = _KEPT_LOADER.get("run")
-        return _KEPT_LOADER.get("loader") if run is not None and run() is owner else None
+        return _KEPT_LOADER.get("loader") if _KEPT_LOADER.get("token") is token else None
 
     return kept
 

@@ -1,11 +1,12 @@
-"""The summary and the verdict of what a run recorded, read off the recording once the run
-finishes (or at each read while it runs): the step's numbers (analysis/summary.py), the data
+"""The summary and the verdict of what a run recorded, read off its recording (what `Recorded`
+names of it) once the run finishes (or at each read while it runs): the step's numbers (analysis/summary.py), the data
 sources and phases, the parts of the step, the trend, each epoch's start-up, the resources,
 and, with several ranks, the rank verdict. Every key is listed in docs/api.md, "The summary"."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .analysis.data_sources import loader_facts
 from .analysis.step_parts import epoch_startup, parts_summary, trend
@@ -17,10 +18,104 @@ from .analysis.verdict import Verdict, diagnose
 if TYPE_CHECKING:
     import numpy as np
 
-    from .run import Run
+    from .capture.steps.recorder import Recorder
 
 
-def analyse(run: Run, cols: dict[str, np.ndarray]) -> tuple[Summary, Verdict]:
+class StepFacts(Protocol):
+    """The parts of the step as they were measured (capture/inside/step_parts.StepParts, or the
+    rank shown: ranks/backward.RankParts)."""
+
+    def columns(self, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The parts' per-step columns, placed on the steps of `cols`."""
+
+    def facts(self) -> Mapping[str, object]:
+        """The summary's facts of the parts: forward_state, forward_modules, optimizers."""
+
+
+class Recorded(Protocol):
+    """What the summary reads of a recording (recording.Recording), read-only."""
+
+    @property
+    def recorder(self) -> Recorder:
+        """The per-step columns recorded so far."""
+    @property
+    def warmup(self) -> int | None:
+        """The warm-up steps asked for (None: automatic)."""
+    @property
+    def gpu_used(self) -> bool:
+        """The loop ran on a CUDA device."""
+    @property
+    def watch_summary(self) -> Mapping[str, Any]:
+        """The optional watches' facts the verdict quotes."""
+    @property
+    def batch_size(self) -> int | None:
+        """Samples in a batch, if known."""
+    @property
+    def batches_per_step(self) -> float | None:
+        """Batches fetched per step."""
+    @property
+    def ranks(self) -> list[dict[str, Any]] | None:
+        """One summary per rank (several ranks), else None."""
+    @property
+    def sources(self) -> list[dict[str, Any]]:
+        """Every data source and what it fed."""
+    @property
+    def phases(self) -> list[dict[str, Any]]:
+        """The passes kept out of the steps (validation, eval)."""
+    @property
+    def step_kind(self) -> str:
+        """What a step was (optimizer, backward, ...)."""
+    @property
+    def step_definition(self) -> str:
+        """What a step was, as a sentence."""
+    @property
+    def wall_ms(self) -> float | None:
+        """The cell's wall time."""
+    @property
+    def model_compiled(self) -> bool:
+        """The model was torch.compile-d."""
+    @property
+    def step_parts(self) -> StepFacts | None:
+        """The parts of sampled steps (None: not measured)."""
+    @property
+    def loader_info(self) -> dict[str, Any] | None:
+        """The training DataLoader's settings."""
+    @property
+    def pass_starts(self) -> list[int]:
+        """The steps where each pass over the loader began."""
+    @property
+    def cell_source(self) -> str | None:
+        """The traced cell's text."""
+    @property
+    def loop_cell_source(self) -> str | None:
+        """The text of the cell whose function holds the loop."""
+    @property
+    def loop_line(self) -> int | None:
+        """The located loop's line."""
+    @property
+    def loader_ref(self) -> Callable[[], Any] | None:
+        """A reference to the training DataLoader (None: none)."""
+    @property
+    def loader_name(self) -> str | None:
+        """The training DataLoader's name in the namespace."""
+    @property
+    def gpu_memory(self) -> dict[str, Any] | None:
+        """The GPU memory watch, if measured."""
+    @property
+    def host(self) -> dict[str, Any] | None:
+        """The host's CPU and memory samples, if measured."""
+    @property
+    def held_before(self) -> dict[str, Any] | None:
+        """What earlier cells held on the GPU."""
+    @property
+    def oom(self) -> dict[str, Any] | None:
+        """An out-of-memory error's facts."""
+    @property
+    def cuda_device(self) -> int | None:
+        """The loop's CUDA device index."""
+
+
+def analyse(run: Recorded, cols: dict[str, np.ndarray]) -> tuple[Summary, Verdict]:
     """The summary and the verdict of what `run` recorded, its per-step columns `cols`."""
     rec = run.recorder
     summary = summarize(cols, rec.n_steps, run.warmup, run.gpu_used, rec.totals())
@@ -38,7 +133,7 @@ def analyse(run: Run, cols: dict[str, np.ndarray]) -> tuple[Summary, Verdict]:
 
 
 
-def _source_summary(run: Run) -> Summary:
+def _source_summary(run: Recorded) -> Summary:
     """What the verdict quotes of the data sources and the phases."""
     training = next((src for src in run.sources if src.get("training")), None)
     return {
@@ -55,7 +150,7 @@ def _source_summary(run: Run) -> Summary:
     }
 
 
-def _inside_the_step(run: Run, cols: dict[str, np.ndarray], summary: Summary) -> Summary:
+def _inside_the_step(run: Recorded, cols: dict[str, np.ndarray], summary: Summary) -> Summary:
     """The parts of the step, the trend over the run and each epoch's start-up wait."""
     analysed = cols["step"] >= int(summary["warmup_steps"])
     clock = str(summary["clock"])
@@ -71,7 +166,7 @@ def _inside_the_step(run: Run, cols: dict[str, np.ndarray], summary: Summary) ->
     return out
 
 
-def _resource_summary(run: Run, cols: dict[str, Any], warmup: int) -> Summary:
+def _resource_summary(run: Recorded, cols: dict[str, Any], warmup: int) -> Summary:
     """GPU memory, CPU and host memory in numbers and findings (analysis/resources.py)."""
     from .analysis.kept_graph import kept_graphs
     from .analysis.resources import ResourceFacts, resource_summary

@@ -42,7 +42,9 @@ from .capture.instrument.rewrite import instrument_loop
 from .capture.session import Capture
 from .failures import failure_text, never_raise
 from .processes import children
-from .run import Observer, Run
+from .recording import Observer, Recording
+from .result import RunResult
+from .run import Run
 
 if TYPE_CHECKING:
     from .views.display import LiveView
@@ -261,7 +263,8 @@ def prepare_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -> T
     _import_torch()
 
     choice, func_loop = _locate(shell, tree, lines, opts)
-    run = Run(opts.name, opts.warmup)
+    handle = Run(opts.name, opts.warmup)
+    run = handle.recording
     capture = Capture(run)
     run.cell_source = first_line + "\n" + cell
     run.cell_filename = filename
@@ -294,9 +297,9 @@ def prepare_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -> T
         code = compile(body, filename, "exec", flags, dont_inherit=True)
         last_code = compile(last, filename, "eval", flags, dont_inherit=True) if last else None
     except SyntaxError as exc:  # parses, but does not compile: `return` outside a function
-        kernel_state.RUNS.remove(run)
+        kernel_state.RUNS.remove(handle)
         raise syntax_error(exc, shell) from None
-    return TracedCell(shell, opts, run, capture, tree, filename, code, last_code, choice, func_loop, flags)
+    return TracedCell(shell, opts, handle, capture, tree, filename, code, last_code, choice, func_loop, flags)
 
 
 @contextmanager
@@ -304,7 +307,8 @@ def cell_traced(cell: TracedCell) -> Iterator[None]:
     """Everything that is on while the cell runs, undone (and the report shown) after it, also
     on an error or KeyboardInterrupt, which goes on up unchanged."""
     __tracebackhide__ = True  # noqa: F841
-    run, capture = cell.run, cell.capture
+    handle, capture = cell.run, cell.capture
+    run = handle.recording
     error: BaseException | None = None
     views: list[LiveView] = []
     try:
@@ -328,7 +332,7 @@ def cell_traced(cell: TracedCell) -> Iterator[None]:
             with never_raise(run.notes, "The cell's functions keep their traced code"):
                 plain = compile(cell.tree, cell.filename, "exec", cell.flags, dont_inherit=True)
                 restore_definitions(cell.shell.user_ns, cell.code, plain)
-        _finish(run, error, cell.opts, views[0] if views else None, children.started_commands(cell.tree))
+        _finish(handle, error, cell.opts, views[0] if views else None, children.started_commands(cell.tree))
 
 
 def run_traced_cell(shell: Any, magic_line: str, cell: str, opts: CellOptions) -> Any:
@@ -369,10 +373,10 @@ def _run_coroutine(shell: Any, coro: Any) -> Any:
     )
 
 
-def _live_view_starter(run: Run, opts: CellOptions, views: list[LiveView]) -> Observer:
+def _live_view_starter(run: Recording, opts: CellOptions, views: list[LiveView]) -> Observer:
     """The live view starts with the first step (a cell without steps shows none)."""
 
-    def start(_run: Run) -> None:
+    def start(_run: Recording) -> None:
         run.stop_observing(start)
         if run.n_steps == 0:  # the run ended without a step: nothing to chart
             return
@@ -387,31 +391,14 @@ def _live_view_starter(run: Run, opts: CellOptions, views: list[LiveView]) -> Ob
 
 
 def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: LiveView | None, commands: list[str] | None = None) -> None:
-    """Show the report, or one line when there is nothing to report; never mask the user's error."""
-    from .views.display import register_views, show_report
+    """Show the report, or one line when there is nothing to report; never mask the user's error
+    (the edge at the cell's end: a failure of ours is one line on stderr)."""
+    from .views.display import register_views
 
     register_views()  # --save x.html writes the report page
     try:
-        run.finish(error)
-        if run.n_steps == 0:
-            if view is not None:
-                view.close()
-            if error is not None:
-                print(
-                    f"traceml: no step ran: the cell stopped with {run.error} before its first "
-                    f"step ended.{_likely_cause(run)}"
-                )
-                if run.oom:  # explained above the traceback, as a run's report would
-                    from .analysis.resources import finding_lines
-
-                    print("\n".join(f"traceml: {line}" for line in finding_lines(run.summary)))
-            elif run.step_kind == "none" and run.loop_line is None:
-                kernel_state.RUNS.remove(run)
-                print(children.no_training_line(run, commands or []) or NO_LOOP)
-            else:
-                print(f"traceml: {run.name}: no step ran ({_why_no_step(run)}).")
-            return
-        show_report(run, view)
+        if not _report(run, error, view, commands or []):
+            return  # no step: nothing to save or keep
     except Exception as exc:  # the report must never hide what the cell did
         print(f"traceml: could not build the report: {failure_text(exc)}", file=sys.stderr)
     if opts.save:
@@ -423,6 +410,33 @@ def _finish(run: Run, error: BaseException | None, opts: CellOptions, view: Live
     from .history import keep_in_history
 
     keep_in_history(run)  # into TRACEML_HISTORY when set (never raises)
+
+
+def _report(run: Run, error: BaseException | None, view: LiveView | None, commands: list[str]) -> bool:
+    """The run finished and its report shown (True), or the one line for a run without a step."""
+    from .views.display import show_report
+
+    result = run.finish(error).result
+    if result.n_steps:
+        show_report(run, view)
+        return True
+    if view is not None:
+        view.close()
+    if error is not None:
+        print(
+            f"traceml: no step ran: the cell stopped with {result.error} before its first "
+            f"step ended.{_likely_cause(run)}"
+        )
+        if result.resources.oom:  # explained above the traceback, as a run's report would
+            from .analysis.resources import finding_lines
+
+            print("\n".join(f"traceml: {line}" for line in finding_lines(run.summary)))
+    elif result.steps.kind == "none" and result.loop.line is None:
+        kernel_state.RUNS.remove(run)
+        print(children.no_training_line(result, commands) or NO_LOOP)
+    else:
+        print(f"traceml: {run.name}: no step ran ({_why_no_step(result)}).")
+    return False
 
 
 def _likely_cause(run: Run) -> str:
@@ -438,14 +452,15 @@ def _likely_cause(run: Run) -> str:
     return ""
 
 
-def _why_no_step(run: Run) -> str:
-    if run.loop_line is not None and not any(src.get("batches") for src in run.sources):
-        return f"the loop on line {run.loop_line} got no batch: its iterator is empty"
+def _why_no_step(result: RunResult) -> str:
+    line = result.loop.line
+    if line is not None and not any(src.get("batches") for src in result.data.sources):
+        return f"the loop on line {line} got no batch: its iterator is empty"
     return "no optimizer step, backward() or loop iteration ended"
 
 
 @contextmanager
-def line_costs_kept(run: Run, clock: Any) -> Iterator[Any]:
+def line_costs_kept(run: Recording, clock: Any) -> Iterator[Any]:
     """At the end of the cell, `run.line_costs` gets the costs of the statements `clock` timed."""
     try:
         yield clock
@@ -457,7 +472,7 @@ def line_costs_kept(run: Run, clock: Any) -> Iterator[Any]:
             run.line_costs = _costs_of(run, clock)
 
 
-def _costs_of(run: Run, clock: Any) -> dict[str, Any]:
+def _costs_of(run: Recording, clock: Any) -> dict[str, Any]:
     n = int(run.recorder.n_steps)
     warm = auto_warmup(n) if run.warmup is None else max(0, int(run.warmup))
     step, fetch = run.recorder.means_from(warm)

@@ -27,20 +27,20 @@ def trace(name: str | None = None, warmup: int | None = None, show: bool = True)
     what the training does, as in `%%traceml`); `run.loop(it)` marks the loop whose iterations
     are steps when the training has neither. At the end the report is shown (printed outside
     IPython), also after an error. On one rank of several (`torchrun`, a process group set up),
-    the ranks' summaries are gathered at the end: `run.ranks` on every rank, `run.straggler`,
+    the ranks' summaries are gathered at the end: `run.result.ranks` on every rank, `run.straggler`,
     and rank 0 alone prints the report, with the per-rank table.
     """
     register_views()  # run.save("x.html")
     run = Run(name, warmup)
     error: BaseException | None = None
     try:
-        with ranks.followed(run):  # the capture, across processes
+        with ranks.followed(run.recording):  # the capture, across processes
             yield run
     except BaseException as exc:
         error = exc
         raise
     finally:
-        gather(run, error)  # torchrun: every rank's summary on every rank (no-op otherwise)
+        gather(run.recording, error)  # torchrun: every rank's summary on every rank (no-op otherwise)
         run.finish(error)
         if show and shows_report(run):
             show_report(run)  # with the checklist, kept on the run

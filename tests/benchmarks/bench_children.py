@@ -66,13 +66,13 @@ def one(n: int, variant: str) -> tuple[float, Any]:
         return float(json.loads(out.stdout.splitlines()[-1])["seconds"]), None
     run = Run("bench child")
     channel = children.Channel()
-    collector = children.ChildCollector(run, channel)
-    run.rank_collector = collector
+    collector = children.ChildCollector(run.recording, channel)
+    run.recording.rank_collector = collector
     collector.start()
     try:
         out = subprocess.run(command, env={**env, **channel.env(env)}, capture_output=True, text=True, check=True)
     finally:
-        collector.adopt_into(run, 3.0)
+        collector.adopt_into(run.recording, 3.0)
         channel.close()
     run.finish()
     assert run.n_steps == n, (run.n_steps, run.notes)
@@ -183,7 +183,7 @@ def startup(runs: int) -> Table:
     ):
         run = Run("bench start-up")
         channel = children.Channel()
-        collector = children.ChildCollector(run, channel)
+        collector = children.ChildCollector(run.recording, channel)
         collector.start()
         hooked = {**base, **channel.env(base)}
         seen: dict[str, list[tuple[float, float]]] = {"plain": [], "hook": []}
@@ -216,7 +216,7 @@ def startup(runs: int) -> Table:
         began = time.perf_counter()
         run = Run("bench channel")
         channel = children.Channel()
-        collector = children.ChildCollector(run, channel)
+        collector = children.ChildCollector(run.recording, channel)
         collector.start()
         with children.child_environment(channel):
             pass

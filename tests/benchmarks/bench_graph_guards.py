@@ -50,7 +50,7 @@ def measure() -> list[Table]:
     clock = ns_per_call(time.perf_counter_ns) - empty
 
     run = Run("bench")
-    capture = recording.Capture(run)
+    capture = recording.Capture(run.recording)
     capture.stamping.active = True  # recording, as between open() and close()
     capture.gpu.deciding = False
     opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)

@@ -64,7 +64,7 @@ def one_run(n: int, traced_memory: bool) -> dict[str, Any]:
     from traceml_jupyter.run import Run
 
     warm = Run("warm-up")  # imports, numpy, first-call paths: out of the measured run
-    with capture_session(warm):
+    with capture_session(warm.recording):
         for _ in warm.loop(range(1000)):
             pass
     warm.finish()
@@ -80,7 +80,7 @@ def one_run(n: int, traced_memory: bool) -> dict[str, Any]:
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
     run = Run("memory")
-    with capture_session(run):  # as trace() and %%traceml record: the hooks, then the run's wrap-up
+    with capture_session(run.recording):  # as trace() and %%traceml record: the hooks, then the run's wrap-up
         t0 = time.perf_counter()
         for _ in run.loop(range(n)):
             pass
@@ -90,6 +90,7 @@ def one_run(n: int, traced_memory: bool) -> dict[str, Any]:
         out["loop_peak_bytes"] = peak - base
         out["kept_bytes"] = cur - base
         tracemalloc.reset_peak()
+    recorder = run.recording.recorder  # what the recording held, measured after the report
     t0 = time.perf_counter()
     run.finish()
     assert run.n_steps == n, (run.n_steps, n)  # a benchmark that recorded nothing reports nothing
@@ -102,8 +103,8 @@ def one_run(n: int, traced_memory: bool) -> dict[str, Any]:
     out["report_text_s"] = t_text - t0
     out["report_html_s"] = t1 - t_text if render_html is not None else None
     out["report_chars"] = len(text) + len(html)
-    out["recorder_bytes"] = run.recorder.nbytes()
-    out["stride"] = run.recorder.stride
+    out["recorder_bytes"] = recorder.nbytes()
+    out["stride"] = recorder.stride
     out["n_steps"] = run.n_steps
     if traced_memory:
         cur, peak = tracemalloc.get_traced_memory()

@@ -57,7 +57,7 @@ def recorded(n: int, body: Any = loop) -> float:
     from traceml_jupyter.run import Run
 
     run = Run("bench")
-    with capture_session(run):
+    with capture_session(run.recording):
         seconds = float(body(n))
     assert run.n_steps == n, run.n_steps
     return seconds
@@ -83,7 +83,7 @@ def one(n: int, variant: str) -> tuple[float, float, Any]:
     run = None
     if variant == "rank":
         run = Run("bench ranks")
-        with followed(run):  # as %%traceml records a cell: ranks forked inside stream to it
+        with followed(run.recording):  # as %%traceml records a cell: ranks forked inside stream to it
             proc = ctx.Process(target=child, args=(n, variant, there))
             proc.start()
             seconds = here.recv()
@@ -134,9 +134,9 @@ def tick_us(steps_per_tick: int, ticks: int = 300) -> float:
     here, there = socket.socketpair()
     there.setblocking(False)
     total = []
-    with capture_session(run) as capture:
+    with capture_session(run.recording) as capture:
         timer = BackwardTimer()
-        sender = Sender(here, StepTap(capture, timer), run, 0)
+        sender = Sender(here, StepTap(capture, timer), run.recording, 0)
         rec = capture.model.recorder
         t = perf_counter_ns()
         for _ in range(ticks):
@@ -146,7 +146,7 @@ def tick_us(steps_per_tick: int, ticks: int = 300) -> float:
                 timer.durations.append(10_000)
                 t += 50_000
             began = perf_counter_ns()
-            sender(run)
+            sender(run.recording)
             total.append(perf_counter_ns() - began)
             try:
                 while there.recv(1 << 16):
@@ -176,7 +176,7 @@ def measure(repeats: int = 5) -> list[Table]:
                 best[key] = min(best.get(key, float("inf")), seconds)
                 seen[n] = seconds
                 if run is not None:
-                    ranks = run.ranks or []
+                    ranks = run.result.ranks or []
                     assert len(ranks) == 1 and ranks[0]["n_steps"] == n, ranks
                     kernel[n] = min(kernel.get(n, float("inf")), here)
             if variant == "plain":

@@ -82,7 +82,7 @@ def main() -> None:
             opt.step()
         during = list(calls)
     at_end = calls[len(during) :]
-    steps = [r["n_steps"] for r in run.ranks or []]
+    steps = [r["n_steps"] for r in run.result.ranks or []]
     facts = {"straggler": run.straggler, "steps": steps, "during_steps": during, "at_end": at_end}
     # One write: every rank shares torchrun's stdout pipe (see print_whole).
     print_whole(f"RANKS {rank} " + json.dumps(facts))

@@ -1,10 +1,13 @@
-"""The run as its capture and its views meet it: observers (the live chart, the ranks' senders)
-through the run's public observing methods, and the result frozen when the run finishes."""
+"""The run as its capture and its views meet it: the recording they write while it runs, its
+observers (the live chart, the ranks' senders), and the result frozen when the run finishes,
+after which the handle holds the result alone (the recording, and its buffers, are gone)."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -14,8 +17,9 @@ from traceml_jupyter import kernel_state
 from traceml_jupyter import result as render
 from traceml_jupyter.analysis.rank_verdict import with_ranks
 from traceml_jupyter.capture.gpu.gpu_watch import watch_summary
+from traceml_jupyter.recording import REFRESH_NS, Recording
 from traceml_jupyter.result import RunResult
-from traceml_jupyter.run import REFRESH_NS, Run
+from traceml_jupyter.run import Run
 
 
 @pytest.fixture
@@ -27,9 +31,10 @@ def run() -> Iterator[Run]:
 
 
 def recorded(run: Run, steps: int) -> Run:
-    t = run.recorder.origin_ns or 0
+    rec = run.recording
+    t = rec.recorder.origin_ns or 0
     for _ in range(steps):
-        run.recorder.add(t, t + 2_000_000, t + 10_000_000)
+        rec.recorder.add(t, t + 2_000_000, t + 10_000_000)
         t += 10_000_000
     return run
 
@@ -37,43 +42,45 @@ def recorded(run: Run, steps: int) -> Run:
 def test_observers_are_called_at_the_ticks_and_once_at_the_end(run: Run) -> None:
     seen: list[tuple[str, bool]] = []
 
-    def first(r: Run) -> None:
+    def first(r: Recording) -> None:
         seen.append(("first", r.finished))
 
-    def second(r: Run) -> None:
-        seen.append(("second", r.finished))
+    def second(r: Recording) -> None:
+        seen.append(("second", r.finished, r.result.name))
 
+    rec = run.recording
     run.observe(first)
     run.observe(second)
-    assert run.tick_due(0)
-    run.tick(1_000)
-    assert not run.tick_due(1_000 + REFRESH_NS - 1) and run.tick_due(1_000 + REFRESH_NS)
+    assert rec.tick_due(0)
+    rec.tick(1_000)
+    assert not rec.tick_due(1_000 + REFRESH_NS - 1) and rec.tick_due(1_000 + REFRESH_NS)
     run.stop_observing(first)
     run.stop_observing(first)  # not observing any more: nothing happens
     run.finish()
-    assert seen == [("first", False), ("second", False), ("second", True)]
+    assert seen == [("first", False), ("second", False, "observed"), ("second", True, "observed")]
 
 
 def test_observe_only_replaces_the_observers_and_makes_the_next_tick_due(run: Run) -> None:
     seen: list[str] = []
-    run.observe(lambda r: seen.append("chart"))
-    run.tick(1_000)
-    run.observe_only(lambda r: seen.append("sender"))
-    assert run.tick_due(1_001)
-    run.tick(1_001)
+    rec = run.recording
+    rec.observe(lambda r: seen.append("chart"))
+    rec.tick(1_000)
+    rec.observe_only(lambda r: seen.append("sender"))
+    assert rec.tick_due(1_001)
+    rec.tick(1_001)
     assert seen == ["chart", "sender"]
 
 
 def test_an_observer_that_raises_is_dropped_with_a_note(run: Run) -> None:
     calls: list[int] = []
 
-    def broken(r: Run) -> None:
+    def broken(r: Recording) -> None:
         calls.append(1)
         raise RuntimeError("front-end gone")
 
     run.observe(broken)
-    run.tick(0)
-    run.tick(REFRESH_NS)
+    run.recording.tick(0)
+    run.recording.tick(REFRESH_NS)
     assert calls == [1]
     assert run.notes == ["The live view stopped: RuntimeError: front-end gone"]
 
@@ -90,7 +97,8 @@ def test_finish_freezes_the_result_that_the_renderers_read(run: Run) -> None:
     with pytest.raises(ValueError, match="read-only"):
         frozen.columns["step_ms"][0] = 0.0
     assert isinstance(frozen.notes, tuple)
-    recorded(run, 5)  # nothing the recording does later changes the result
+    with pytest.raises(RuntimeError, match="finished"):  # nothing records into a finished run
+        recorded(run, 5)
     assert run.summary == dict(frozen.summary) and frozen.summary["n_steps"] == 30
     assert run.verdict == frozen.verdict.label and len(run.steps["step_ms"]) == 30
     assert run.text() == render.text(frozen) and run.to_dict() == render.to_dict(frozen)
@@ -98,6 +106,25 @@ def test_finish_freezes_the_result_that_the_renderers_read(run: Run) -> None:
     run.keep_reading([{"key": "workers"}], None)  # the kernel's reading: a new value
     assert frozen is not run.result and run.result.reading.checklist == ({"key": "workers"},)
     assert frozen.reading.checklist is None  # the value before is left as it was
+
+
+def test_the_finished_run_holds_its_result_and_lets_its_recording_go(run: Run) -> None:
+    recording = recorded(run, 12).recording
+    recorder = weakref.ref(recording.recorder)
+    del recording
+    run.finish()
+    gc.collect()
+    assert recorder() is None  # the per-step buffers went with the recording
+    assert run.finished and run.n_steps == 12 and len(run.steps["step_ms"]) == 12
+    assert run.loop(range(3)) == range(3) and run.current_step() is None  # nothing to time now
+
+
+def test_a_run_read_back_is_a_handle_on_its_result_alone(run: Run) -> None:
+    result = recorded(run, 8).finish().result
+    loaded = Run(result=result, path="x.json")
+    assert loaded.finished and loaded.read_back and loaded.result is result and loaded.name == "observed"
+    with pytest.raises(RuntimeError, match="finished"):
+        _ = loaded.recording
 
 
 def documented_summary_keys() -> set[str]:

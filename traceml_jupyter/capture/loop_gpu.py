@@ -27,7 +27,7 @@ from .gpu.cuda_clock import (
 from .steps.step_model import Span
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..recording import Recording
 
 DECIDE_STEPS = 3  # the loop's device is decided from the allocations of its first steps
 
@@ -49,7 +49,7 @@ class LoopGpu:
     """The loop's device and GPU clock (`cuda`: None on the CPU clock). `changed` is called when
     the clock comes or goes: the hooks then look at each step's end again."""
 
-    def __init__(self, run: Run, thread: int, changed: Callable[[], None], marks: Callable[[int], Marks] | None = None) -> None:
+    def __init__(self, run: Recording, thread: int, changed: Callable[[], None], marks: Callable[[int], Marks] | None = None) -> None:
         self.run = run
         self.changed = changed
         self.cuda: CudaStepClock | None = None

@@ -42,7 +42,7 @@ from .step_hooks import StepHooks
 from .steps.step_model import BACKWARD, OPTIMIZER, Source, Span, StepModel
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..recording import Recording
 
 _tokens = iter(range(1, 1 << 62))
 
@@ -57,7 +57,7 @@ class Capture:
     `dataloader_iter`, `dataloader_next`, `training_event`: step_hooks.py) and their stamping
     (stamping.py); the loop's GPU clock (loop_gpu.py); the view's ticks."""
 
-    def __init__(self, run: Run, token: int | None = None, marks: Callable[[int], Marks] | None = None) -> None:
+    def __init__(self, run: Recording, token: int | None = None, marks: Callable[[int], Marks] | None = None) -> None:
         self.run = run
         self.token = token if token is not None else new_token()
         self.thread = thread = get_ident()
@@ -197,7 +197,7 @@ class Capture:
             self.run.notes.append(self.parts.note)
 
 
-def _graphs_read(run: Run, capture: Capture) -> None:
+def _graphs_read(run: Recording, capture: Capture) -> None:
     """The cell's CUDA graphs on the run (None: it used none), with the report's note."""
     graphs = capture.graphs
     run.cuda_graphs = graphs.summary(int(run.recorder.n_steps))
@@ -303,13 +303,13 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
         stack.callback(handle.remove)
 
 
-def _guarded(run: Run, what: str, step: Callable[[], Any]) -> None:
+def _guarded(run: Recording, what: str, step: Callable[[], Any]) -> None:
     with never_raise(run.notes, f"traceml failed {what}"):
         step()
 
 
 @contextmanager
-def capture_session(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
+def capture_session(run: Recording, capture: Capture | None = None) -> Iterator[Capture]:
     """Record `run` on this thread for the duration: the hook names in builtins, the patches,
     the GPU clock. Everything is undone on exit (nested captures restore the outer one)."""
     capture = capture or Capture(run)

@@ -27,7 +27,7 @@ from .steps.stamps import Stamps
 from .steps.step_model import BACKWARD, ITERATION, NEVER, Pass, StepModel
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..recording import Recording
 
 # Step ends (and other hooks' stamps) held before a replay: bounded memory. The stamps are Python
 # ints in lists (an `array` append costs ~50 ns more a stamp), 80 B a step end while pending, so
@@ -53,7 +53,7 @@ class Stamping:
     """Whether the hooks stamp or report, and the replay of their stamps (see the module
     docstring). The hooks read and count down `deferred`, `room`, `due` and the `level` fields."""
 
-    def __init__(self, run: Run, model: StepModel, parts: StepParts, gpu: LoopGpu) -> None:
+    def __init__(self, run: Recording, model: StepModel, parts: StepParts, gpu: LoopGpu) -> None:
         self.run, self.model, self.parts, self.gpu = run, model, parts, gpu
         self.stamps = Stamps()
         self.lines: LineClock | None = None  # the per-line costs' clock, set by the traced cell

@@ -34,7 +34,7 @@ from .steps.stamps import (
 from .steps.step_model import BACKWARD, FETCH, OPTIMIZER, Pass, Source, StepModel
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..recording import Recording
 
 MAX_PASS_STARTS = 1 << 16
 _CAPTURES = cuda_graphs._STATE  # CUDA graph captures under way (read on the training-event path)
@@ -53,7 +53,7 @@ def _worker_pids(it: Any) -> list[int]:
 class StepHooks:
     """The hooks, and what they saw besides the steps (the optimizer, where passes started)."""
 
-    def __init__(self, run: Run, model: StepModel, stamping: Stamping, gpu: LoopGpu, graphs: cuda_graphs.GraphWatch) -> None:
+    def __init__(self, run: Recording, model: StepModel, stamping: Stamping, gpu: LoopGpu, graphs: cuda_graphs.GraphWatch) -> None:
         self.run, self.model, self.stamping, self.gpu, self.graphs = run, model, stamping, gpu, graphs
         self.call_labels: dict[int, str] = {}  # fetch call site -> "`next(it)` on line 4"
         self.optimizer_name: str | None = None

@@ -8,9 +8,9 @@ from __future__ import annotations
 import ast
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..analysis.cell_code import (
     SampleCode,
@@ -23,7 +23,49 @@ from ..analysis.cell_code import (
 )
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..analysis.checklist.facts import ItemRow
+    from ..analysis.summary_keys import Straggler, Summary
+    from ..result import RunResult
+
+
+class FinishedRun(Protocol):
+    """What the kernel's reading takes of a finished run (run.Run, the handle users hold): its
+    result, whether it was read back from its file, what of the live kernel it still points at
+    (the training loader, the passes begun), and keep_reading (the reading kept with its
+    result, as a new value)."""
+
+    @property
+    def name(self) -> str:
+        """The run's name."""
+    @property
+    def result(self) -> RunResult:
+        """The run's frozen result."""
+    @property
+    def read_back(self) -> bool:
+        """The run was read back from its file (nothing of it is live)."""
+    @property
+    def loader_ref(self) -> Callable[[], Any] | None:
+        """The training DataLoader, while it lives (None: none)."""
+    @property
+    def loops_started(self) -> int:
+        """Passes begun over the located loop."""
+    @property
+    def notes(self) -> list[str]:
+        """A copy of the result's notes (what a failure of the reading appends goes nowhere)."""
+    @property
+    def summary(self) -> Summary:
+        """The result's summary, as a plain dict."""
+    @property
+    def verdict(self) -> str:
+        """The verdict's label."""
+    @property
+    def straggler(self) -> Straggler | None:
+        """The rank that holds the others back, else None."""
+    @property
+    def n_steps(self) -> int:
+        """The steps recorded."""
+    def keep_reading(self, checklist: Sequence[ItemRow] | None, quoted_cells: dict[str, str] | None) -> None:
+        """Keep what the kernel read with the run's result (a new value)."""
 
 MAX_HISTORY = 1000  # earlier cells searched for the DataLoader, newest first
 SEARCH_BUDGET_S = 0.02  # a report parses earlier cells it has not read before for this long
@@ -42,7 +84,7 @@ def history_cells(shell: Any) -> list[str]:
 CELL_LABEL = re.compile(r"In \[(\d+)\]$")
 
 
-def run_cells(run: Run, shell: Any) -> list[str]:
+def run_cells(run: FinishedRun, shell: Any) -> list[str]:
     """The cells a run's report reads: the kernel's history; for a run read back from its file,
     the cells it quoted (`run.result.reading.quoted_cells`), at their numbers (the others empty)."""
     if not run.read_back:

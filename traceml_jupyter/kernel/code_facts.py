@@ -55,7 +55,7 @@ from .cells import (
 from .shell import ipython_shell
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from .cells import FinishedRun
 
 CELL_IN = re.compile(r"\((?:Cell )?In ?\[(\d+)\]\)")  # "(In [3])", "(Cell In[3])": a cell
 FUNCTION = re.compile(r"^function ([\w.<>]+)")
@@ -79,7 +79,7 @@ def quoted_cells(ctx: CodeContext, items: Sequence[Item]) -> dict[str, str]:
 
 
 
-def _loader_object(run: Run) -> Any:
+def _loader_object(run: FinishedRun) -> Any:
     """The loop's DataLoader if it is still alive; else the last one the cell started
     iterating (a loader whose first batch failed was never noted by the run)."""
     for ref in (run.loader_ref, getattr(run, "loader_seen", None)):
@@ -89,7 +89,7 @@ def _loader_object(run: Run) -> Any:
     return None
 
 
-def loader_settings(run: Run) -> dict[str, Any] | None:
+def loader_settings(run: FinishedRun) -> dict[str, Any] | None:
     """The run's loader settings, read from the loader object when the run has none."""
     if run.result.data.loader is not None:
         return dict(run.result.data.loader)
@@ -108,7 +108,7 @@ def _names_bound_to(obj: Any, namespace: Mapping[str, Any]) -> set[str]:
 
 
 def _loop_in_other_cell(
-    run: Run, earlier: EarlierCells
+    run: FinishedRun, earlier: EarlierCells
 ) -> tuple[ast.For | ast.AsyncFor, str, ast.AST] | None:
     """The step loop when it lives in a function defined in an earlier cell: the loop, the
     cell's label and the function."""
@@ -168,7 +168,7 @@ def _loader_site(
     return None
 
 
-def source_label(run: Run, shell: Any, filename: str) -> str | None:
+def source_label(run: FinishedRun, shell: Any, filename: str) -> str | None:
     """None for the traced cell itself, "In [3]" for another cell, the file name else."""
     return file_label(run.result.loop.cell_filename, shell, filename)
 
@@ -196,7 +196,7 @@ _SOURCE_SAMPLES: dict[tuple[str, int, str, str], SampleCode | None] = {}
 SOURCE_SAMPLES_KEPT = 16
 
 
-def _sample_code_from_object(run: Run, shell: Any, dataset: Any) -> SampleCode | None:
+def _sample_code_from_object(run: FinishedRun, shell: Any, dataset: Any) -> SampleCode | None:
     site = read_or(None, dataset_site, dataset)  # the user's dataset
     if site is None:
         return None
@@ -204,7 +204,7 @@ def _sample_code_from_object(run: Run, shell: Any, dataset: Any) -> SampleCode |
 
 
 def _sample_code_at(
-    run: Run, shell: Any, filename: str, first_line: int, class_name: str, name: str | None = None
+    run: FinishedRun, shell: Any, filename: str, first_line: int, class_name: str, name: str | None = None
 ) -> SampleCode | None:
     """The `__getitem__` of class `class_name` defined at `first_line` of `filename` (a cell or
     a file), read from its source; or (`name`, no class) the function defined there: a
@@ -234,7 +234,7 @@ def _sample_code_at(
     return found
 
 
-def _sample_code(run: Run, shell: Any, ctx: CodeContext) -> SampleCode | None:
+def _sample_code(run: FinishedRun, shell: Any, ctx: CodeContext) -> SampleCode | None:
     site = run.result.data.dataset_site
     if site:  # a child process's dataset: read from its file
         return _sample_code_at(run, shell, site["file"], site["line"], site.get("class") or "")
@@ -258,7 +258,7 @@ def _sample_code(run: Run, shell: Any, ctx: CodeContext) -> SampleCode | None:
     return SampleCode(str(name), (), None, None)
 
 
-def _feeder_code(run: Run, shell: Any) -> SampleCode | None:
+def _feeder_code(run: FinishedRun, shell: Any) -> SampleCode | None:
     """The code behind a source that is no DataLoader: the generator function (`slow` of
     `slow()`), the `get_batch` function, or an iterator's `__next__`, looked up in the
     namespace after the cell; None when it cannot be found or read."""
@@ -316,7 +316,7 @@ class CodeContext:
     shell: Any = None
 
     @classmethod
-    def of(cls, run: Run, shell: Any) -> CodeContext:
+    def of(cls, run: FinishedRun, shell: Any) -> CodeContext:
         """Read the run's cells once: the history, the traced cell's tree, the loop and its cell."""
         ctx = cls(run_cells(run, shell), cell_filename=run.result.loop.cell_filename, shell=shell)
         ctx.current = current_cell_index(ctx.cells, run.result.loop.cell_source)
@@ -350,7 +350,7 @@ class CodeContext:
         return lines[site.line - 1] if 0 < site.line <= len(lines) else None
 
 
-def script_site(run: Run, shell: Any) -> CodeSite | None:
+def script_site(run: FinishedRun, shell: Any) -> CodeSite | None:
     """Where the run's loader was built when that is a file (`train.py, line 54`: a script run
     as a child process or with `%run`); None in a notebook cell (the cells are read for it)."""
     site = run.result.data.loader_site
@@ -362,7 +362,7 @@ def script_site(run: Run, shell: Any) -> CodeSite | None:
     return CodeSite(int(site["line"]), label)
 
 
-def _site_text(run: Run, filename: str, line: int) -> str:
+def _site_text(run: FinishedRun, filename: str, line: int) -> str:
     """The call on a line of the traced cell (`x.to("cuda")`), else the line's text."""
     from ..capture.gpu.syncs import call_text
 
@@ -370,7 +370,7 @@ def _site_text(run: Run, filename: str, line: int) -> str:
     return text or linecache.getline(filename, line).strip() or f"line {line}"
 
 
-def copies_seen(run: Run, shell: Any = None) -> tuple[CopySeen, ...] | None:
+def copies_seen(run: FinishedRun, shell: Any = None) -> tuple[CopySeen, ...] | None:
     """The measured copies to the GPU by line (run.result.gpu.h2d), costliest first; None if not watched."""
     h2d = run.result.gpu.h2d
     if not h2d:
@@ -393,7 +393,7 @@ def copies_seen(run: Run, shell: Any = None) -> tuple[CopySeen, ...] | None:
     return tuple(out)
 
 
-def busiest_line(run: Run) -> LineSeen | None:
+def busiest_line(run: FinishedRun) -> LineSeen | None:
     """The loop body's statement with the most host time per step (run.line_costs)."""
     from ..capture.gpu.gpu_watch import costliest_host_line
 
@@ -404,7 +404,7 @@ def busiest_line(run: Run) -> LineSeen | None:
 
 
 def facts_for(
-    run: Run, shell: Any = None, start_method: str | None = None, context: CodeContext | None = None
+    run: FinishedRun, shell: Any = None, start_method: str | None = None, context: CodeContext | None = None
 ) -> Facts:
     """Read what the checklist needs from the run, its loader, its code and the kernel."""
     ctx = context or CodeContext.of(run, shell)
@@ -458,7 +458,7 @@ class FeederFacts(TypedDict, total=False):
     feeder_code: SampleCode | None
 
 
-def _feeder_facts(run: Run, shell: Any, summary: Summary, ctx: CodeContext) -> FeederFacts:
+def _feeder_facts(run: FinishedRun, shell: Any, summary: Summary, ctx: CodeContext) -> FeederFacts:
     """What fed the steps when it is no DataLoader, where, and the code behind it."""
     source = feeder(summary)
     if source is None:
@@ -467,17 +467,17 @@ def _feeder_facts(run: Run, shell: Any, summary: Summary, ctx: CodeContext) -> F
     return {"feeder": source, "feeder_site": site, "feeder_code": _feeder_code(run, shell)}
 
 
-def checklist_items(run: Run, shell: Any = None, context: CodeContext | None = None) -> list[Item]:
+def checklist_items(run: FinishedRun, shell: Any = None, context: CodeContext | None = None) -> list[Item]:
     """The checklist evaluated on what the run, its loader, its code and the kernel hold."""
     return evaluate(facts_for(run, shell, context=context))
 
 
-def checklist_for(run: Run) -> list[ItemRow]:
+def checklist_for(run: FinishedRun) -> list[ItemRow]:
     """The evaluated checklist as JSON-ready dicts."""
     return [item.to_dict() for item in checklist_items(run, ipython_shell())]
 
 
-def read_kernel_at_end(run: Run) -> KernelReading | None:
+def read_kernel_at_end(run: FinishedRun) -> KernelReading | None:
     """Read the code around the run and evaluate the checklist once, leave the checklist on the
     run (`run.result.reading.checklist`, what `to_dict` and `--save` write) and return both for the report (the
     kernel's history is read once a run). A failure to read the kernel is a note (and None)."""
@@ -500,7 +500,7 @@ class KernelReading:
     problem: str | None = None
 
 
-def kernel_reading(run: Run, checklist: Sequence[Item] | None = None) -> KernelReading:
+def kernel_reading(run: FinishedRun, checklist: Sequence[Item] | None = None) -> KernelReading:
     """What the report of `run` reads from the kernel: the code around it and the checklist
     (`checklist` when given; for a run read back from its file, the one it saved; else
     evaluated now). Never raises: a failure leaves the code unread, the checklist as given,

@@ -23,7 +23,7 @@ from ..capture.instrument.patches import patched
 from ..capture.instrument.rewrite import instrument_loop
 from ..capture.session import Capture, capture_session, new_token
 from ..ranks.wire import End, Hello, Who
-from ..run import Run
+from ..recording import Recording
 from .startup_hook import command_line
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 class ChildSender(ranks.Sender):
     """A child's end of its connection to the kernel."""
 
-    def __init__(self, sock: Any, tap: ranks.StepTap, run: Run, tripwires: Tripwires) -> None:
+    def __init__(self, sock: Any, tap: ranks.StepTap, run: Recording, tripwires: Tripwires) -> None:
         super().__init__(sock, tap, run, 0)
         self.tripwires = tripwires
         self.status: int | None = None
@@ -53,7 +53,7 @@ class ChildSender(ranks.Sender):
         self._put(ranks.frame(ranks.HELLO, hello))
         self._push()
 
-    def __call__(self, run: Run) -> None:
+    def __call__(self, run: Recording) -> None:
         self.tripwires.tidy()
         super().__call__(run)
 
@@ -122,7 +122,7 @@ def script_loader_info(info: dict[str, Any], main_file: str | None) -> dict[str,
 def start_capture(tripwires: Tripwires, sock: Any) -> ChildCapture:
     """Start recording this process on the calling thread, streaming to the kernel over `sock`
     (connected, token sent); at exit, tripwires.finish sends the end."""
-    run = Run(command_line())
+    run = Recording(command_line())
     loop = tripwires.loop  # --loop FILE:LINE: (path, line, token)
     capture = Capture(run, token=loop[2] if loop else None)
     if loop:
@@ -167,7 +167,7 @@ def multi_node() -> bool:
         return False
 
 
-def gather_before_the_group_goes(run: Run) -> None:
+def gather_before_the_group_goes(run: Recording) -> None:
     """A job over several nodes: when the script destroys its process group (every rank does,
     at its end), every rank's summary is gathered over it first (ranks.gather, as at the end
     of trace()), so the kernel or command line of each node sees the whole job's ranks."""

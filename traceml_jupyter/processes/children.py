@@ -43,7 +43,8 @@ from . import startup_hook
 from .startup_hook import CHANNEL, LOOP, NOTE, PACKAGE, TOKEN
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..recording import Recording
+    from ..result import RunResult
 
 HOOK_FILE = "sitecustomize.py"
 MAX_KNOCKS = 64  # connections waiting to give the token
@@ -237,7 +238,7 @@ class ChildCollector(ranks.Collector):
     """The ranks' collector, also listening on the channel: each child that gives the token is
     one more stream."""
 
-    def __init__(self, run: Run, channel: Channel) -> None:
+    def __init__(self, run: Recording, channel: Channel) -> None:
         super().__init__(run)
         self.channel = channel
         self.knocks: list[Knock] = []
@@ -313,7 +314,7 @@ class ChildCollector(ranks.Collector):
             found["text"] = f"{len(stepped)} processes"
         return found
 
-    def adopt_into(self, run: Run, drain_s: float) -> None:
+    def adopt_into(self, run: Recording, drain_s: float) -> None:
         """Put what the children sent into the run: their steps where they trained, else notes."""
         adopt_children(run, self, drain_s)
 
@@ -336,7 +337,7 @@ class ChildCollector(ranks.Collector):
 
 
 # -- what the children sent becomes the run's -----------------------------------------------------------
-def adopt_children(run: Run, collector: ChildCollector, drain_s: float) -> None:
+def adopt_children(run: Recording, collector: ChildCollector, drain_s: float) -> None:
     """See the module docstring."""
     children = [s for s in collector.streams if isinstance(s, ChildStream)]
     if len(children) < len(collector.streams):  # ranks forked from the cell: theirs is the run
@@ -393,7 +394,7 @@ def steps(stream: ranks.Stream) -> str:
     return f"{n} step" + ("" if n == 1 else "s")
 
 
-def become(run: Run, stream: ChildStream, ranked: bool) -> None:
+def become(run: Recording, stream: ChildStream, ranked: bool) -> None:
     """The run shows `stream`'s steps, with what its END said (its result, read by the codec):
     what a step was, the batches, the loader and where it was built, the passes kept out, the
     child's CPU and memory, its notes, and how it ended."""
@@ -408,7 +409,7 @@ def become(run: Run, stream: ChildStream, ranked: bool) -> None:
         run.error = ended_how(stream)
 
 
-def shows_result(run: Run, child: RunResult, ranked: bool) -> None:
+def shows_result(run: Recording, child: RunResult, ranked: bool) -> None:
     """What the run shows of a child's result besides its steps (the steps came in STEPS
     frames): its loop when --loop named one, what a step was, its batches, loader, data sources
     and passes, where the loader was built, the child's own CPU and memory (not the kernel's),
@@ -474,7 +475,7 @@ def script_loop(value: Any) -> str | None:
 
 
 @contextmanager
-def followed(run: Run, tcp: bool = False, loop: str | None = None) -> Iterator[ChildCollector]:
+def followed(run: Recording, tcp: bool = False, loop: str | None = None) -> Iterator[ChildCollector]:
     """For a traced cell: the channel open and in the environment while it runs; its children's
     streams go to the run's collector (the forked ranks' too). After it, nothing is left:
     the environment as before, no socket, no file, no thread."""
@@ -516,10 +517,10 @@ def started_commands(tree: ast.AST) -> list[str]:
     return found
 
 
-def no_training_line(run: Run, commands: list[str], started_by: str = "this cell") -> str | None:
+def no_training_line(run: RunResult, commands: list[str], started_by: str = "this cell") -> str | None:
     """The one line for a cell (or a command: `started_by`) whose processes ran no step (None
     when it started none)."""
-    processes = run.processes or []
+    processes = run.processes or ()
     if not processes and not commands:
         return None
     reasons = [str(n) for n in run.notes if " before its first step" in n or "was not traced" in n or "ran no step" in n]

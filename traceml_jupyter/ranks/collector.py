@@ -26,7 +26,7 @@ from .backward import RankParts, StepSample
 from .wire import END, HELLO, STEPS, End, end_result, read_frames
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..recording import Recording
 
 
 DRAIN_S = 3.0  # how long the end of a cell waits for ranks that are still sending steps
@@ -221,7 +221,7 @@ class Collector:
     """The kernel's side of the forked ranks: one thread (traceml-ranks) reads them all, keeps
     their steps and refreshes the run's views; `stop()` takes the rest, closes, joins."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: Recording) -> None:
         self.run = run
         self.pid = os.getpid()
         self.own_recorder = run.recorder  # the kernel's own steps (it may train too)
@@ -327,7 +327,7 @@ class Collector:
         """A stream in the notes: "Process 4242 (rank 1)"."""
         return f"Process {stream.pid} (rank {stream.label})"
 
-    def adopt_into(self, run: Run, drain_s: float) -> None:
+    def adopt_into(self, run: Recording, drain_s: float) -> None:
         """The end of the cell: what the processes sent becomes the run's (see adopt)."""
         adopt(run, self, drain_s)
 
@@ -362,7 +362,7 @@ class Collector:
             if one["rank"] in evidence:
                 one["summary"]["paired"] = evidence[one["rank"]]
         if self.run.finished:
-            found = self.run.straggler
+            found = self.run.result.straggler
             slowest = found["rank"] if found else None
             cause = found["cause"] if found else None
             score = found["score"] if found else None
@@ -430,7 +430,7 @@ def rank_summaries(streams: list[Stream], warmup: int | None) -> list[dict[str, 
     return summaries
 
 
-def adopt(run: Run, collector: Collector, drain_s: float) -> None:
+def adopt(run: Recording, collector: Collector, drain_s: float) -> None:
     """The forked ranks' summaries become the run's `ranks` (after waiting drain_s at most for
     ranks still sending); a kernel that did not train itself shows the steps of the rank that
     holds the others back, else of the lowest rank."""
@@ -467,7 +467,7 @@ def adopt(run: Run, collector: Collector, drain_s: float) -> None:
     run.notes.append(f"The steps shown are {whose}; every rank is in the per-rank table.")
 
 
-def shows_parts_of(run: Run, stream: Stream) -> None:
+def shows_parts_of(run: Recording, stream: Stream) -> None:
     """The run shows `stream`'s steps: their parts too, the facts its END said of them, and
     where its passes over the training loader began (each epoch's start-up)."""
     end = stream.end or {}

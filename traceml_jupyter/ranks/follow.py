@@ -19,7 +19,7 @@ from .collector import Collector
 from .identity import distributed_env
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..recording import Recording
 
 
 DATAPARALLEL_NOTE = (
@@ -32,7 +32,7 @@ DATAPARALLEL_NOTE = (
 
 
 @contextmanager
-def watching(run: Run, capture: Capture) -> Iterator[None]:
+def watching(run: Recording, capture: Capture) -> Iterator[None]:
     """For the capture's duration in a process that is one rank of several (torchrun): time
     backward() per step at the ticks, for the summary gathered at the end. Elsewhere nothing."""
     torch = sys.modules.get("torch")
@@ -44,7 +44,7 @@ def watching(run: Run, capture: Capture) -> Iterator[None]:
     tap = StepTap(capture, timer)
     local = LocalRank()
 
-    def at_tick(_run: Run) -> None:
+    def at_tick(_run: Recording) -> None:
         rows = tap.take()
         if rows is not None:
             local.add(rows)
@@ -63,7 +63,7 @@ def watching(run: Run, capture: Capture) -> Iterator[None]:
                 local.add(rows)
 
 
-def capture_ended(run: Run, capture: Capture) -> None:
+def capture_ended(run: Recording, capture: Capture) -> None:
     """After a capture, in the process that made it: the forked ranks' summaries on the run
     (their last steps taken first), and the note for nn.DataParallel. Never raises."""
     feed = run.rank_collector
@@ -79,7 +79,7 @@ def capture_ended(run: Run, capture: Capture) -> None:
         feed.stop(0.0)
 
 
-def dataparallel_note(run: Run) -> None:
+def dataparallel_note(run: Recording) -> None:
     """nn.DataParallel in the user's namespace (IPython's, or a script's __main__): say it is
     one process, and what to use instead."""
     torch = sys.modules.get("torch")
@@ -100,7 +100,7 @@ def dataparallel_note(run: Run) -> None:
 
 
 @contextmanager
-def followed(run: Run, capture: Capture | None = None) -> Iterator[Capture]:
+def followed(run: Recording, capture: Capture | None = None) -> Iterator[Capture]:
     """`capture_session(run, capture)` followed across processes: ranks forked inside it stream their
     steps to this run (their summaries are on it once it ends), and on one rank of several
     (torchrun) its own backward() is timed for the summary gathered at the end."""

@@ -17,7 +17,7 @@ from .backward import LocalRank
 from .identity import dist_rank, distributed_env, loader_facts, process_group
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..recording import Recording
 
 
 INTEGERS = {"rank", "pid", "n_steps", "n_analysed", "warmup_steps", "num_workers", "batch_size"}
@@ -67,7 +67,7 @@ def decode_steps(values: Any, n: int = GATHERED_STEPS) -> dict[str, np.ndarray]:
     return out
 
 
-def local_steps(run: Run) -> dict[str, np.ndarray]:
+def local_steps(run: Recording) -> dict[str, np.ndarray]:
     """This rank's steps with its time in backward() per step (rank_evidence's COLUMNS)."""
     cols = run.recorder.columns()
     steps = np.asarray(cols["step"], dtype=np.int64)
@@ -91,16 +91,16 @@ def with_evidence(summaries: list[dict[str, Any]], steps: list[dict[str, np.ndar
             entry["paired"] = evidence[entry["rank"]]
 
 
-def local_summary(run: Run, rank: int) -> dict[str, Any]:
+def local_summary(run: Recording, rank: int) -> dict[str, Any]:
     """This rank's summary (its own steps, before any other rank's is known)."""
-    summary = run.summary
+    summary = run.result.summary
     feed = run.rank_collector
     backward = feed.backward.median(int(summary["warmup_steps"])) if isinstance(feed, LocalRank) else None
     loader = run.loader_ref() if run.loader_ref is not None else None
     return rank_summary(rank, summary, backward, pid=os.getpid(), loader=loader_facts(run.loader_info, loader))
 
 
-def gather(run: Run, error: BaseException | None) -> None:
+def gather(run: Recording, error: BaseException | None) -> None:
     """At the end of trace() on one rank of several: every rank's summary on every rank, in one
     all_gather over the existing process group. Not after an error (the others may never come
     to the collective)."""
@@ -139,7 +139,7 @@ def gather(run: Run, error: BaseException | None) -> None:
             )
 
 
-def shows_report(run: Run) -> bool:
+def shows_report(run: object) -> bool:
     """Among several ranks only rank 0 prints the report (every rank has `run.ranks`)."""
     rank, world = dist_rank()
     return world is None or world < 2 or not rank

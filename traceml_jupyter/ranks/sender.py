@@ -17,7 +17,7 @@ from .identity import dist_rank, loader_facts
 from .wire import END, HELLO, STEPS, STEPS_PER_FRAME, End, Hello, Who, end_document, frame
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from ..recording import Recording
 
 
 FINAL_SEND_S = 2.0  # how long a rank's exit waits for the kernel to take its last frames
@@ -28,7 +28,7 @@ class Sender:
     never waits for the kernel: sends are non-blocking, and what the socket cannot take now is
     sent at a later tick."""
 
-    def __init__(self, sock: socket.socket, tap: StepTap, run: Run, index: int) -> None:
+    def __init__(self, sock: socket.socket, tap: StepTap, run: Recording, index: int) -> None:
         self.pid = os.getpid()
         self.sock = sock
         self.tap = tap
@@ -49,7 +49,7 @@ class Sender:
         self._put(frame(HELLO, hello))
         self._push()
 
-    def __call__(self, run: Run) -> None:
+    def __call__(self, run: Recording) -> None:
         """The run's observer in the rank (at most 4 times a second, at a step boundary)."""
         if os.getpid() != self.pid or self.closed:
             return

@@ -69,13 +69,13 @@ def stand_in_cpu(run: Any, model: ModelRate | None, split: Split | None, on_cpu:
         if split is not None and split.cpu_share is not None:
             loading = split.cpu_share * split.batch_ms  # CPU ms a batch at num_workers=0
         found = model_cpu(
-            run.process_cpu_ms,
+            run.result.loop.process_cpu_ms,
             float(np.nansum(steps["compute_ms"])),
             len(steps["compute_ms"]) * model.batches_per_step,
             loading,
             float(np.nansum(steps["data_wait_ms"])),
-            run.thread_cpu_ms,
-            run.thread_wait_ms,
+            run.result.loop.thread_cpu_ms,
+            run.result.loop.thread_wait_ms,
         )
     return found if found is not None else ModelCpu(1.0 if on_cpu else 0.0)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..analysis.resources import saturation_text
 from ..analysis.tune_plan import (
@@ -40,6 +40,9 @@ from .recipe import Recipe, name_of, recipe_of
 from .result import DEFAULT_BUDGET_S, TuneResult
 from .sandbox import Deadlines, RandomStates, child_pids, reap
 
+if TYPE_CHECKING:
+    from ..kernel.cells import FinishedRun
+
 # Kept back from the budget to stop the last candidate's workers and build the result.
 RESERVE_S = 0.3
 # A candidate may overrun its share by this much (one slow batch) before it is stopped hard.
@@ -58,11 +61,11 @@ def _remember(loader: Any, result: TuneResult) -> None:
     """Keep the result for the checklist, and refresh the checklist of the last run that trained
     on this loader: its num_workers item now quotes the rates measured."""
     from ..kernel.code_facts import read_kernel_at_end
-    from ..kernel_state import remember_tune, tuned_for
-    from ..run import runs
+    from ..kernel_state import RUNS, remember_tune, tuned_for
 
     remember_tune(loader, dict(result.to_dict()))  # kernel_state (a base module) holds it untyped
-    for run in reversed(runs()):
+    runs: list[FinishedRun] = list(RUNS)
+    for run in reversed(runs):
         ref = run.loader_ref
         if ref is not None and tuned_for(ref()) is not None:
             read_kernel_at_end(run)
@@ -96,7 +99,7 @@ def tune(
     up to the usable CPUs, and one more when samples wait on I/O). `progress` is called with
     a dict per event. The stop button ends it early with what was measured.
     """
-    from ..run import last
+    from ..kernel_state import RUNS
 
     if not budget > 0:
         raise TuneError(f"the budget must be a positive number of seconds, got {budget!r}")
@@ -104,7 +107,7 @@ def tune(
         raise TuneError(f"compute_ms must be a positive number of ms, got {compute_ms!r}")
     if workers is not None and (not list(workers) or min(workers) < 0):
         raise TuneError(f"workers must be counts of 0 or more, like [0, 1, 2, 4]; got {workers!r}")
-    run = last()
+    run: FinishedRun | None = RUNS[-1] if RUNS else None
     if loader is None:
         if run is None:
             raise TuneError(

@@ -9,8 +9,9 @@ from ..failures import never_raise
 from ..kernel.shell import ipython_shell
 
 if TYPE_CHECKING:
+    from ..kernel.cells import FinishedRun
     from ..kernel.code_facts import KernelReading
-    from ..run import Run
+    from .live_header import LiveRecording
 
 
 class LiveView(Protocol):
@@ -20,7 +21,7 @@ class LiveView(Protocol):
     finished. `close` draws that final state if the run's last tick did not, and leaves it
     displayed."""
 
-    def refresh(self, run: Run | None = None) -> None:
+    def refresh(self, run: LiveRecording | None = None) -> None:
         """Draw what the run holds now (its final state once it has finished)."""
 
     def close(self) -> None:
@@ -31,7 +32,7 @@ class ReportDisplay:
     """The final report as a display object: static HTML for notebooks, the box for terminals
     (renderers of the run's result: report.report_html, result.text)."""
 
-    def __init__(self, run: Run, reading: KernelReading | None = None) -> None:
+    def __init__(self, run: FinishedRun, reading: KernelReading | None = None) -> None:
         self.run = run
         self.reading = reading  # the code around the run and its checklist, read once (read_kernel_at_end)
 
@@ -55,7 +56,7 @@ def register_views() -> None:
     REPORT_BUNDLES[:] = [lambda run, include, exclude: ReportDisplay(run)._repr_mimebundle_(include, exclude)]
 
 
-def show_report(run: Run, view: LiveView | None = None) -> None:
+def show_report(run: FinishedRun, view: LiveView | None = None) -> None:
     """Stop the live view (its chart stays, with the final data), evaluate the checklist once
     (it stays on the run: `run.checklist`) and show the report below the chart."""
     from ..kernel.code_facts import read_kernel_at_end
@@ -65,7 +66,9 @@ def show_report(run: Run, view: LiveView | None = None) -> None:
             view.close()
     reading = read_kernel_at_end(run)
     if ipython_shell() is None:
-        print_whole(run.text())
+        from ..result import text
+
+        print_whole(text(run.result))
         return
     from IPython.display import display
 
@@ -81,7 +84,7 @@ def print_whole(text: str) -> None:
     sys.stdout.flush()
 
 
-def start_live_view(run: Run, show: bool = True) -> LiveView | None:
+def start_live_view(run: LiveRecording, show: bool = True) -> LiveView | None:
     """The live chart for a notebook front-end, or (show=False, or no front-end) only the
     GPU sampling behind it; None if it cannot start."""
     from .live import start

@@ -54,7 +54,7 @@ from .live_svg import (
 from .loop_passes import loops_around, passes_of
 
 if TYPE_CHECKING:
-    from ..run import Run
+    from .live_header import LiveRecording
 
 
 # Each refresh (at most 4 a second) redraws one widget, so the view sends at most one comm
@@ -293,7 +293,7 @@ class LiveView:
 
     def __init__(
         self,
-        run: Run,
+        run: LiveRecording,
         chart: WidgetChart | HtmlChart | None,
         shell: Any = None,
         widgets: bool = False,
@@ -368,7 +368,7 @@ class LiveView:
         return resources_text(self.run)
 
     # -- the observer ----------------------------------------------------------------------
-    def refresh(self, run: Run | None = None) -> None:
+    def refresh(self, run: LiveRecording | None = None) -> None:
         """The run's observer: draw the steps so far (within the update budget), or the final
         state once the run has finished (its header read off the result)."""
         if self.closed or self.final_done:
@@ -487,7 +487,7 @@ def live_widget_count() -> int:
     return len(instances)
 
 
-def start(run: Run, show: bool = True) -> LiveView | None:
+def start(run: LiveRecording, show: bool = True) -> LiveView | None:
     """Show the live view of `run` under the cell and register it with the run.
 
     A widget front-end gets the bqplot chart once the run lasts long enough for an update

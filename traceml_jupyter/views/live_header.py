@@ -6,8 +6,8 @@ report shows them."""
 from __future__ import annotations
 
 import html
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypedDict
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import numpy as np
 
@@ -18,7 +18,88 @@ from .live_svg import LEGEND_HTML, WINDOW
 
 if TYPE_CHECKING:
     from ..result import RunResult
-    from ..run import Run
+
+
+class StepsSoFar(Protocol):
+    """The steps recorded so far, as the live chart reads them (the capture's Recorder)."""
+
+    @property
+    def origin_ns(self) -> int | None:
+        """perf_counter_ns when the recording began."""
+    @property
+    def n_steps(self) -> int:
+        """The steps recorded so far."""
+    def tail(self, n: int) -> dict[str, np.ndarray]:
+        """The last `n` steps' columns."""
+
+
+class LiveRecording(Protocol):
+    """What the live chart reads of a run while it records (recording.Recording), and its
+    result once it has finished (`finished`, `result`). Read-only, but for `notes` (a view's
+    failure is a note on the run) and `observe` (the chart's refresh is one of its observers)."""
+
+    @property
+    def name(self) -> str:
+        """The run's name."""
+    @property
+    def finished(self) -> bool:
+        """The run has finished: `result` is frozen."""
+    @property
+    def result(self) -> RunResult:
+        """The result: frozen once finished, else so far."""
+    @property
+    def notes(self) -> list[str]:
+        """What could not be measured or shown (a view appends its failure)."""
+    @property
+    def recorder(self) -> StepsSoFar:
+        """The per-step columns recorded so far."""
+    @property
+    def n_steps(self) -> int:
+        """The steps recorded so far."""
+    @property
+    def warmup(self) -> int | None:
+        """The warm-up steps asked for (None: automatic)."""
+    @property
+    def expected_steps(self) -> int | None:
+        """The steps a pass was expected to have."""
+    @property
+    def loops_started(self) -> int:
+        """Passes begun over the located loop."""
+    @property
+    def loop_line(self) -> int | None:
+        """The located loop's line."""
+    @property
+    def loop_where(self) -> str | None:
+        """Where the loop is ("this cell", a function)."""
+    @property
+    def cell_source(self) -> str | None:
+        """The traced cell's text."""
+    @property
+    def gpu_used(self) -> bool:
+        """The loop ran on a CUDA device."""
+    @property
+    def batch_size(self) -> int | None:
+        """Samples in a batch, if known."""
+    @property
+    def error(self) -> str | None:
+        """What stopped the cell, if anything."""
+    @property
+    def gpu_samples(self) -> Mapping[str, Any] | None:
+        """NVML samples kept once the watch stopped."""
+    @property
+    def gpu_note(self) -> str | None:
+        """Why GPU figures are missing."""
+    @property
+    def rank_collector(self) -> object:
+        """ranks.Collector while ranks stream (its live(window))."""
+    @property
+    def resource_watch(self) -> Any:
+        """The capture's ResourceWatch while it samples."""
+    @property
+    def step_parts(self) -> Any:
+        """The capture's StepParts: columns(cols) of sampled steps."""
+    def observe(self, observer: Callable[[Any], None]) -> None:
+        """Call `observer` at the run's ticks, and once when it finishes."""
 
 
 SEVERITY_COLOUR = {"critical": "#c0392b", "warn": "#b9770e", "info": "#2e7d32"}
@@ -107,7 +188,7 @@ HeaderNumbers = TypedDict(
 )
 
 
-def live_ranks(run: Run) -> dict[str, Any] | None:
+def live_ranks(run: LiveRecording) -> dict[str, Any] | None:
     """Several forked ranks: each one's last WINDOW steps and the rank that holds the others
     back (ranks.Collector.live); None for one process."""
     live = getattr(run.rank_collector, "live", None)
@@ -139,7 +220,7 @@ def clock_columns(
 
 
 def live_numbers(
-    run: Run,
+    run: LiveRecording,
     tail: Mapping[str, np.ndarray],
     total: int | None,
     pass_info: tuple[int, int, int] | None,
@@ -225,7 +306,7 @@ def header_parts(numbers: HeaderNumbers, gpu: str) -> list[str]:
     return parts
 
 
-def gpu_text(run: Run) -> str:
+def gpu_text(run: LiveRecording) -> str:
     """"GPU 87 % | mem 10.2 / 80 GiB" while it runs (the allocator's figure for this process
     on a CUDA loop, else NVML's device-wide one), "GPU 87 % on average" at the end, else why
     there is no GPU figure."""
@@ -263,7 +344,7 @@ def kept_gpu_text(samples: Mapping[str, Any] | None, note: str | None, used: boo
     return note or ("GPU n/a" if not used else "GPU: not sampled")
 
 
-def host_text(run: Run) -> str | None:
+def host_text(run: LiveRecording) -> str | None:
     """"CPU 1.8 / 2 cores | RSS 1.2 GiB": the cores busy in the training process and its
     DataLoader workers, of the usable ones, and the process's memory (newest sample while it
     runs, the loop's median at the end); None before the sampler has two samples."""
@@ -292,7 +373,7 @@ def _host_line(cores: float, usable: float, rss: float | None, saturated: bool) 
     return text
 
 
-def resources_text(run: Run) -> str:
+def resources_text(run: LiveRecording) -> str:
     """The header's last part: GPU, then CPU and memory (what the capture samples while the run
     records; once it has finished and its watch stopped, what its result kept)."""
     host = host_text(run)

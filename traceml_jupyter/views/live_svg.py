@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import html
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from ..run import Run
-
 
 WINDOW = 300  # steps in the rolling chart
 OVERVIEW_BINS = 128  # bins of the overview strip over the whole run
@@ -114,7 +110,7 @@ def window_rows(wait: np.ndarray, compute: np.ndarray, parts: dict[str, np.ndarr
     return np.vstack([wait, *split, rest])
 
 
-def window_parts(run: Run, cols: Mapping[str, np.ndarray], on_gpu: bool) -> dict[str, np.ndarray] | None:
+def window_parts(run: object, cols: Mapping[str, np.ndarray], on_gpu: bool) -> dict[str, np.ndarray] | None:
     """The parts of the window's steps on its clock (None: the run has no parts)."""
     parts = getattr(run, "step_parts", None)
     if parts is None or not len(cols["step"]):

@@ -52,8 +52,8 @@ from .report_style import (
 )
 
 if TYPE_CHECKING:
+    from ..kernel.cells import FinishedRun
     from ..result import RunResult
-    from ..run import Run
 
 
 ROOT_CLASS = "traceml-report"
@@ -301,7 +301,7 @@ def _phases(result: RunResult) -> str:
     return out
 
 
-def report_html(run: Run, checklist: Sequence[Item] | None = None) -> str:
+def report_html(run: FinishedRun, checklist: Sequence[Item] | None = None) -> str:
     """The report of a finished run, of this kernel or read back from its file: its result
     rendered with what the kernel reads for it (the code around it; the checklist, `checklist`
     when given, else the one the file saved, else evaluated now)."""

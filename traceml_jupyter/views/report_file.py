@@ -19,8 +19,8 @@ from .report import render_html
 from .report_style import BORDER, FG, MUTED, SANS, SUBTLE
 
 if TYPE_CHECKING:
+    from ..kernel.cells import FinishedRun
     from ..result import RunResult
-    from ..run import Run
 
 CHART_WIDTH, CHART_HEIGHT = 900, 150
 MAX_POINTS = 600  # a longer run is drawn as the means of Overview's bins
@@ -77,7 +77,7 @@ def _footer(result: RunResult) -> str:
     )
 
 
-def html_page(run: Run) -> str:
+def html_page(run: FinishedRun) -> str:
     """The page `run.save("x.html")` writes: the run's result, with what the kernel reads for
     it (the checklist as it was shown, when it was; else evaluated now)."""
     saved = run.result.reading.checklist
@@ -101,7 +101,7 @@ def report_page(result: RunResult, reading: KernelReading | None = None) -> str:
     )
 
 
-def write_report_file(run: Run, path: str) -> None:
+def write_report_file(run: FinishedRun, path: str) -> None:
     """Write the run's report page (html_page) to `path`."""
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(html_page(run))

@@ -222,7 +222,7 @@ def until(test: Any, timeout_s: float = 20.0) -> None:
 @pytest.mark.parametrize("tcp", [False, True], ids=["unix socket", "127.0.0.1"])
 def test_a_connection_without_the_token_and_a_malformed_frame_are_refused(untouched: None, tcp: bool) -> None:
     run = Run("guarded")
-    with children.followed(run, tcp=tcp) as collector, ranks.followed(run):  # as a traced cell
+    with children.followed(run.recording, tcp=tcp) as collector, ranks.followed(run.recording):  # as a traced cell
         address, token = os.environ[CHANNEL], os.environ[TOKEN].encode()
         # Another cell's or user's connection: a wrong token, then frames. Nothing of it is read.
         foreign = knock(address, b"0" * len(token) + ranks.frame(ranks.STEPS, {}, steps_rows(5, 1, 2)))
@@ -246,14 +246,14 @@ def test_a_connection_without_the_token_and_a_malformed_frame_are_refused(untouc
     assert len(refused) == 2
     assert any("sent what could not be read: ValueError: a frame of" in n for n in run.notes)
     assert run.n_steps == 12 and run.verdict == "INPUT-BOUND"  # only the good child's steps
-    assert run.loader_site == {"file": "/x/train.py", "line": 7}  # what its end's result says
-    assert run.step_definition == "a step = one `optimizer.step()` of SGD"
-    assert sorted(str(p["pid"]) for p in run.processes or []) == ["42", "None"]  # the broken one said no hello
+    assert run.result.data.loader_site == {"file": "/x/train.py", "line": 7}  # what its end's result says
+    assert run.result.steps.definition == "a step = one `optimizer.step()` of SGD"
+    assert sorted(str(p["pid"]) for p in run.result.processes or []) == ["42", "None"]  # the broken one said no hello
 
 
 def test_who_trained_decides_what_the_run_shows(untouched: None) -> None:
     run = Run("several")
-    with children.followed(run) as collector, ranks.followed(run):
+    with children.followed(run.recording) as collector, ranks.followed(run.recording):
         address, token = os.environ[CHANNEL], os.environ[TOKEN].encode()
         short = knock(address, token + ranks.frame(ranks.HELLO, {"pid": 1, "command": "python a.py"}))
         short.sendall(ranks.frame(ranks.STEPS, {}, steps_rows(5, 1.0, 10.0)))
@@ -277,7 +277,7 @@ def test_who_trained_decides_what_the_run_shows(untouched: None) -> None:
     assert "`python c.py` failed (exit status 2): ValueError: bad flag, before its first step." in notes
     assert "`python3.9 d.py` (pid 4) trains but was not traced: no numpy" in notes
     assert "`python e.py` ended without saying how (killed, or os._exit), before its first step." in notes
-    statuses = sorted((p["pid"], p["status"]) for p in run.processes or [])
+    statuses = sorted((p["pid"], p["status"]) for p in run.result.processes or [])
     assert statuses == [(1, "stopped"), (2, "stopped"), (3, "failed"), (4, "not traced"), (5, "stopped")]
 
 
@@ -323,7 +323,7 @@ def test_the_hook_costs_a_child_that_does_not_train_nothing_but_its_check(untouc
     (fake / "torch").mkdir(parents=True)
     (fake / "torch" / "__init__.py").write_text("")
     run = Run("no training")
-    with children.followed(run) as collector, ranks.followed(run):
+    with children.followed(run.recording) as collector, ranks.followed(run.recording):
         env = {**os.environ, "PYTHONPATH": os.environ["PYTHONPATH"] + os.pathsep + str(earlier)}
         code = "import sitecustomize, sys; print(sitecustomize.MARK); print('torch' in sys.modules)"
         out = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -332,7 +332,7 @@ def test_the_hook_costs_a_child_that_does_not_train_nothing_but_its_check(untouc
         subprocess.run([PYTHON, "-c", "import torch"], env=env, check=True)
         until(lambda: any(getattr(s, "note", None) for s in collector.streams))
     run.finish()
-    assert len(run.processes or []) == 1  # the first child never connected
+    assert len(run.result.processes or []) == 1  # the first child never connected
     assert "trains but was not traced: traceml could not start here: ModuleNotFoundError" in " ".join(run.notes)
 
 
@@ -344,14 +344,14 @@ def test_bang_python_with_a_slow_loader_is_input_bound_at_the_scripts_line(ip: A
     assert result.error_in_exec is None and run is not None, out
     truth = json.loads(truth_file.read_text())  # the script's own next() and steps, timed by hand
     share = float(np.median(np.array(truth["wait_ms"][3:]) / np.array(truth["step_ms"][3:])))
-    assert run.n_steps == 24 and run.step_kind == "optimizer" and run.verdict == "INPUT-BOUND"
+    assert run.n_steps == 24 and run.result.steps.kind == "optimizer" and run.verdict == "INPUT-BOUND"
     assert run.summary["data_wait_share"] == pytest.approx(share, abs=0.05)
     assert where(run, "num_workers") == f"train.py, line {LOADER_LINE}"
     assert where(run, "per_sample_cost") == f"train.py, line {SLEEP_LINE}"
     start = next(c for c in run.result.reading.checklist or () if c["key"] == "start_method")
     assert start["status"] == "ok" and "from module train.py" in start["seen"]  # a script, not a notebook cell
-    assert run.loader_info is not None and run.loader_info["num_workers"] == 0 and run.batch_size == 4
-    (child,) = run.processes or []
+    assert run.result.data.loader is not None and run.result.data.loader["num_workers"] == 0 and run.result.steps.batch_size == 4
+    (child,) = run.result.processes or []
     assert child["status"] == "finished" and child["exit_status"] == 0 and child["n_steps"] == 24
     assert child["command"].startswith("python ") and "train.py --sleep-ms 3" in child["command"]
 
@@ -370,8 +370,8 @@ def test_subprocess_run_and_os_system_of_a_balanced_script_and_one_that_exits_ea
     assert result.error_in_exec is None and run is not None, out
     assert ip.user_ns["status"] == 2 << 8  # os.system's wait status: the child's exit status 2
     assert run.n_steps == 16 and run.verdict == "COMPUTE-BOUND", run.text()  # its DataLoader worker sent nothing
-    assert sorted(p["n_steps"] for p in run.processes or []) == [0, 16]
-    assert run.host is not None and len(run.host["workers"]) == 1  # the child's resources: its worker
+    assert sorted(p["n_steps"] for p in run.result.processes or []) == [0, 16]
+    assert run.result.resources.host is not None and len(run.result.resources.host["workers"]) == 1  # the child's resources: its worker
     assert any("--quit 2` failed (exit status 2), before its first step." in n for n in run.notes), run.notes
 
 
@@ -406,7 +406,7 @@ def test_a_cell_that_trains_itself_and_starts_a_child_that_trains(kernel_trains:
     )
     result, run, out = cell(ip, source)
     assert result.error_in_exec is None and run is not None, out
-    assert run.n_steps == 8 and run.loop_line == 10  # the kernel's own steps
+    assert run.n_steps == 8 and run.result.loop.line == 10  # the kernel's own steps
     assert "`python other.py` (pid 7), a child process, trained too (5 steps); its steps are not shown." in run.notes
     assert "The steps shown are the kernel's own." in run.notes
     # Nothing Python trains: one line says so, naming the command.
@@ -422,8 +422,10 @@ def test_the_stop_button_ends_the_child_as_without_the_magic(ip: Any, untouched:
     def press_stop() -> None:
         def stepped() -> bool:
             run = traceml_jupyter.last()
-            feed = getattr(run, "rank_collector", None)
-            return run is not before and feed is not None and any(s.recorder.n_steps for s in feed.streams)
+            if run is None or run is before or run.finished:
+                return False
+            feed = run.recording.rank_collector
+            return feed is not None and any(s.recorder.n_steps for s in feed.streams)
 
         try:
             until(stepped, 60)
@@ -437,7 +439,7 @@ def test_the_stop_button_ends_the_child_as_without_the_magic(ip: Any, untouched:
     finally:
         stopper.join()
     assert isinstance(result.error_in_exec, KeyboardInterrupt)
-    assert run is not None and run.n_steps > 0 and run.error == "KeyboardInterrupt"
+    assert run is not None and run.n_steps > 0 and run.result.error == "KeyboardInterrupt"
     assert "Step Time:" in out  # the partial report, before the KeyboardInterrupt
 
 
@@ -451,7 +453,7 @@ def test_a_child_that_outlives_its_cell_stops_reporting_cleanly(
         "%%traceml --no-live\n"
         "import subprocess, sys, time, traceml_jupyter\n"
         f"child = subprocess.Popen([sys.executable, {str(TRAIN)!r}, '--steps', '40', '--sleep-ms', '1', '--linger', '1', '--done', {str(done)!r}], stderr=subprocess.PIPE)\n"
-        "while not any(s.recorder.n_steps for s in traceml_jupyter.last().rank_collector.streams):\n"
+        "while not any(s.recorder.n_steps for s in traceml_jupyter.last().recording.rank_collector.streams):\n"
         "    time.sleep(0.02)\n"
     )
     result, run, out = cell(ip, source)
@@ -460,7 +462,7 @@ def test_a_child_that_outlives_its_cell_stops_reporting_cleanly(
         assert result.error_in_exec is None and run is not None
         assert 0 < run.n_steps <= 40
         assert any("was still running 0.3 s after the cell ended" in n for n in run.notes)
-        assert run.processes and run.processes[0]["status"] == "running"
+        assert run.result.processes and run.result.processes[0]["status"] == "running"
     finally:
         _, err = child.communicate(timeout=120)
     assert child.returncode == 0 and done.read_text() == "done" and not err, err  # trained on, untouched
@@ -469,7 +471,7 @@ def test_a_child_that_outlives_its_cell_stops_reporting_cleanly(
 @pytest.mark.slow
 def test_percent_run_traces_in_process_and_tune_finds_the_scripts_loader(ip: Any, untouched: None) -> None:
     result, run, out = cell(ip, f"%%traceml --no-live\n%run {TRAIN} --sleep-ms 2 --steps 12")
-    assert result.error_in_exec is None and run is not None and run.processes is None
+    assert result.error_in_exec is None and run is not None and run.result.processes is None
     assert run.n_steps == 12 and run.verdict == "INPUT-BOUND"
     assert where(run, "num_workers") == f"train.py, line {LOADER_LINE}"
     assert run.loader_ref is not None and run.loader_ref() is not None  # main()'s loader, kept
@@ -488,8 +490,8 @@ def test_loop_file_line_steps_a_script_without_training_events(ip: Any, untouche
     line = line_of(script, "for batch in batches(")
     result, run, out = cell(ip, f"%%traceml --no-live --loop {script}:{line}\n!{PYTHON} {script} 20")
     assert result.error_in_exec is None and run is not None, out
-    assert run.n_steps == 20 and run.step_kind == "iteration" and run.verdict == "INPUT-BOUND"
-    assert run.loop_line == line and run.loop_where == "generator_loop.py"
+    assert run.n_steps == 20 and run.result.steps.kind == "iteration" and run.verdict == "INPUT-BOUND"
+    assert run.result.loop.line == line and run.result.loop.where == "generator_loop.py"
     assert f"loop on line {line} of generator_loop.py" in run.text()
     result, run, out = cell(ip, "%%traceml --loop nowhere/train.py:3\n!echo hi")
     assert run is None and "--loop nowhere/train.py:3: there is no file nowhere/train.py" in out
@@ -504,8 +506,8 @@ def test_torchrun_in_a_cell_names_the_rank_that_holds_the_others_back(ip: Any, u
     assert result.error_in_exec is None and run is not None, out
     assert run.verdict == "RANK STRAGGLER", run.text()
     assert run.straggler is not None and run.straggler["rank"] == 1 and run.straggler["cause"] == "input"
-    assert sorted(r["rank"] for r in run.ranks or []) == [0, 1]  # the elastic agent sent nothing
-    assert len(run.processes or []) == 2
+    assert sorted(r["rank"] for r in run.result.ranks or []) == [0, 1]  # the elastic agent sent nothing
+    assert len(run.result.processes or []) == 2
     assert "Ranks (median per step; * holds the others back):" in run.text()
 
 

@@ -120,10 +120,10 @@ def test_the_gpu_pieces_touch_nothing_of_cuda_until_it_is_initialised(cuda_calls
     from traceml_jupyter.demo import default_device
 
     run = Run()
-    with gpu_watched(run) as watch:
+    with gpu_watched(run.recording) as watch:
         assert watch.api is None
     assert torch_cuda_api() is None
-    clock = new_clock([], run, None)
+    clock = new_clock([], run.recording, None)
     clock.start()
     clock.finish()
     sampler = GpuSampler()

@@ -50,8 +50,8 @@ traced = partial(traced_with, options="--no-live --lines off")
 
 def test_a_trainer_owned_loop_whose_gpu_is_busy_is_compute_bound_on_the_gpu_clock(ip: Any, gpu: FakeGpu) -> None:
     run = traced(ip, "library_fit(DataLoader(Slow(24, 8.0), batch_size=None), 14.0)\n")
-    assert run.step_kind == "optimizer" and run.loop_line is None and run.n_steps == 24
-    assert run.cuda_device == 0 and run.clock == "gpu"
+    assert run.result.steps.kind == "optimizer" and run.result.loop.line is None and run.n_steps == 24
+    assert run.result.gpu.cuda_device == 0 and run.clock == "gpu"
     # The host waited 8 ms a step in next(), but the GPU had 14 ms of queued work to hide it.
     cols = run.steps
     assert float(cols["data_wait_ms"][5:].mean()) > 7.0
@@ -91,11 +91,11 @@ def test_a_loop_that_allocates_nothing_but_keeps_the_gpu_busy_is_on_the_gpu(ip: 
             gpu.launch(6.0)  # a CUDA graph replayed: kernels, no allocation
         """,
     )
-    assert run.cuda_device == 0 and run.clock == "gpu"
+    assert run.result.gpu.cuda_device == 0 and run.clock == "gpu"
     assert run.summary["step_ms"] == pytest.approx(6.0, rel=0.2)
 
 
 def test_a_cpu_loop_next_to_a_gpu_tensor_stays_on_the_cpu_clock(ip: Any, gpu: FakeGpu) -> None:
     gpu.devices[0].allocations = 50  # a model from an earlier cell sits on the GPU
     run = traced(ip, "for batch in DataLoader(Slow(16, 2.0), batch_size=None):\n    time.sleep(0.003)\n")
-    assert run.cuda_device is None and run.clock == "cpu" and run.verdict != "HOST-BOUND"
+    assert run.result.gpu.cuda_device is None and run.clock == "cpu" and run.verdict != "HOST-BOUND"

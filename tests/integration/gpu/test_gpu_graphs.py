@@ -153,12 +153,12 @@ for batch in DataLoader(Slow(24, 1.0), batch_size=None):
 def test_the_documentations_whole_network_capture_never_raises_and_each_replay_is_a_step(ip: Any, gpu: FakeGpu) -> None:
     run = traced(ip, WHOLE_NETWORK)
     assert gpu.graphs_captured == 1 and ip.user_ns["g"].ready  # the user's capture is intact
-    assert run.loop_line == 12  # the replay loop, not the warm-up loop before the capture
-    graphs = run.cuda_graphs
+    assert run.result.loop.line == 12  # the replay loop, not the warm-up loop before the capture
+    graphs = run.result.gpu.cuda_graphs
     assert graphs["captures"] == 1 and graphs["replays"] == 24 and graphs["invalidated"] == 0
     assert graphs["training_events_in_captures"] == 2  # backward and the optimizer step: recorded
-    assert run.step_kind == "optimizer" and run.n_steps == 3 + 24  # the warm-up, then each replay
-    assert run.clock == "gpu" and run.cuda_device == 0
+    assert run.result.steps.kind == "optimizer" and run.n_steps == 3 + 24  # the warm-up, then each replay
+    assert run.clock == "gpu" and run.result.gpu.cuda_device == 0
     assert run.summary["compute_ms"] == pytest.approx(6.0, rel=0.25)  # the replay, on the GPU clock
     assert any(n.startswith("CUDA graphs in use") for n in run.notes)
     assert run.to_dict()["cuda_graphs"]["replays"] == 24
@@ -181,9 +181,9 @@ def test_a_graph_captured_in_an_earlier_cell_is_replayed_as_the_step(ip: Any, gp
         """,
     )
     assert gpu.devices[0].allocations == allocations  # the loop allocates nothing
-    assert run.cuda_device == 0 and run.clock == "gpu"
+    assert run.result.gpu.cuda_device == 0 and run.clock == "gpu"
     assert run.n_steps == 20 and run.summary["step_ms"] == pytest.approx(6.0, rel=0.25)
-    assert run.cuda_graphs["replays"] == 20 and run.cuda_graphs["captures"] == 0
+    assert run.result.gpu.cuda_graphs["replays"] == 20 and run.result.gpu.cuda_graphs["captures"] == 0
 
 
 @pytest.mark.slow
@@ -227,8 +227,8 @@ def test_a_pinned_non_blocking_copy_inside_a_capture_is_left_to_the_replay(ip: A
     copied = run.steps["h2d_bytes"]
     assert copied[2:5].tolist() == [8_000_000] * 3  # the loop's own copies (watched from its decision)
     assert not copied[5:].any()  # the one in the capture is not run there, and replays run it in the graph
-    assert run.h2d["sites"][0]["timed"] == run.h2d["copies"]
-    assert run.cuda_graphs["calls_skipped_during_capture"] >= 1
+    assert run.result.gpu.h2d["sites"][0]["timed"] == run.result.gpu.h2d["copies"]
+    assert run.result.gpu.cuda_graphs["calls_skipped_during_capture"] >= 1
 
 
 @pytest.mark.slow
@@ -251,7 +251,7 @@ def test_torch_compile_reduce_overhead_pattern_never_raises(ip: Any, gpu: FakeGp
     )
     assert gpu.graphs_captured == 1
     assert run.n_steps == 24 and run.clock == "gpu"
-    assert run.cuda_graphs["replays"] == 23  # every call after the warm-up
+    assert run.result.gpu.cuda_graphs["replays"] == 23  # every call after the warm-up
     assert run.summary["compute_ms"] == pytest.approx(3.0, rel=0.3)
 
 
@@ -304,5 +304,5 @@ def test_a_capture_begun_outside_cudagraph_is_seen_once_a_step(ip: Any, gpu: Fak
         """,
     )
     assert ip.user_ns["raw"].ready  # not invalidated by anything of ours
-    assert run.cuda_graphs is not None and run.cuda_graphs["capture_outside_cudagraph"]
+    assert run.result.gpu.cuda_graphs is not None and run.result.gpu.cuda_graphs["capture_outside_cudagraph"]
     assert cuda_graphs._STATE.foreign is False  # reset for the next cell

@@ -201,7 +201,7 @@ def test_memory_held_by_earlier_cells_is_named_biggest_first(ip: Any, gpu: FakeG
         """,
         names,
     )
-    held = run.held_before["devices"][0]
+    held = run.result.resources.held_before["devices"][0]
     assert held["allocated_mib"] == pytest.approx(before)
     mine = [(h["name"], round(h["mib"])) for h in held["holders"] if h["name"] in names]
     assert mine == [("old_opt", 2400), ("old_model", 1200), ("outputs", 800), ("model", 10)]
@@ -263,9 +263,9 @@ def test_an_out_of_memory_error_is_explained_above_the_unchanged_traceback(ip: A
     error = result.error_in_exec
     assert isinstance(error, torch.cuda.OutOfMemoryError)  # the user's error, unchanged
     frames = traceback.extract_tb(error.__traceback__)
-    cell_frames = [f for f in frames if f.filename == run.cell_filename]
+    cell_frames = [f for f in frames if f.filename == run.result.loop.cell_filename]
     assert cell_frames and cell_frames[-1].lineno == 5  # points at the cell's own line
-    oom = run.oom
+    oom = run.result.resources.oom
     assert (oom["step"], oom["completed_steps"], oom["device"]) == (7, 6, 0)  # i == 6: the 7th
     assert oom["requested_mib"] == pytest.approx(100 * 1024) and oom["capacity_mib"] == 8192
     assert oom["allocated_mib"] == pytest.approx(gpu.module.memory_allocated(0) / MIB)
@@ -326,7 +326,7 @@ def test_code_that_reads_the_peak_keeps_it(ip: Any, gpu: FakeGpu, allocator: Fak
         {"model": model, "batches": batches(), "torch": torch},
     )
     assert allocator.calls["reset"] == 0  # never reset under the user's own reading
-    assert run.gpu_memory["peak_reset_each_step"] is False
+    assert run.result.resources.gpu_memory["peak_reset_each_step"] is False
     assert run.summary["gpu_mem_peak_mib"] == pytest.approx(400.0, abs=0.5)
 
 

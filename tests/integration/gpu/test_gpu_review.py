@@ -38,14 +38,15 @@ class Bench:
         self.code = compile("\n" + textwrap.dedent(body).strip("\n") + "\n", "<cell>", "exec")
         self.names: dict[str, Any] = {"gpu": gpu, "cuda": gpu.module, "FakeTensor": FakeTensor}
         self.names.update(names or {})
-        run = self.run = Run()
+        self.handle = Run()
+        run = self.run = self.handle.recording
         run.recorder.origin_ns = self.clock()
         run.cell_filename, run.cell_source = "<cell>", source
         self.step: int | None = None
         run.current_step = lambda: self.step  # type: ignore[method-assign]
         run.capture_thread = threading.get_ident()
         run.cuda_device = device
-        run._gpu_used = True
+        run.gpu_used = True
         self.watch = GpuWatch(run, gpu.api(device=device), self.clock)
         run.gpu_watch = self.watch
         self._events: list[tuple[int, FakeEvent, FakeEvent]] = []
@@ -82,7 +83,7 @@ class Bench:
             self.run.recorder.add_gpu(k, 0.0, start.elapsed_time(end))
         self._events.clear()
         self.watch.close()
-        return self.run.finish()
+        return self.handle.finish()
 
 
 @pytest.fixture()
@@ -123,8 +124,8 @@ def test_a_dataparallel_replica_thread_copying_to_its_device_passes_through(fake
     bench.start().steps(6)
     run = bench.close()
     assert not errors
-    assert run.h2d is not None and run.h2d["copies"] == 6  # the loop's own copies only
-    assert run.sync_stalls is not None and run.sync_stalls["calls"] == 0  # not the replicas' .item()
+    assert run.result.gpu.h2d is not None and run.result.gpu.h2d["copies"] == 6  # the loop's own copies only
+    assert run.result.gpu.sync_stalls is not None and run.result.gpu.sync_stalls["calls"] == 0  # not the replicas' .item()
 
 
 def test_set_device_in_the_loop_times_each_copy_on_its_own_device(fake_clock: HostClock) -> None:
@@ -139,7 +140,7 @@ def test_set_device_in_the_loop_times_each_copy_on_its_own_device(fake_clock: Ho
     """
     bench = Bench(gpu, body, names={"x": FakeTensor(10_000_000, pinned=True)}).start().steps(8)
     run = bench.close()
-    sites = {s["line"]: s for s in run.h2d["sites"]}
+    sites = {s["line"]: s for s in run.result.gpu.h2d["sites"]}
     assert sites[2]["timed"] == sites[4]["timed"] == 8
     assert sites[2]["side_stream"] == 0 and sites[4]["side_stream"] == 8  # another device's copy
     assert np.allclose(run.steps["h2d_ms"], 1.0)  # only the loop device's copy is step time
@@ -161,7 +162,7 @@ def test_an_error_of_ours_turns_the_copy_watch_off_and_the_users_copy_still_runs
     bench.steps(3)
     run = bench.close()
     assert bench.names["out"] == ["cuda:0"] * 5  # every copy was made
-    assert run.h2d is None and "h2d_ms" not in run.steps
+    assert run.result.gpu.h2d is None and "h2d_ms" not in run.steps
     assert any("Copies to the GPU were not timed after an error: RuntimeError: CUDA driver hiccup" in n for n in run.notes)
 
 
@@ -315,7 +316,7 @@ def test_a_loop_on_cuda_1_is_measured_on_cuda_1(fake_clock: HostClock) -> None:
     run = bench.close()
     assert gpu.current_device == 0
     assert run.summary["gpu_backlog_ms"] > 10.0  # device 1's queue, not idle device 0's
-    assert run.h2d["sites"][0]["side_stream"] == 0
+    assert run.result.gpu.h2d["sites"][0]["side_stream"] == 0
     assert run.verdict == "COMPUTE-BOUND"
 
 
@@ -344,7 +345,7 @@ def test_a_gpu_bound_loop_that_waits_in_a_sync_is_not_host_bound(fake_clock: Hos
     s = run.summary
     assert s["sync_ms"] == pytest.approx(9.7, abs=0.2)  # the host's wait, timed
     assert run.verdict == "COMPUTE-BOUND", run.verdict_detail.why
-    top = run.sync_stalls["sites"][0]
+    top = run.result.gpu.sync_stalls["sites"][0]
     assert top["line"] == 4 and top["every_step"] and top["wait_ms_per_step"] > 9
 
 
@@ -418,8 +419,8 @@ def test_steps_are_matched_with_samples_on_the_gpus_timeline(fake_clock: HostClo
     while fake_clock() < 900e6:  # the sampler's thread, every 200 ms, while the GPU drains
         fake_clock.sleep(200e6)
         sampler.sample_once()
+    bench.run.gpu_samples = sampler.samples.columns()  # as the resource watch leaves them
     run = bench.close()
-    run.gpu_samples = sampler.samples.columns()
     cols = run.columns()
     placed = at_steps(sampler.samples.columns(), cols["time_s"], cols["gpu_backlog_ms"])
     assert np.nanmedian(placed["gpu_util_pct"]) == 100.0
@@ -469,7 +470,7 @@ def test_a_loop_on_a_non_default_stream_counts_its_copies_and_its_backlog(fake_c
     """
     run = Bench(gpu, body, names={"batch": FakeTensor(30_000_000, pinned=True)}).start().steps(30).close()
     gpu.set_stream(gpu.devices[0].default_stream)
-    assert run.h2d["sites"][0]["side_stream"] == 0
+    assert run.result.gpu.h2d["sites"][0]["side_stream"] == 0
     assert run.summary["h2d_ms"] == pytest.approx(3.0)
     assert run.summary["gpu_backlog_ms"] > 10.0
     assert run.verdict == "H2D-BOUND"
@@ -499,7 +500,7 @@ def prefetched(clock: HostClock, batch_bytes: int, work_ms: float, steps: int) -
 def test_a_prefetch_on_a_side_stream_is_not_step_time(fake_clock: HostClock) -> None:
     """1 ms copies behind 5 ms steps: the loop's stream finds each copy done when it waits."""
     run = prefetched(fake_clock, 10_000_000, 5.0, 20)
-    site = run.h2d["sites"][0]
+    site = run.result.gpu.h2d["sites"][0]
     assert site["side_stream"] == site["copies"] == site["timed"] == 20
     assert site["waited_ms_per_step"] == 0.0
     assert run.summary["h2d_ms"] == 0.0 and run.verdict != "H2D-BOUND"
@@ -526,7 +527,7 @@ def test_a_side_stream_copy_waited_for_at_once_is_step_time(fake_clock: HostCloc
     loss = y.item()
     """
     run = Bench(gpu, body, names={"batch": FakeTensor(30_000_000, pinned=True), "side": side}).start().steps(30).close()
-    site = run.h2d["sites"][0]
+    site = run.result.gpu.h2d["sites"][0]
     assert site["side_stream"] == 30 and site["waited_ms_per_step"] == pytest.approx(3.0)
     assert run.summary["h2d_ms"] == pytest.approx(3.0)
     assert run.summary["h2d_side_stream_waited"] == [3]
@@ -559,9 +560,9 @@ def test_pageable_non_blocking_is_a_timed_wait_not_an_async_copy(fake_clock: Hos
     run = Bench(gpu, body, names={"big": FakeTensor(20_000_000)}).start().steps(30).close()
     s = run.summary
     assert s["h2d_non_blocking_share"] == 0.0  # not asynchronous, whatever it says
-    site = run.h2d["sites"][0]
+    site = run.result.gpu.h2d["sites"][0]
     assert site["non_blocking"] == site["pageable_non_blocking"] == 30
-    kinds = {k for x in run.sync_stalls["sites"] for k in x["kinds"]}
+    kinds = {k for x in run.result.gpu.sync_stalls["sites"] for k in x["kinds"]}
     assert kinds == {"pageable non_blocking copy"}
     assert s["sync_ms"] > 5.0  # the host waited for the 6 ms kernel before the copy
     v = run.verdict_detail
@@ -608,7 +609,7 @@ def test_a_slow_side_stream_copy_at_the_head_does_not_hide_the_others(fake_clock
     with gpu.module.stream(side):
         names["side_work"] = FakeTensor(10, device="cuda")
     run = Bench(gpu, body, names=names).start().steps(20).close()
-    for site in run.h2d["sites"]:
+    for site in run.result.gpu.h2d["sites"]:
         assert site["timed"] == site["copies"], site
 
 
@@ -635,7 +636,7 @@ def test_no_event_is_kept_after_the_cell(fake_clock: HostClock) -> None:
     gpu = machine(fake_clock)
     body = "y = x.to('cuda', non_blocking=True).work(1.0)\nv = y.item()"
     run = Bench(gpu, body, names={"x": FakeTensor(1000, pinned=True)}).start().steps(50).close()
-    assert run.h2d["copies"] == 50
+    assert run.result.gpu.h2d["copies"] == 50
     gc.collect()
     alive = [o for o in gc.get_objects() if isinstance(o, FakeEvent) and o.gpu is gpu]
     assert alive == []

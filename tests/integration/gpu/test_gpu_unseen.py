@@ -140,7 +140,7 @@ def test_under_cuda_malloc_async_a_training_loop_is_still_a_gpu_loop(ip: Any, gp
         """,
     )
     assert gpu.module.memory_stats(1)["allocation.all.allocated"] == 0
-    assert run.cuda_device == 1 and run.clock == "gpu"
+    assert run.result.gpu.cuda_device == 1 and run.clock == "gpu"
     assert run.summary["step_ms"] == pytest.approx(4.0 + 1.0, rel=0.4)
 
 
@@ -151,14 +151,14 @@ def test_a_loop_that_allocates_nothing_and_syncs_every_step_keeps_the_gpu_clock(
     allocations = gpu.devices[0].allocations
     run = traced(ip, "for i in range(20):  # traceml: loop\n    gpu.launch(5.0)\n    v = static.item()\n")
     assert gpu.devices[0].allocations == allocations
-    assert run.cuda_device == 0 and run.clock == "gpu"
+    assert run.result.gpu.cuda_device == 0 and run.clock == "gpu"
     assert run.summary["compute_ms"] == pytest.approx(5.0, rel=0.3)
 
 
 def test_in_place_kernels_then_synchronize_keep_the_gpu_clock(ip: Any, gpu: FakeGpu) -> None:
     """gpu_check's D3: `x.add_(1); torch.cuda._sleep(...); torch.cuda.synchronize()`."""
     run = traced(ip, "for i in range(20):  # traceml: loop\n    gpu.launch(5.0)\n    cuda.synchronize()\n")
-    assert run.cuda_device == 0 and run.clock == "gpu"
+    assert run.result.gpu.cuda_device == 0 and run.clock == "gpu"
     assert not any("timed on the CPU clock" in n for n in run.notes)
 
 
@@ -166,7 +166,7 @@ def test_in_place_kernels_then_synchronize_keep_the_gpu_clock(ip: Any, gpu: Fake
 def test_a_cpu_loop_while_cuda_is_initialised_is_not_taken_in_silence(ip: Any, gpu: FakeGpu) -> None:
     gpu.devices[0].allocations = 50  # a model of an earlier cell sits on the GPU
     run = traced(ip, "for batch in DataLoader(Slow(12, 1.0), batch_size=None):\n    time.sleep(0.002)\n")
-    assert run.clock == "cpu" and run.cuda_device is None
+    assert run.clock == "cpu" and run.result.gpu.cuda_device is None
     assert any("CUDA is initialised, but the loop's first 3 steps showed no work on a GPU" in n for n in run.notes)
     gpu.backend = "cudaMallocAsync"
     run = traced(ip, "for batch in DataLoader(Slow(12, 1.0), batch_size=None):\n    time.sleep(0.002)\n")
@@ -228,7 +228,7 @@ def test_empty_cache_every_step_is_a_timed_wait_not_host_bound(ip: Any, gpu: Fak
             cuda.empty_cache()
         """,
     )
-    top = run.sync_stalls["sites"][0]
+    top = run.result.gpu.sync_stalls["sites"][0]
     assert top["kinds"] == ["torch.cuda.empty_cache"] and top["call"] == "cuda.empty_cache()"
     assert run.summary["syncs_all_seen"]  # timed where it is called: seen
     assert run.verdict == "COMPUTE-BOUND"
@@ -266,7 +266,7 @@ def test_a_wait_event_prefetcher_is_followed_like_wait_stream(ip: Any, gpu: Fake
             v = x.item()
         """,
     )
-    site = run.h2d["sites"][0]
+    site = run.result.gpu.h2d["sites"][0]
     assert site["side_stream"] == site["copies"] and site["waited"] == site["copies"]
     assert site["waited_ms_per_step"] == pytest.approx(site["ms_per_step"], rel=0.1)  # 4 ms copies
     assert run.summary["h2d_ms"] == pytest.approx(4.0, rel=0.15)
@@ -307,6 +307,6 @@ def test_sync_warnings_cost_is_measured(ip: Any, gpu: FakeGpu) -> None:
             implicit_sync(x)
         """,
     )
-    assert run.sync_stalls["warning_us"] > 0
+    assert run.result.gpu.sync_stalls["warning_us"] > 0
     assert run.summary["own_host_ms"] > 0
     assert SYNC_MESSAGE not in str(warnings.filters[:3])

@@ -218,7 +218,7 @@ def test_large_pageable_batches_are_h2d_bound(ip: Any, gpu: FakeGpu) -> None:
     assert s["h2d_lines"] == [4]
     assert "on line 4" in run.verdict_detail.next
     assert "|  Step Time: H2D-BOUND" in shown and "GPU compute:" in shown
-    site = run.h2d["sites"][0]
+    site = run.result.gpu.h2d["sites"][0]
     assert (site["line"], site["in_cell"], site["copies_per_step"]) == (4, True, 1.0)
     saved = run.to_dict()
     assert saved["h2d"]["sites"][0]["line"] == 4 and "h2d_ms" in saved["steps"]
@@ -248,5 +248,5 @@ def test_a_cpu_machine_patches_nothing_and_measures_no_copies(ip: Any) -> None:
     with capture_output():
         ip.run_cell("%%traceml --no-live\nfor x in xs:\n    y = x.to(torch.float64).sum().item()\n")
     run = traceml_jupyter.last()
-    assert run is not None and run.h2d is None and run.sync_stalls is None
+    assert run is not None and run.result.gpu.h2d is None and run.result.gpu.sync_stalls is None
     assert run.summary["h2d_ms"] is None and "h2d_ms" not in run.steps

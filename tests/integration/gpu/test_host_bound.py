@@ -18,7 +18,7 @@ from traceml_jupyter.analysis.verdict import diagnose, host_bound, sync_sentence
 from traceml_jupyter.capture.gpu.gpu_watch import GpuWatch, gpu_watched
 from traceml_jupyter.capture.gpu.syncs import SYNC_MESSAGE, call_text
 from traceml_jupyter.capture.resources import nvml
-from traceml_jupyter.run import Run
+from traceml_jupyter.run import Recording, Run
 
 # -- the rule, from synthetic columns ----------------------------------------------------------
 
@@ -199,13 +199,13 @@ def test_call_text_finds_the_syncing_call_on_the_line() -> None:
 class Loop:
     """What the capture tells the watch: the step being run on its thread (None between)."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: Recording) -> None:
         self.step: int | None = None
         run.current_step = lambda: self.step  # type: ignore[method-assign]
 
 
-def watched_run(gpu: FakeGpu, clock: HostClock) -> tuple[Run, GpuWatch, Loop]:
-    run = Run()
+def watched_run(gpu: FakeGpu, clock: HostClock) -> tuple[Recording, GpuWatch, Loop]:
+    run = Run().recording
     run.cell_filename = "<cell>"
     run.cell_source = "%%traceml\nfor x in data:\n    y = x.item()\n    z = f(y)\n"
     loop = Loop(run)
@@ -214,7 +214,7 @@ def watched_run(gpu: FakeGpu, clock: HostClock) -> tuple[Run, GpuWatch, Loop]:
     return run, watch, loop
 
 
-def step(run: Run, loop: Loop, clock: HostClock, host_ms: float, gpu: FakeGpu, gpu_ms: float) -> None:
+def step(run: Recording, loop: Loop, clock: HostClock, host_ms: float, gpu: FakeGpu, gpu_ms: float) -> None:
     loop.step = run.recorder.n_steps
     t0 = clock()
     gpu.launch(gpu_ms)
@@ -232,7 +232,7 @@ def test_backlog_is_how_far_the_gpu_is_behind_when_a_step_ends() -> None:
     for _ in range(40):  # each step queues 5 ms of GPU work in 1 ms of host time
         step(run, loop, clock, 1.0, gpu, 5.0)
     watch.close()
-    cols = run.steps
+    cols = run.columns()
     probed = np.isfinite(cols["gpu_backlog_ms"])
     assert cols["step"][probed].tolist() == list(range(3, 40, 4))  # every 4th step end
     expected = 4.0 * (cols["step"][probed] + 1)  # 4 ms more behind after each step
@@ -248,7 +248,7 @@ def test_a_gpu_that_keeps_up_has_no_backlog() -> None:
     for _ in range(20):  # 5 ms of Python for 0.1 ms of GPU work
         step(run, loop, clock, 5.0, gpu, 0.1)
     watch.close()
-    backlog = run.steps["gpu_backlog_ms"]
+    backlog = run.columns()["gpu_backlog_ms"]
     assert np.nanmax(backlog) == 0.0 and np.isfinite(backlog).sum() == 5
 
 
@@ -281,7 +281,7 @@ def test_item_waits_are_timed_and_implicit_syncs_counted_on_their_lines() -> Non
     assert item["kinds"] == ["item"] and item["calls_per_step"] == 1.0 and item["every_step"]
     assert item["wait_ms_per_step"] == pytest.approx(3.0)
     assert implicit["kinds"] == ["implicit"] and implicit["wait_ms_per_step"] is None
-    cols = run.steps
+    cols = run.columns()
     assert cols["sync_calls"].tolist() == [2.0] * 10
     assert cols["sync_untimed"].tolist() == [1.0] * 10
     assert np.allclose(cols["sync_ms"], 3.0)
@@ -353,7 +353,7 @@ def test_the_users_own_sync_debug_mode_is_left_alone() -> None:
 
 def test_a_loop_that_never_runs_on_cuda_patches_nothing() -> None:
     gpu = FakeGpu(HostClock(fake=True))
-    run = Run()
+    run = Run().recording
     before = dict(FakeTensor.__dict__)
     with gpu_watched(run, gpu.api()) as watch:
         assert run.gpu_watch is watch
@@ -365,7 +365,7 @@ def test_a_loop_that_never_runs_on_cuda_patches_nothing() -> None:
 def test_without_cuda_the_watch_stays_dormant_and_touches_nothing() -> None:
     import torch
 
-    run = Run()
+    run = Run().recording
     before = dict(torch.Tensor.__dict__)
     with gpu_watched(run) as watch:  # this machine has no CUDA device: nothing initialised
         assert run.gpu_watch is watch and watch.api is None
@@ -439,11 +439,11 @@ def test_item_every_step_is_named_on_its_line(ip: Any, gpu: FakeGpu) -> None:
         """,
     )
     assert run.clock == "gpu"
-    top = run.sync_stalls["sites"][0]
+    top = run.result.gpu.sync_stalls["sites"][0]
     assert (top["line"], top["call"], top["every_step"]) == (5, "loss.item()", True)
     assert top["share"] > 0.5  # the host waits there for the GPU's 6 ms
-    assert [s["line"] for s in run.sync_stalls["sites"]] == [5, 6]  # the capture's own waits are not
-    implicit = next(s for s in run.sync_stalls["sites"] if s["line"] == 6)
+    assert [s["line"] for s in run.result.gpu.sync_stalls["sites"]] == [5, 6]  # the capture's own waits are not
+    implicit = next(s for s in run.result.gpu.sync_stalls["sites"] if s["line"] == 6)
     assert implicit["kinds"] == ["implicit"] and implicit["calls_per_step"] == 1.0
     assert run.summary["sync_top"]["call"] == "loss.item()"
     assert run.summary["sync_calls"] == 2.0

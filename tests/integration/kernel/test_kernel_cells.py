@@ -81,7 +81,7 @@ total"""
 FACTS = """\
 t.join(10)
 runs = {r.name: r for r in traceml_jupyter.runs()}
-print(json.dumps({name: {"steps": r.n_steps, "kind": r.step_kind, "phases": [p["kind"] for p in r.phases]}
+print(json.dumps({name: {"steps": r.n_steps, "kind": r.result.steps.kind, "phases": [p["kind"] for p in r.result.data.phases]}
                   for name, r in runs.items()} | {"done": len(done), "total": total}))"""
 
 
@@ -95,8 +95,8 @@ env_before = dict(os.environ)
 !{sys.executable} {TRAIN_SCRIPT} --sleep-ms 3 --steps 20"""
 SCRIPT_FACTS = """\
 r = traceml_jupyter.last()
-print(json.dumps({"verdict": r.verdict, "steps": r.n_steps, "line": r.loader_site["line"],
-                  "env": dict(os.environ) == env_before, "pids": [p["pid"] for p in r.processes],
+print(json.dumps({"verdict": r.verdict, "steps": r.n_steps, "line": r.result.data.loader_site["line"],
+                  "env": dict(os.environ) == env_before, "pids": [p["pid"] for p in r.result.processes],
                   "threads": [t.name for t in threading.enumerate() if t.name.startswith("traceml")]}))"""
 BROKEN = "x = 1 +"  # a compile error, plain and traced: the same error in the kernel's reply
 LAST_ERROR = """\

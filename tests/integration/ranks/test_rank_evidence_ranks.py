@@ -103,7 +103,7 @@ def traced(tmp_path: Path, sleep_rank: int | None) -> tuple[Run, np.ndarray]:
     out = tmp_path / f"run{time.monotonic_ns()}"
     out.mkdir()
     run = Run("ddp")
-    with ranks.followed(run):
+    with ranks.followed(run.recording):
         mp.start_processes(ddp_training, args=(free_port(), sleep_rank, str(out)), nprocs=2, start_method="fork")
     run.finish()
     hand = np.array([json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)])
@@ -113,7 +113,7 @@ def traced(tmp_path: Path, sleep_rank: int | None) -> tuple[Run, np.ndarray]:
 def by_hand(run: Run, hand: np.ndarray, rank: int) -> dict[str, float]:
     """From the ranks' own timers, over the analysed steps: the share of steps `rank` spent less
     in backward than the other (it arrived last), and how much longer the other waited."""
-    first = max(int(r["warmup_steps"]) for r in run.ranks or [])
+    first = max(int(r["warmup_steps"]) for r in run.result.ranks or [])
     mine, other = hand[rank, first:], hand[1 - rank, first:]
     return {"last_share": float(np.mean(mine < other)), "gap_ms": float(np.mean(other - mine))}
 
@@ -127,7 +127,7 @@ def comparison(run: Run) -> dict[str, Any]:
 def test_balanced_ranks_on_a_busy_machine_are_not_stragglers(tmp_path: Path, busy_core: None) -> None:
     for _ in range(5):
         run, hand = traced(tmp_path, sleep_rank=None)
-        assert [r["n_steps"] for r in run.ranks or []] == [STEPS, STEPS]
+        assert [r["n_steps"] for r in run.result.ranks or []] == [STEPS, STEPS]
         found = comparison(run)
         truth = by_hand(run, hand, found["rank"])
         evidence = found["evidence"]

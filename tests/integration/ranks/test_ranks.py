@@ -146,11 +146,11 @@ def no_leaks() -> Iterator[None]:
 @pytest.mark.slow
 def test_ranks_with_different_step_counts_are_said(no_leaks: None) -> None:
     run = Run("uneven")
-    with ranks.followed(run):  # rank 0 reads with 2 DataLoader workers (forked by the rank: no ranks)
+    with ranks.followed(run.recording):  # rank 0 reads with 2 DataLoader workers (forked by the rank: no ranks)
         mp.start_processes(independent_training, args=((12, 8), 0.0, 0.001, (2, 0)), nprocs=2, start_method="fork")
     run.finish()
-    assert [(r["rank"], r["n_steps"], r["status"]) for r in run.ranks or []] == [(0, 12, "finished"), (1, 8, "finished")]
-    assert all(r["backward_ms"] is not None for r in run.ranks or [])
+    assert [(r["rank"], r["n_steps"], r["status"]) for r in run.result.ranks or []] == [(0, 12, "finished"), (1, 8, "finished")]
+    assert all(r["backward_ms"] is not None for r in run.result.ranks or [])
     text = run.text()
     assert "different numbers of steps (rank 0 12, rank 1 8): uneven data" in text
     assert "The ranks' DataLoaders differ: num_workers 2 on rank 0, 0 on rank 1" in text
@@ -170,11 +170,11 @@ def test_a_rank_still_running_when_the_cell_ends_is_a_note(
     proc = ctx.Process(target=independent_training, args=(0, (40,), 30.0, 0.005))
     try:
         with pytest.raises(KeyboardInterrupt) if interrupted else nullcontext():
-            with ranks.followed(run):
+            with ranks.followed(run.recording):
                 proc.start()
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline:  # the rank has sent steps (at its ticks)
-                    feed = run.rank_collector
+                    feed = run.recording.rank_collector
                     if feed is not None and any(s.recorder.n_steps for s in feed.streams):
                         break
                     time.sleep(0.05)
@@ -187,22 +187,23 @@ def test_a_rank_still_running_when_the_cell_ends_is_a_note(
     notes = " ".join(run.notes)
     when = "when the cell was interrupted" if interrupted else "0.5 s after the cell ended"
     assert f"was still running {when}" in notes
-    assert run.ranks is not None and run.ranks[0]["status"] == "running"
+    assert run.result.ranks is not None and run.result.ranks[0]["status"] == "running"
 
 
 @pytest.mark.slow
 def test_dataloader_workers_are_not_ranks(no_leaks: None) -> None:
     run = Run("workers")
+    rec = run.recording
     loader = DataLoader(Batches(16), batch_size=4, num_workers=2, multiprocessing_context="fork")
     model = torch.nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with ranks.followed(run):
+    with ranks.followed(run.recording):
         for x, y in loader:
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
     run.finish()
-    assert run.rank_collector is None and run.ranks is None
+    assert rec.rank_collector is None and run.result.ranks is None
     assert run.n_steps == 4
 
 
@@ -226,10 +227,10 @@ def accelerate_training() -> None:
 def test_accelerate_notebook_launcher_forks_ranks_too() -> None:
     accelerate = pytest.importorskip("accelerate")
     run = Run("accelerate")
-    with ranks.followed(run):
+    with ranks.followed(run.recording):
         accelerate.notebook_launcher(accelerate_training, num_processes=2, use_port=str(free_port()))
     run.finish()
-    assert [(r["rank"], r["n_steps"], r["status"]) for r in run.ranks or []] == [(0, 5, "finished"), (1, 5, "finished")]
+    assert [(r["rank"], r["n_steps"], r["status"]) for r in run.result.ranks or []] == [(0, 5, "finished"), (1, 5, "finished")]
     assert not ranks.running and not mp.active_children()
 
 
@@ -275,7 +276,7 @@ FACTS = """\
 keys = ("rank", "n_steps", "status", "error")
 print(json.dumps({
     "runs": {r.name: {"verdict": r.verdict, "straggler": r.straggler,
-                      "ranks": [{k: x[k] for k in keys} for x in r.ranks or []]}
+                      "ranks": [{k: x[k] for k in keys} for x in r.result.ranks or []]}
              for r in traceml_jupyter.runs()},
     "threads": [t.name for t in threading.enumerate() if t.name.startswith("traceml")],
     "children": [p.pid for p in mp.active_children()],
@@ -384,7 +385,7 @@ def test_torchrun_ranks_gather_and_rank_0_prints_the_table() -> None:
         if line.startswith("RANKS "):
             _, rank, payload = line.split(" ", 2)
             seen[int(rank)] = json.loads(payload)
-    assert set(seen) == {0, 1}  # run.ranks and run.straggler on every rank
+    assert set(seen) == {0, 1}  # run.result.ranks and run.straggler on every rank
     for facts in seen.values():
         assert facts["straggler"]["rank"] == 1 and facts["straggler"]["cause"] == "input"
         assert facts["steps"] == [24, 24]

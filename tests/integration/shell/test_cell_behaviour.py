@@ -133,7 +133,7 @@ def test_batches_whose_shape_lies_or_raises_never_break_the_loop(ip: Any, batch:
     plain, traced = both(ip, SETUP, cell, ["seen"])
     assert plain == traced == {"seen": 4}
     got = traceml_jupyter.last()
-    assert got is not None and got.batch_size is None
+    assert got is not None and got.result.steps.batch_size is None
 
 
 def test_a_nested_tensor_collate_runs_as_without_the_magic(ip: Any) -> None:
@@ -174,7 +174,7 @@ wrapped = Wrapper([1, 2, 3])
     plain, traced = both(ip, setup, cell, ["n"])
     assert plain == traced == {"n": 12}
     got = traceml_jupyter.last()
-    assert got is not None and got.expected_steps is None
+    assert got is not None and got.result.steps.expected is None
 
 
 def test_await_and_async_for_run_as_ipython_runs_them(ip: Any) -> None:
@@ -195,7 +195,7 @@ async def batches(n):
     plain, traced = both(ip, setup, cell, ["total", "later"])
     assert plain == traced == {"total": 45, "later": "awaited"}
     got = traceml_jupyter.last()
-    assert got is not None and got.n_steps == 10 and got.loop_line == 3
+    assert got is not None and got.n_steps == 10 and got.result.loop.line == 3
     assert got.summary["data_wait_ms"] == pytest.approx(3.0, abs=2.0)
 
 
@@ -292,12 +292,12 @@ def test_steps_too_short_to_time_are_not_called_input_bound(ip: Any) -> None:
 def test_a_failure_of_ours_while_the_cell_ends_never_replaces_the_users_error(
     ip: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from traceml_jupyter.run import Run
+    from traceml_jupyter.recording import Recording
 
     def broken(self: Any, capture: Any, wall_ns: int) -> None:
         raise RuntimeError("a bug of ours")
 
-    monkeypatch.setattr(Run, "read_capture", broken)
+    monkeypatch.setattr(Recording, "read_capture", broken)
     r = run(ip, "%%traceml --no-live\nfor v in [1, 2, 3]:\n    if v == 2:\n        raise ValueError('the user')\n")
     assert isinstance(r.error_in_exec, ValueError) and str(r.error_in_exec) == "the user"
     got = traceml_jupyter.last()

@@ -34,7 +34,7 @@ def traced(ip: Any, scenario: str) -> Run:
     cell = demo.training_loop(scenario)
     ip.run_cell_magic("traceml", f"--name {scenario} --no-live", cell)
     run = kernel_state.RUNS[-1]
-    assert run.name == scenario and run.loop_where == "this cell"
+    assert run.name == scenario and run.result.loop.where == "this cell"
     return run
 
 
@@ -49,15 +49,15 @@ def clean_namespace(ip: Any) -> Iterator[None]:
 def test_each_scenario_gets_its_verdict(ip: Any, clean_namespace: None, scenario: str) -> None:
     run = traced(ip, scenario)
     assert run.verdict == demo.INTENDED_VERDICT[scenario], run.text()
-    assert run.error is None
+    assert run.result.error is None
     assert run.n_steps == TEST_BATCHES[scenario] * demo.EPOCHS[scenario]
 
 
 def test_fixed_is_faster_than_slow_and_no_longer_waits(ip: Any, clean_namespace: None) -> None:
     slow = traced(ip, "slow")
     fixed = traced(ip, "fixed")
-    assert fixed.loader_info is not None
-    assert fixed.loader_info["num_workers"] >= 2 and fixed.loader_info["persistent_workers"]
+    assert fixed.result.data.loader is not None
+    assert fixed.result.data.loader["num_workers"] >= 2 and fixed.result.data.loader["persistent_workers"]
     c = compare(slow, fixed)
     assert c.speedup is not None and c.speedup >= demo.FIXED_SPEEDUP, c.text()
     assert fixed.summary["data_wait_ms"] < slow.summary["data_wait_ms"] / 4, c.text()
@@ -70,9 +70,9 @@ def test_a_library_trainer_is_timed_through_its_optimizer_steps(ip: Any, clean_n
         "traceml", "--name library", "demo.library_fit(loader, model, opt, loss_fn, device, 2)"
     )
     run = kernel_state.RUNS[-1]
-    assert run.name == "library" and run.loop_line is None and run.n_steps == 24
-    assert run.step_kind == "optimizer" and "optimizer.step()` of SGD" in run.step_definition
-    assert run.loader_info is not None and run.loader_info["num_workers"] == 0
+    assert run.name == "library" and run.result.loop.line is None and run.n_steps == 24
+    assert run.result.steps.kind == "optimizer" and "optimizer.step()` of SGD" in run.result.steps.definition
+    assert run.result.data.loader is not None and run.result.data.loader["num_workers"] == 0
     assert run.verdict == "INPUT-BOUND", run.text()
 
 

@@ -18,7 +18,7 @@ def traced(ip: Any, cell: str) -> Any:
 def test_an_epoch_loop_chosen_as_the_loop_gets_no_batch_type_note(ip: Any) -> None:
     ip.run_cell("import torch\nbatches = [torch.ones(4, 2) for _ in range(3)]")
     run = traced(ip, "%%traceml --no-live --loop 2\nfor epoch in range(3):\n    for b in batches:\n        b.sum()\n")
-    assert run.n_steps == 3 and run.batch_size is None
+    assert run.n_steps == 3 and run.result.steps.batch_size is None
     assert not any("not tensors" in note for note in run.notes)
 
 
@@ -32,6 +32,6 @@ def test_a_library_run_gets_no_lines_note(ip: Any) -> None:
         "        lib_opt.zero_grad(); torch.nn.functional.mse_loss(lib_model(x), y).backward(); lib_opt.step()\n"
     )
     run = traced(ip, "%%traceml --no-live\nlib_fit()\n")
-    assert run.n_steps == 4 and run.step_kind == "optimizer" and run.batch_size == 8
+    assert run.n_steps == 4 and run.result.steps.kind == "optimizer" and run.result.steps.batch_size == 8
     assert not any("--lines" in note for note in run.notes)
     assert run.summary["samples_per_s"] is not None

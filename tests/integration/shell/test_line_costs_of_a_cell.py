@@ -44,7 +44,7 @@ def test_a_cpu_run_gets_ms_per_step_for_each_body_line(ip: Any, no_names_left: N
         """,
     )
     assert result.error_in_exec is None
-    costs = run.line_costs
+    costs = run.result.line_costs
     assert costs["clock"] == "wall clock" and costs["loop_line"] == 2
     rows = {r["line"]: r for r in costs["statements"]}
     assert sorted(rows) == [3, 4, 5, 7] and rows[5]["end_line"] == 6
@@ -62,7 +62,7 @@ def test_a_cpu_run_gets_ms_per_step_for_each_body_line(ip: Any, no_names_left: N
 def test_lines_off_times_nothing(ip: Any, no_names_left: None) -> None:
     ip.run_cell("batches = list(range(12))")
     result, run = traced(ip, "%%traceml --no-live --lines off\nfor x in batches:\n    y = x\n")
-    assert result.error_in_exec is None and run.line_costs is None
+    assert result.error_in_exec is None and run.result.line_costs is None
 
 
 @pytest.mark.slow
@@ -79,9 +79,9 @@ def test_a_traceback_points_at_the_line_that_failed(ip: Any, no_names_left: None
     )
     assert isinstance(result.error_in_exec, ZeroDivisionError)
     frames = traceback.extract_tb(result.error_in_exec.__traceback__)
-    cell_frames = [f for f in frames if f.filename == run.cell_filename]
+    cell_frames = [f for f in frames if f.filename == run.result.loop.cell_filename]
     assert cell_frames[-1].lineno == 4 and "10 / (x - 5)" in (cell_frames[-1].line or "")
-    assert run.line_costs is not None and run.n_steps == 6  # the partial run still has its costs
+    assert run.result.line_costs is not None and run.n_steps == 6  # the partial run still has its costs
 
 
 @pytest.mark.slow
@@ -100,7 +100,7 @@ def test_a_loop_in_a_function_of_the_cell_is_timed_and_restored(ip: Any, no_name
         """,
     )
     assert result.error_in_exec is None and ip.user_ns["answer"] == 66
-    assert [r["line"] for r in run.line_costs["statements"]] == [5]
+    assert [r["line"] for r in run.result.line_costs["statements"]] == [5]
     # After the cell the function runs plain: no clock needed any more.
     assert ip.run_cell("again = train(batches)").error_in_exec is None
     assert ip.user_ns["again"] == 66
@@ -113,6 +113,6 @@ def test_a_loop_in_another_cell_gets_its_cost_per_line_in_its_own_numbering(ip: 
     ip.run_cell("batches = list(range(12))")
     result, run = traced(ip, "%%traceml --no-live\nfit(batches)\n")
     assert result.error_in_exec is None and run.n_steps == 12
-    assert run.line_costs is not None and run.line_costs["loop_line"] == 2
-    assert [r["line"] for r in run.line_costs["statements"]] == [3]
-    assert "function fit" in (run.loop_where or "") and ip.user_ns["fit"].__code__ is plain
+    assert run.result.line_costs is not None and run.result.line_costs["loop_line"] == 2
+    assert [r["line"] for r in run.result.line_costs["statements"]] == [3]
+    assert "function fit" in (run.result.loop.where or "") and ip.user_ns["fit"].__code__ is plain

@@ -263,10 +263,10 @@ def test_the_gpu_note_is_left_on_the_run_for_the_report(
         traceml(ip, SLOW_LOOP)
     run = traceml_jupyter.last()
     assert run is not None
-    samples = run.gpu_samples
+    samples = run.result.gpu.samples
     assert samples is not None
     assert set(samples) == {"time_s", "gpu_util_pct", "gpu_mem_used_mib", "gpu_clock_mhz", "gpu_temp_c"}
-    note = getattr(run, "gpu_note", None)
+    note = run.result.gpu.note
     if not len(samples["time_s"]):  # no GPU here: the report says why
         assert note is not None and note.startswith("GPU n/a")
         last_header = recording.updates("HTMLModel")[-1][2]["state"]["value"]

@@ -115,11 +115,11 @@ def test_the_loop_in_the_method_is_located_timed_and_shown(trainers: Any, shape:
     # The cell did what it does without the magic: every step's loss came back.
     assert len(ip.user_ns["history"]) == STEPS == got.n_steps
     # The located loop is the method's, as the class's cell numbers its lines.
-    assert got.loop_line == LOOP_LINE and (got.loop_where or "").startswith("function Trainer.fit (")
-    assert got.loop_cell_source is not None and got.loop_cell_source.strip() == TRAINERS.strip()
+    assert got.result.loop.line == LOOP_LINE and (got.result.loop.where or "").startswith("function Trainer.fit (")
+    assert got.result.loop.loop_cell_source is not None and got.result.loop.loop_cell_source.strip() == TRAINERS.strip()
     # Each body line of the method got its cost per step; the line that sleeps 10 ms costs at
     # least that, and all of them together no more than the cell's own clock says a step took.
-    costs = {s["line"]: s["ms_per_step"] for s in got.line_costs["statements"]}
+    costs = {s["line"]: s["ms_per_step"] for s in got.result.line_costs["statements"]}
     assert sorted(costs) == BODY_LINES + [BODY_LINES[-1] + 1]  # and the `if` after the append
     assert costs[SLEEP_LINE] >= 10.0 * 0.95
     assert sum(costs.values()) <= cell_ms / STEPS
@@ -141,7 +141,7 @@ def test_an_instance_made_in_an_earlier_cell_is_located_as_before(trainers: Any)
     run(ip, "%%traceml --no-live\nhistory = old.fit()", check=True)
     got = traceml_jupyter.last()
     assert got is not None and got.n_steps == len(ip.user_ns["history"]) == STEPS
-    assert got.loop_line == LOOP_LINE and "function Trainer.fit (" in (got.loop_where or "")
+    assert got.result.loop.line == LOOP_LINE and "function Trainer.fit (" in (got.result.loop.where or "")
     assert ip.user_ns["Trainer"].__dict__["fit"].__code__ is plain
 
 
@@ -154,8 +154,8 @@ def test_an_error_inside_fit_keeps_its_traceback_and_the_class_its_code(trainers
     r = run(ip, "%%traceml --no-live\n" + cell)
     assert type(r.error_in_exec).__name__ == error and str(r.error_in_exec) == "diverged at step 3"
     got = traceml_jupyter.last()
-    assert got is not None and got.n_steps == 3 and got.loop_line == LOOP_LINE
-    assert got.error == f"{error}: diverged at step 3"
+    assert got is not None and got.n_steps == 3 and got.result.loop.line == LOOP_LINE
+    assert got.result.error == f"{error}: diverged at step 3"
     # The traceback ends on the method's own line, in the class's cell, as a plain run's would.
     last = traceback.extract_tb(r.error_in_exec.__traceback__)[-1]
     assert (last.filename, last.lineno) == (plain["fit"].co_filename, RAISE_LINE)

@@ -66,7 +66,7 @@ def test_a_slow_dataset_is_input_bound_with_the_injected_wait(shell: Any) -> Non
     assert got.clock == "cpu" and got.n_steps == 30
     assert got.summary["data_wait_ms"] == pytest.approx(20.0, rel=0.05)
     assert got.summary["data_wait_share"] >= 0.2
-    assert got.batch_size == 16 and got.loop_line == 2
+    assert got.result.steps.batch_size == 16 and got.result.loop.line == 2
     text = r.shown
     assert "|  Step Time: INPUT-BOUND" in text and "CPU compute:" in text
     assert "Why:" in text and "Next:" in text
@@ -101,7 +101,7 @@ def test_a_fast_in_memory_loader_with_a_heavy_model_is_compute_bound(shell: Any)
     got = traceml_jupyter.last()
     assert got is not None
     assert got.verdict == "COMPUTE-BOUND" and got.severity == "info"
-    assert got.n_steps == 64 and got.loop_line == 3
+    assert got.n_steps == 64 and got.result.loop.line == 3
     assert got.summary["compute_share"] >= 0.9
 
 
@@ -201,11 +201,11 @@ def test_an_error_in_the_cell_is_reraised_after_the_partial_report(shell: Any) -
     assert isinstance(r.error_in_exec, RuntimeError)
     got = traceml_jupyter.last()
     assert got is not None and got.name == "boom" and got.n_steps == 3
-    assert got.error == "RuntimeError: boom at step 2"
+    assert got.result.error == "RuntimeError: boom at step 2"
     assert "Step Time:" in r.shown and r.out.outputs  # the report was displayed
     # The traceback's last frame is the cell's own line 5 (the %%traceml line is line 1).
     frames = traceback.extract_tb(r.error_in_exec.__traceback__)
-    assert frames[-1].filename == got.cell_filename and frames[-1].lineno == 5
+    assert frames[-1].filename == got.result.loop.cell_filename and frames[-1].lineno == 5
     assert 'raise RuntimeError("boom at step 2")' in r.out.stdout
     assert "line 5" in r.out.stdout
 
@@ -234,7 +234,7 @@ def test_keyboard_interrupt_stops_the_cell_and_keeps_the_partial_run(shell: Any)
     )
     assert isinstance(r.error_in_exec, KeyboardInterrupt)
     got = traceml_jupyter.last()
-    assert got is not None and got.n_steps == 3 and got.error == "KeyboardInterrupt"
+    assert got is not None and got.n_steps == 3 and got.result.error == "KeyboardInterrupt"
     assert shell.user_ns["done"] == 3
 
 
@@ -252,9 +252,9 @@ def test_a_loader_that_raises_is_reraised_with_its_own_traceback(shell: Any) -> 
     assert isinstance(r.error_in_exec, ValueError)
     assert "corrupt sample 4" in str(r.error_in_exec)
     got = traceml_jupyter.last()
-    assert got is not None and got.n_steps == 4 and "corrupt sample 4" in (got.error or "")
+    assert got is not None and got.n_steps == 4 and "corrupt sample 4" in (got.result.error or "")
     frames = traceback.extract_tb(r.error_in_exec.__traceback__)
-    assert any(f.filename == got.cell_filename and f.lineno == 2 for f in frames)
+    assert any(f.filename == got.result.loop.cell_filename and f.lineno == 2 for f in frames)
 
 
 def test_an_empty_loader_is_no_data(shell: Any) -> None:
@@ -288,7 +288,7 @@ def test_loop_option_chooses_the_loop_and_rejects_a_line_without_one(shell: Any)
     r = run(shell, "%%traceml --loop 4\nfor a in a_list:\n    pass\nfor b in b_list:\n    pass\n")
     assert r.error_in_exec is None
     got = traceml_jupyter.last()
-    assert got is not None and got.loop_line == 4 and got.n_steps == 2
+    assert got is not None and got.result.loop.line == 4 and got.n_steps == 2
     r = run(shell, "%%traceml --loop 9\nfor a in a_list:\n    pass\n")
     assert type(r.error_in_exec).__name__ == "UsageError"
     assert "no for loop on line 9" in str(r.error_in_exec)
@@ -309,7 +309,7 @@ def test_leading_blank_lines_keep_line_numbers(shell: Any) -> None:
     r = run(shell, "%%traceml\n\n\nfor v in [1, 2]:\n    1 / (v - 2)\n")
     assert isinstance(r.error_in_exec, ZeroDivisionError)
     got = traceml_jupyter.last()
-    assert got is not None and got.loop_line == 4
+    assert got is not None and got.result.loop.line == 4
     assert traceback.extract_tb(r.error_in_exec.__traceback__)[-1].lineno == 5
 
 
@@ -365,8 +365,8 @@ def test_a_loop_inside_a_function_from_another_cell(shell: Any) -> None:
     r = run(shell, "%%traceml\nfor epoch in range(2):\n    train_one_epoch(model, loader)\n")
     assert r.error_in_exec is None
     got = traceml_jupyter.last()
-    assert got is not None and got.n_steps == 10 and got.loop_line == 3
-    assert "function train_one_epoch" in (got.loop_where or "")
+    assert got is not None and got.n_steps == 10 and got.result.loop.line == 3
+    assert "function train_one_epoch" in (got.result.loop.where or "")
     assert shell.user_ns["train_one_epoch"].__code__ is plain_code
 
 
@@ -390,7 +390,7 @@ def test_a_trainer_method_defined_in_a_cell(shell: Any) -> None:
     r = run(shell, "%%traceml\ntrainer.fit(3)\n")
     assert r.error_in_exec is None
     got = traceml_jupyter.last()
-    assert got is not None and got.n_steps == 15 and "Trainer.epoch" in (got.loop_where or "")
+    assert got is not None and got.n_steps == 15 and "Trainer.epoch" in (got.result.loop.where or "")
 
 
 def test_a_loop_the_magic_cannot_see_is_timed_by_its_training_events(
@@ -411,25 +411,25 @@ def test_a_loop_the_magic_cannot_see_is_timed_by_its_training_events(
     r = run(shell, "%%traceml\nlibtrainer.train(model, loader, crit)\n")
     assert r.error_in_exec is None
     got = traceml_jupyter.last()
-    assert got is not None and got.n_steps == 12 and got.loop_line is None
-    assert got.step_kind == "backward" and got.verdict == "INPUT-BOUND"
-    assert got.loader_info is not None and got.loader_info["num_workers"] == 0
+    assert got is not None and got.n_steps == 12 and got.result.loop.line is None
+    assert got.result.steps.kind == "backward" and got.verdict == "INPUT-BOUND"
+    assert got.result.data.loader is not None and got.result.data.loader["num_workers"] == 0
 
 
 def test_the_loader_behind_the_loop_is_described(shell: Any) -> None:
     run(shell, "loader = DataLoader(TensorDataset(torch.randn(40, 32), torch.randn(40, 1)), batch_size=8, num_workers=0)")
     run(shell, "%%traceml\nfor i, (x, y) in enumerate(loader):\n    crit(model(x), y).backward()\n")
     got = traceml_jupyter.last()
-    assert got is not None and got.loader_info is not None
-    assert got.loader_info["num_workers"] == 0 and got.loader_info["batch_size"] == 8
-    assert got.expected_steps == 5 and got.batch_size == 8
+    assert got is not None and got.result.data.loader is not None
+    assert got.result.data.loader["num_workers"] == 0 and got.result.data.loader["batch_size"] == 8
+    assert got.result.steps.expected == 5 and got.result.steps.batch_size == 8
 
 
 def test_non_tensor_batches_get_a_note_not_an_error(shell: Any) -> None:
     r = run(shell, "%%traceml\nfor word in ['a', 'b', 'c']:\n    pass\n")
     assert r.error_in_exec is None
     got = traceml_jupyter.last()
-    assert got is not None and got.batch_size is None
+    assert got is not None and got.result.steps.batch_size is None
     assert any("not tensors" in note for note in got.notes)
 
 
@@ -450,7 +450,7 @@ def test_the_python_api_gives_the_same_run_object() -> None:
                     x.sum()
     assert traceml_jupyter.last() is r
     assert r.n_steps == 8 and r.verdict in {"COMPUTE-BOUND", "INPUT-BOUND", "MIXED", "INPUT STRAGGLER"}
-    assert r.expected_steps == 4
+    assert r.result.steps.expected == 4
 
 
 @pytest.mark.slow

@@ -211,12 +211,12 @@ def test_a_loop_in_a_function_of_an_earlier_cell_is_named(shell: Any) -> None:
     )
     cell = "%%traceml --no-live\nloader = DataLoader(SlowSamples(16), batch_size=4)\ntrain(loader)\n"
     run, page, _ = run_cell(shell, cell)
-    assert run.loop_where is not None and run.loop_where.startswith("function train")
+    assert run.result.loop.where is not None and run.result.loop.where.startswith("function train")
     # The loop's own cell is shown first, its loop line marked and its lines timed ...
     (loop_line,) = page.by_class("tml-loop")
     assert "for x, y in data:" in loop_line.text and "tml-loop-cell" in loop_line.ancestors
     assert "The step loop: function train" in page.one("tml-code-pane").text
-    assert [r["line"] for r in run.line_costs["statements"]] == [3]
+    assert [r["line"] for r in run.result.line_costs["statements"]] == [3]
     # ... then the traced cell, where the loader is built.
     built = [e for e in page.by_class("tml-dataloader") if "tml-loop-cell" not in e.ancestors]
     assert len(built) == 1 and "DataLoader(SlowSamples(16)" in built[0].text
@@ -298,7 +298,7 @@ def test_a_cpu_report_shows_ms_per_step_beside_the_body_lines(shell: Any) -> Non
     shell.run_cell("batches = [torch.ones(8, 8) for _ in range(24)]")
     run, page, result = run_cell(shell, LINES_CELL)
     assert result.error_in_exec is None and run.clock == "cpu"
-    costs = run.line_costs
+    costs = run.result.line_costs
     assert sorted(r["line"] for r in costs["statements"]) == [3, 4, 5, 7]
     assert_cost_bars(page, costs)  # line 3 (the 5 ms sleep) dearest; `if i % 2: continue` on 5-6
 
@@ -306,7 +306,7 @@ def test_a_cpu_report_shows_ms_per_step_beside_the_body_lines(shell: Any) -> Non
 def test_lines_off_shows_no_heat_bars(shell: Any) -> None:
     shell.run_cell("batches = [torch.ones(8, 8) for _ in range(24)]")
     run, page, _ = run_cell(shell, LINES_CELL.replace("--name lines", "--lines off"))
-    assert run.line_costs is None
+    assert run.result.line_costs is None
     assert not page.by_class("tml-heat") and not page.by_class("tml-heat-note")
     assert "time.sleep(0.005)" in page.line(3).text and "ms per step" not in page.one("tml-code-pane").text
 
@@ -354,7 +354,7 @@ for x in pageable:
         assert "tml-folded" in page.one(f"tml-item-{key}").ancestors
     assert "tml-change" in page.line(4).classes
 
-    gpu_ms = {r["line"]: r["gpu_ms_per_step"] for r in run.line_costs["statements"]}
+    gpu_ms = {r["line"]: r["gpu_ms_per_step"] for r in run.result.line_costs["statements"]}
     width, label, host = heat_of(page, 4)
     assert label == ms_fine(gpu_ms[4]) and width is not None and host is not None
     assert max(gpu_ms, key=lambda line: gpu_ms[line]) == 4  # the copy is the costliest line

@@ -186,7 +186,7 @@ def test_a_python_list_read_by_forked_workers_grows_their_private_memory(shell: 
     got = traceml_jupyter.last()
     assert got is not None
     s = got.summary
-    workers = (got.host or {})["workers"]
+    workers = (got.result.resources.host or {})["workers"]
     assert len(workers) == 2 and all(w["uss_reads"] >= 2 for w in workers), workers
     assert s["worker_uss_growth_mib"] >= 64, workers
     found = next(f for f in s["resource_findings"] if f["label"] == "WORKER MEMORY GROWTH")
@@ -220,7 +220,7 @@ def test_a_short_run_whose_workers_copy_a_list_is_reported_every_time(shell: Any
         wall = time.perf_counter() - float(shell.user_ns["cell_t0"])
         got = traceml_jupyter.last()
         assert got is not None
-        workers = (got.host or {})["workers"]
+        workers = (got.result.resources.host or {})["workers"]
         growth = got.summary["worker_uss_growth_mib"]
         assert growth is not None and 64 <= growth <= held, (wall, held, workers)
         labels = [f["label"] for f in got.summary["resource_findings"]]
@@ -453,7 +453,7 @@ def test_one_usable_cpus_for_every_caller() -> None:
     from traceml_jupyter.kernel import code_facts
 
     one = host_module.usable_cpus
-    for name in ("traceml_jupyter.run", "traceml_jupyter.tuning.sweep"):
+    for name in ("traceml_jupyter.recording", "traceml_jupyter.tuning.sweep"):
         assert sys.modules[name].usable_cpus is one
     assert demo.usable_cpus is one and code_facts.usable_cpus is one
 
@@ -485,7 +485,8 @@ def test_the_live_header_reads_what_capture_sampled() -> None:
     from traceml_jupyter.run import Run
     from traceml_jupyter.views.live_header import resources_text
 
-    run = Run("header")
+    handle = Run("header")
+    run = handle.recording
     try:
         watch = ResourceWatch(run, types.SimpleNamespace(memory=None, on_workers=None))
         run.resource_watch = watch
@@ -496,7 +497,7 @@ def test_the_live_header_reads_what_capture_sampled() -> None:
         assert "RSS 1.5 GiB" in text
     finally:
         run.resource_watch = None
-        kernel_state.RUNS.remove(run)
+        kernel_state.RUNS.remove(handle)
 
 
 def test_compare_puts_memory_and_cpu_side_by_side() -> None:

@@ -53,10 +53,10 @@ def shape_of(run: Any) -> dict[str, Any]:
     """What a run says, timings aside."""
     return {
         "n_steps": run.n_steps,
-        "step_kind": run.step_kind,
-        "batches_per_step": run.batches_per_step,
-        "sources": [{k: v for k, v in s.items() if not k.endswith(("_ms", "share"))} for s in run.sources],
-        "phases": [{k: v for k, v in p.items() if k in ("kind", "label", "passes", "batches")} for p in run.phases],
+        "step_kind": run.result.steps.kind,
+        "batches_per_step": run.result.steps.batches_per_step,
+        "sources": [{k: v for k, v in s.items() if not k.endswith(("_ms", "share"))} for s in run.result.data.sources],
+        "phases": [{k: v for k, v in p.items() if k in ("kind", "label", "passes", "batches")} for p in run.result.data.phases],
         "sampled": run.summary["parts_sampled_steps"] > 0,
     }
 
@@ -134,7 +134,7 @@ def test_an_optimizer_whose_step_calls_super_step_is_one_step(ip: Any) -> None:
         )
     assert result.error_in_exec is None
     run = traceml_jupyter.last()
-    assert run is not None and run.step_kind == "optimizer" and run.n_steps == 100
+    assert run is not None and run.result.steps.kind == "optimizer" and run.n_steps == 100
 
 
 @pytest.mark.parametrize(

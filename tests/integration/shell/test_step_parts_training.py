@@ -200,7 +200,7 @@ def test_the_hugging_face_trainers_parts_are_found_without_a_located_loop(shell:
     run(shell, setup)
     truth = plain(shell, cell, ("GPT2LMHeadModel",))
     got = traced(shell, cell)
-    assert got.loop_line is None and got.n_steps == 24
+    assert got.result.loop.line is None and got.n_steps == 24
     expected = assert_parts_match(got, truth)
     assert expected["forward"] > 0.3
     assert got.summary["forward_modules"] == ["lm (GPT2LMHeadModel)"]
@@ -230,7 +230,7 @@ def test_lightnings_parts_are_found_and_its_closure_is_not_the_optimizer(shell: 
     run(shell, setup)
     truth = plain(shell, "fit()\n", ("Net",))
     got = traced(shell, "fit()\n")
-    assert got.loop_line is None and got.n_steps == 16
+    assert got.result.loop.line is None and got.n_steps == 16
     expected = assert_parts_match(got, truth)
     assert expected["forward"] > 0.2 and expected["backward"] > 0.25
     assert got.summary["forward_modules"] == ["Lit.net (Net)"]

@@ -122,13 +122,13 @@ def test_the_mnist_example_layout_times_the_batches_inside_train(shell: Any) -> 
     test_time = truth.total(key(shell, "test_loader"))
     run(shell, setup)
     got, _ = traced(shell, MNIST_CELL)
-    assert got.n_steps == 24 and got.step_kind == "optimizer"  # 2 epochs x 12 batches, not 2 epochs
-    assert "function train" in (got.loop_where or "") and got.loop_line == 3
-    assert "optimizer.step()` of Adadelta" in got.step_definition
+    assert got.n_steps == 24 and got.result.steps.kind == "optimizer"  # 2 epochs x 12 batches, not 2 epochs
+    assert "function train" in (got.result.loop.where or "") and got.result.loop.line == 3
+    assert "optimizer.step()` of Adadelta" in got.result.steps.definition
     assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
     assert got.verdict == verdict_for(expected) == "INPUT-BOUND"
-    assert got.loader_name == "train_loader" and got.batch_size == 16
-    (phase,) = got.phases
+    assert got.loader_name == "train_loader" and got.result.steps.batch_size == 16
+    (phase,) = got.result.data.phases
     assert phase["kind"] == "test" and phase["passes"] == 2 and phase["batches"] == 4
     assert phase["wait_ms"] / 1e3 == pytest.approx(test_time, rel=0.3)
     assert "test:" in got.text() and "of the cell" in got.text()
@@ -153,12 +153,12 @@ def test_a_range_loop_with_next_in_the_body_is_input_bound(shell: Any) -> None:
     expected = plain(shell, cell).wait_share(key(shell, "train_loader"))
     run(shell, setup)
     got, _ = traced(shell, cell)
-    assert got.n_steps == 16 and got.loop_line == 2
+    assert got.n_steps == 16 and got.result.loop.line == 2
     assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
     assert got.verdict == verdict_for(expected) == "INPUT-BOUND"
-    rows = {r["line"]: r for r in got.line_costs["statements"]}
+    rows = {r["line"]: r for r in got.result.line_costs["statements"]}
     assert max(rows, key=lambda line: rows[line]["ms_per_step"]) == 3  # the next() line
-    assert got.loader_info is not None and got.loader_info["batch_size"] == 16
+    assert got.result.data.loader is not None and got.result.data.loader["batch_size"] == 16
 
 
 def test_a_get_batch_loop_is_timed_where_the_batch_is_made(shell: Any) -> None:
@@ -192,8 +192,8 @@ def test_a_get_batch_loop_is_timed_where_the_batch_is_made(shell: Any) -> None:
     assert got.n_steps == 16
     assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
     assert got.verdict == verdict_for(expected) == "INPUT-BOUND"
-    assert "get_batch" in (got.summary["data_source"] or "") and got.loader_info is None
-    assert got.batch_size == 8
+    assert "get_batch" in (got.summary["data_source"] or "") and got.result.data.loader is None
+    assert got.result.steps.batch_size == 8
 
 
 def test_validation_inside_the_loop_is_its_own_phase(shell: Any) -> None:
@@ -226,9 +226,9 @@ def test_validation_inside_the_loop_is_its_own_phase(shell: Any) -> None:
     assert len(val_passes) == 4
     val_wait = sum(w for _, _, w in val_passes) / sum(b - a for a, b, _ in val_passes)
     val_share = sum(b - a for a, b, _ in val_passes) / truth.span()
-    assert got.n_steps == 20 and got.loop_line == 2
+    assert got.n_steps == 20 and got.result.loop.line == 2
     assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
-    (phase,) = got.phases
+    (phase,) = got.result.data.phases
     # The steps are training only: a validation pass of the same run takes several of them.
     assert got.summary["step_ms"] < 0.5 * phase["time_ms"] / phase["passes"]
     assert phase["kind"] == "validation" and phase["passes"] == 4 and phase["batches"] == 12
@@ -269,8 +269,8 @@ def test_a_shared_train_and_val_loop_counts_only_training_batches(shell: Any) ->
     '''
     run(shell, setup)
     got, _ = traced(shell, cell)
-    assert got.n_steps == 12 and got.loop_line == 9  # 2 epochs x 6 training batches
-    (phase,) = got.phases
+    assert got.n_steps == 12 and got.result.loop.line == 9  # 2 epochs x 6 training batches
+    (phase,) = got.result.data.phases
     assert phase["kind"] == "validation" and phase["passes"] == 2 and phase["batches"] == 8
 
 
@@ -293,7 +293,7 @@ def test_zip_of_a_slow_and_a_fast_loader_reads_the_slow_one(shell: Any) -> None:
     run(shell, setup)
     got, _ = traced(shell, cell)
     assert got.n_steps == 16
-    assert got.loader_name == "slow_loader" and got.loader_info["batch_size"] == 8
+    assert got.loader_name == "slow_loader" and got.result.data.loader["batch_size"] == 8
     assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
     from traceml_jupyter.kernel.code_facts import checklist_for
 
@@ -330,7 +330,7 @@ def test_a_gan_with_two_optimizers_steps_once_per_batch(shell: Any) -> None:
     expected = truth.wait_share(key(shell, "gan_loader"))
     run(shell, setup)
     got, _ = traced(shell, cell)
-    assert got.n_steps == 16 and "of Adam" in got.step_definition
+    assert got.n_steps == 16 and "of Adam" in got.result.steps.definition
     assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
 
 
@@ -347,9 +347,9 @@ def test_an_inference_loop_without_optimizer_steps_per_batch(shell: Any) -> None
     '''
     run(shell, setup)
     got, _ = traced(shell, cell)
-    assert got.n_steps == 6 and got.step_kind == "iteration"
+    assert got.n_steps == 6 and got.result.steps.kind == "iteration"
     assert len(shell.user_ns["preds"]) == 6 and got.verdict == "INPUT-BOUND"
-    assert got.phases == []
+    assert got.result.data.phases == ()
 
 
 def test_the_hugging_face_trainer_steps_are_optimizer_steps(shell: Any) -> None:
@@ -382,12 +382,12 @@ def test_the_hugging_face_trainer_steps_are_optimizer_steps(shell: Any) -> None:
         (data_key,) = {k for k, _, _ in truth.fetches}
         expected = truth.wait_share(data_key)
         got, result = traced(shell, cell)
-        assert got.n_steps == 16 and got.step_kind == "optimizer" and got.loop_line is None
-        assert got.batches_per_step == pytest.approx(accumulate, rel=0.15)
+        assert got.n_steps == 16 and got.result.steps.kind == "optimizer" and got.result.loop.line is None
+        assert got.result.steps.batches_per_step == pytest.approx(accumulate, rel=0.15)
         assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE), accumulate
-        assert got.summary["samples_per_s"] is not None and got.batch_size == 8
+        assert got.summary["samples_per_s"] is not None and got.result.steps.batch_size == 8
         if accumulate == 4:
-            assert "gradient accumulation" in got.step_definition
+            assert "gradient accumulation" in got.result.steps.definition
 
 
 def test_lightning_fit_steps_are_optimizer_steps(shell: Any) -> None:
@@ -418,8 +418,8 @@ def test_lightning_fit_steps_are_optimizer_steps(shell: Any) -> None:
     truth = plain(shell, "fit()\n")
     expected = truth.wait_share(key(shell, "lit_train"))
     got, _ = traced(shell, "fit()\n")
-    assert got.n_steps == 16 and got.step_kind == "optimizer"
+    assert got.n_steps == 16 and got.result.steps.kind == "optimizer"
     assert got.summary["data_wait_share"] == pytest.approx(expected, abs=TOLERANCE)
     assert got.loader_name == "lit_train"
-    kinds = {p["kind"]: p for p in got.phases}
+    kinds = {p["kind"]: p for p in got.result.data.phases}
     assert kinds["validation"]["batches"] >= 4  # the sanity check and the epoch's validation

@@ -117,12 +117,12 @@ def test_text_and_html_show_both_runs_and_the_conclusion() -> None:
 def recorded_run(name: str, wait_ms: float, compute_ms: float, n: int = 40) -> Run:
     """A finished run with exact step timings, as if its loop had waited and computed so."""
     run = Run(name)
-    run.batch_size = 64
+    run.recording.batch_size = 64
     t = 0
     for _ in range(n):
         t1 = t + int(wait_ms * MS)
         t2 = t1 + int(compute_ms * MS)
-        run.recorder.add(t, t1, t2)
+        run.recording.recorder.add(t, t1, t2)
         t = t2
     return run.finish()
 

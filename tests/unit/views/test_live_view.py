@@ -33,7 +33,8 @@ def test_a_refresh_reads_only_the_window_however_long_the_run(
     from traceml_jupyter import kernel_state
     from traceml_jupyter.run import Run
 
-    run = Run("long")
+    handle = Run("long")
+    run = handle.recording
     run.recorder.origin_ns = (run.recorder.origin_ns or 0) - 60 * 10**9  # a minute-long run
     try:
         origin = run.recorder.origin_ns
@@ -53,7 +54,7 @@ def test_a_refresh_reads_only_the_window_however_long_the_run(
         assert "step 200,000" in chart._header
         assert view.overview.count.sum() == 200_000
     finally:
-        kernel_state.RUNS.remove(run)
+        kernel_state.RUNS.remove(handle)
 
 
 def test_gpu_figures_sampled_by_the_capture_reach_the_header_and_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,7 +72,8 @@ def test_gpu_figures_sampled_by_the_capture_reach_the_header_and_the_run(monkeyp
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setattr(nvml, "cuda_available", lambda: True)
     monkeypatch.setattr(nvml, "cuda_device_of_loop", lambda device=None: ("pci", "0000:17:00.0", None))
-    run = Run("gpu")
+    handle = Run("gpu")
+    run = handle.recording
     run.cuda_device = 0  # what the capture decides once the loop allocated on the GPU
     run.recorder.origin_ns = (run.recorder.origin_ns or 0) - 60 * 10**9  # a minute-long run
     # The capture owns the sampling (the view only reads): its resource watch, by hand here.
@@ -95,15 +97,16 @@ def test_gpu_figures_sampled_by_the_capture_reach_the_header_and_the_run(monkeyp
         run.resource_watch = None
         watch.stop()  # what the capture does as the cell ends
         assert not watch.gpu.running
-        run.finish()
+        handle.finish()
         view.refresh(run)
         assert "GPU 93 % on average" in chart._header
-        assert run.gpu_samples is not None and len(run.gpu_samples["gpu_util_pct"]) >= 1
-        assert getattr(run, "gpu_note", "unset") is None
-        assert getattr(run, "gpu_device", None) == "NVIDIA Fake, 0000:17:00.0, 81920 MiB"
+        gpu = handle.result.gpu
+        assert gpu.samples is not None and len(gpu.samples["gpu_util_pct"]) >= 1
+        assert gpu.note is None
+        assert gpu.device == "NVIDIA Fake, 0000:17:00.0, 81920 MiB"
         view.close()
     finally:
-        kernel_state.RUNS.remove(run)
+        kernel_state.RUNS.remove(handle)
 
 
 def test_passes_are_read_off_the_loops_around_the_step_loop() -> None:

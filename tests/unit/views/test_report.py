@@ -46,16 +46,17 @@ def test_gpu_utilisation_from_nvml_samples_or_why_not() -> None:
 
 def test_a_gpu_clock_run_reports_gpu_compute_utilisation_and_the_blocking_copy() -> None:
     run = Run("gpu")
-    t = run.recorder.origin_ns or 0
+    rec = run.recording
+    t = rec.recorder.origin_ns or 0
     for k in range(40):  # 2 ms host wait, 8 ms host body; on the GPU 3 ms starved, 7 ms busy
-        run.recorder.add(t, t + 2_000_000, t + 10_000_000)
-        run.recorder.add_gpu(k, 3.0, 7.0)
+        rec.recorder.add(t, t + 2_000_000, t + 10_000_000)
+        rec.recorder.add_gpu(k, 3.0, 7.0)
         t += 10_000_000
-    run._gpu_used = True
-    run.cell_source = "%%traceml\nfor x, y in loader:\n    x = x.to('cuda')\n    model(x).sum().backward()\n"
-    run.loop_line, run.loop_where = 2, "this cell"
-    run.loader_info = {"num_workers": 2, "pin_memory": False, "dataset_type": "Images", "dataset_module": "mydata"}
-    run.gpu_samples = {  # as the resource watch leaves them, before the run finishes
+    rec.gpu_used = True
+    rec.cell_source = "%%traceml\nfor x, y in loader:\n    x = x.to('cuda')\n    model(x).sum().backward()\n"
+    rec.loop_line, rec.loop_where = 2, "this cell"
+    rec.loader_info = {"num_workers": 2, "pin_memory": False, "dataset_type": "Images", "dataset_module": "mydata"}
+    rec.gpu_samples = {  # as the resource watch leaves them, before the run finishes
         "time_s": np.linspace(0.0, 0.4, 5),
         "gpu_util_pct": np.array([50.0, 60.0, 70.0, 80.0, 90.0]),
         "gpu_mem_used_mib": np.full(5, 4096.0),

@@ -13,7 +13,7 @@ from traceml_jupyter.capture import loop_gpu, session
 from traceml_jupyter.capture.gpu.cuda_clock import CudaStepClock, Marks, busiest_device
 from traceml_jupyter.capture.session import Capture, capture_session
 from traceml_jupyter.capture.steps.recorder import Recorder
-from traceml_jupyter.run import Run
+from traceml_jupyter.run import Recording, Run
 
 
 class Stream:
@@ -119,7 +119,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return state
 
 
-def loop_steps(run: Run, cap: Capture, state: dict[str, Any], n: int, device: int | None) -> None:
+def loop_steps(run: Recording, cap: Capture, state: dict[str, Any], n: int, device: int | None) -> None:
     for _ in cap.loop(range(n)):
         if device is not None:
             state["counts"][device] += 3  # the step allocates there
@@ -130,22 +130,24 @@ def loop_steps(run: Run, cap: Capture, state: dict[str, Any], n: int, device: in
 
 def test_a_cpu_loop_next_to_a_stale_gpu_tensor_stays_on_the_cpu_clock(fake_cuda: dict[str, Any]) -> None:
     run = Run("cpu loop")
+    rec = run.recording
     try:
-        with capture_session(run, Capture(run, marks=fake_cuda["marks"])) as cap:
-            loop_steps(run, cap, fake_cuda, 8, None)
+        with capture_session(rec, Capture(rec, marks=fake_cuda["marks"])) as cap:
+            loop_steps(rec, cap, fake_cuda, 8, None)
         run.finish()
-        assert run.cuda_device is None and not run._gpu_used and run.clock == "cpu"
+        assert run.result.gpu.cuda_device is None and not run.gpu_used and run.clock == "cpu"
     finally:
         kernel_state.RUNS.remove(run)
 
 
 def test_a_loop_on_another_device_is_timed_there(fake_cuda: dict[str, Any]) -> None:
     run = Run("cuda:1 loop")
+    rec = run.recording
     try:
-        with capture_session(run, Capture(run, marks=fake_cuda["marks"])) as cap:
-            loop_steps(run, cap, fake_cuda, 12, 1)
+        with capture_session(rec, Capture(rec, marks=fake_cuda["marks"])) as cap:
+            loop_steps(rec, cap, fake_cuda, 12, 1)
         run.finish()
-        assert run.cuda_device == 1 and run._gpu_used
+        assert run.result.gpu.cuda_device == 1 and run.gpu_used
         gpu = run.steps["step_gpu_ms"]
         assert np.isfinite(gpu[2:]).all()  # from the step after the decision on
         assert 1 in fake_cuda["streams"]
@@ -162,7 +164,7 @@ def test_an_error_in_the_gpu_bookkeeping_turns_the_gpu_clock_off_with_a_note(fak
 
     run = Run("broken")
     try:
-        with capture_session(run, Capture(run, marks=broken)) as cap:
+        with capture_session(run.recording, Capture(run.recording, marks=broken)) as cap:
             done = [i for i in cap.loop(range(6))]
         run.finish()
         assert done == list(range(6)) and run.n_steps == 6 and run.clock == "cpu"

@@ -303,7 +303,7 @@ def test_a_step_that_raised_inside_another_steps_hooks_is_forgotten() -> None:
                 opt.step()
             except RuntimeError:
                 pass
-    assert run.step_kind == "optimizer" and run.n_steps == 29  # the step that raised ended none
+    assert run.result.steps.kind == "optimizer" and run.n_steps == 29  # the step that raised ended none
 
 
 def test_a_dataloader_without_a_batch_in_trace_makes_no_step() -> None:
@@ -311,11 +311,11 @@ def test_a_dataloader_without_a_batch_in_trace_makes_no_step() -> None:
 
     with traceml_jupyter.trace(show=False) as run:
         assert list(DataLoader([], batch_size=2)) == []
-    assert run.n_steps == 0 and run.step_kind == "none"
+    assert run.n_steps == 0 and run.result.steps.kind == "none"
     with traceml_jupyter.trace(show=False) as run:  # a DataLoader that gives batches still steps
         for _ in DataLoader(list(range(8)), batch_size=2):
             pass
-    assert run.step_kind == "fetch" and run.n_steps >= 4
+    assert run.result.steps.kind == "fetch" and run.n_steps >= 4
 
 
 @pytest.mark.parametrize(
