@@ -21,7 +21,15 @@ from .capture.resources.machine import describe_machine
 from .capture.steps.recorder import Recorder
 from .failures import failure_text, never_raise, read_or
 from .result import DataFeed, Gpu, Loop, Resources, RunResult, Steps
-from .result.value import Copies, SyncStalls, frozen_as, frozen_facts, frozen_rows, frozen_summary, read_only
+from .result.value import (
+    Copies,
+    SyncStalls,
+    frozen_as,
+    frozen_facts,
+    frozen_rows,
+    frozen_summary,
+    read_only,
+)
 from .run_summary import StepFacts, analyse
 
 if TYPE_CHECKING:
