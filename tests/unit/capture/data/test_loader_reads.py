@@ -98,4 +98,4 @@ def test_a_failure_of_ours_where_a_loader_is_built_stops_at_note_site(monkeypatc
         got = [batch for batch in run.loop(batches())]
     assert got == expected == [[0.0, 1.0, 4.0, 9.0], [16.0, 25.0, 36.0, 49.0]]
     assert len(calls) == 1  # the loader built under the capture was looked at, and it failed
-    assert run.loader_site is None
+    assert run.result.data.loader_site is None

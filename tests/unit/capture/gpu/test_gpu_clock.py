@@ -197,7 +197,7 @@ class BrokenWatch:
 
 def a_loop_on_the_gpu(clock: StepClock, heard: list[str]) -> tuple[Run, loop_gpu.LoopGpu]:
     run = Run("gpu parts")
-    gpu = loop_gpu.LoopGpu(run, 0, lambda: heard.append("changed"))
+    gpu = loop_gpu.LoopGpu(run.recording, 0, lambda: heard.append("changed"))
     gpu.deciding = False  # the loop's device is known
     gpu.cuda = clock  # type: ignore[assignment]
     return run, gpu
@@ -207,12 +207,12 @@ def test_an_error_of_the_gpu_watch_stops_the_watch_and_the_gpu_clock_goes_on() -
     clock, heard = StepClock(), []
     run, gpu = a_loop_on_the_gpu(clock, heard)
     try:
-        run.gpu_watch = BrokenWatch()
+        run.recording.gpu_watch = BrokenWatch()  # type: ignore[assignment]
         gpu.step_closed(0, 1_000, 1)
         gpu.step_closed(1, 2_000, 2)
         assert clock.closed == [0, 1] and gpu.cuda is clock and gpu.note is None and not heard
-        assert run.gpu_watch is None
-        assert [n for n in run.notes if n.startswith("GPU watch stopped")] == ["GPU watch stopped: RuntimeError: the watch's own bug"]
+        assert run.recording.gpu_watch is None
+        assert [n for n in run.recording.notes if n.startswith("GPU watch stopped")] == ["GPU watch stopped: RuntimeError: the watch's own bug"]
     finally:
         kernel_state.RUNS.remove(run)
 
