@@ -465,7 +465,7 @@ BROAD_GUARDS = {
     "capture/gpu/cuda_graphs.py": 1,  # the replay's bookkeeping (per replay): the edge
     "capture/gpu/cuda_state.py": 1,  # cuda_or: a query of CUDA's state answered with CUDA's own sticky error
     "capture/gpu/gpu_activity.py": 1,  # a probed wait (look): the edge
-    "capture/gpu/gpu_watch.py": 5,  # edges: loop_started, step_ended, merged, close (twice: patches off, report)
+    "capture/gpu/gpu_watch.py": 4,  # edges: loop_started, step_ended, merged, close (twice: patches off, report)
     "capture/gpu/h2d.py": 1,  # CopyWatch.guarded: every copy and wait hook's edge
     "capture/gpu/syncs.py": 1,  # SyncWatch.synced: every sync hook's edge
     "capture/inside/line_costs.py": 1,  # _gpu: the per-line GPU clock's edge
@@ -474,7 +474,7 @@ BROAD_GUARDS = {
     "capture/loop_gpu.py": 2,  # the GPU clock's one guard (it turns itself off), the GPU watch's (it stops)
     "capture/resources/gpu_memory.py": 2,  # the memory watch's entries: the loop's start, per step
     "capture/resources/samples.py": 1,  # the sampler thread's loop
-    "capture/resources/watch.py": 4,  # the watch's start, what earlier cells hold, the cell's error, its stop
+    "capture/resources/watch.py": 3,  # the watch's start, what earlier cells hold, the cell's error, its stop
     "capture/session.py": 1,  # the capture's edges: the loop's start and end, the listeners
     "capture/stamping.py": 1,  # the stamps' replay: stamping off for the run
     "cli.py": 2,  # the error in the command line's own words on stderr
@@ -492,7 +492,7 @@ BROAD_GUARDS = {
     "recording.py": 2,  # the observer tick (the live view), finish's observers, the machine's description
     "saved.py": 1,  # a field of an unexpected type: the file's one-line LoadError
     "syntax_cells.py": 2,  # someone else's input transformer fails: the magic decides
-    "traced_cell.py": 6,  # finish: the report, --save and the history, each in the user's words on stderr
+    "traced_cell.py": 5,  # finish: the report, --save and the history, each in the user's words on stderr
     "tracing.py": 1,  # trace()'s end: the report
     "tuning/measure.py": 1,  # a candidate's error (the user's dataset failing) becomes its row
     "tuning/progress.py": 2,  # tune's progress view (start, each refresh)

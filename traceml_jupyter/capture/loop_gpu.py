@@ -229,7 +229,7 @@ class LoopGpu:
         if self.cuda is not None:
             self.cuda.merged(n)
             if self.run.gpu_watch is not None:
-                self.run.gpu_watch.merged(n)
+                self._watched(self.run.gpu_watch.merged, n)
 
     def excluded(self, span: Span) -> None:
         """A phase (validation) was kept out of the steps: its fetches too."""

@@ -171,7 +171,7 @@ BODY = "y = x.to('cuda')\nout.append(float(y.work(1.0).item()))"
 
 def watched_outputs(fake_clock: HostClock, broken: dict[str, Any] | None = None) -> tuple[list[Any], Run]:
     """The user's loop on the stand-in GPU, with the watch's `broken` functions raising: what the
-    loop computed, and the run."""
+    loop computed, and the run (its GPU watch kept as `WATCHES[-1]`)."""
     gpu = machine(fake_clock)
     bench = Bench(gpu, BODY, names={"x": FakeTensor(1000), "out": []})
     methods = {name: FakeTensor.__dict__.get(name) for name in ("to", "item")}
@@ -184,7 +184,11 @@ def watched_outputs(fake_clock: HostClock, broken: dict[str, Any] | None = None)
             mp.setattr(owner, name, fail)
         run = bench.start().steps(4).close()
     assert {name: FakeTensor.__dict__.get(name) for name in methods} == methods  # nothing stays patched
+    WATCHES.append(bench.watch)
     return bench.names["out"], run
+
+
+WATCHES: list[GpuWatch] = []
 
 
 def test_a_failure_inside_loop_started_stops_at_its_edge_and_nothing_stays_patched(fake_clock: HostClock) -> None:
@@ -196,14 +200,15 @@ def test_a_failure_inside_loop_started_stops_at_its_edge_and_nothing_stays_patch
     got, run = watched_outputs(fake_clock, {gpu_watch: "sync_warnings_counted"})
     assert got == expected
     assert any("Copies and syncs were not watched: RuntimeError: our bug" in n for n in run.notes)
-    assert run.h2d is None and run.sync_stalls is None
+    assert run.result.gpu.h2d is None and run.result.gpu.sync_stalls is None
 
 
 def test_a_failure_tying_the_clocks_leaves_copies_and_syncs_watched_without_the_backlog(fake_clock: HostClock) -> None:
     expected, _ = watched_outputs(fake_clock)
     got, run = watched_outputs(fake_clock, {GpuWatch: "_tie_clocks"})
     assert got == expected
-    assert run.h2d is not None and run.h2d["copies"] == 4 and run.sync_stalls is not None
+    h2d = run.result.gpu.h2d
+    assert h2d is not None and h2d["copies"] == 4 and run.result.gpu.sync_stalls is not None
     assert "gpu_backlog_ms" not in run.steps
     assert any("GPU backlog was not measured after an error: RuntimeError: our bug" in n for n in run.notes)
 
@@ -217,7 +222,7 @@ def test_a_failure_reporting_at_the_cells_end_stops_at_close(fake_clock: HostClo
     got, run = watched_outputs(fake_clock, {gpu_watch: "watch_summary"})
     assert got == expected
     assert any("The GPU watch failed at the cell's end: RuntimeError: our bug" in n for n in run.notes)
-    assert run.gpu_watch is not None and run.gpu_watch.api is None
+    assert WATCHES[-1].api is None  # every CUDA event dropped
 
 
 @pytest.mark.parametrize("inner", ["copied", "_add"])
@@ -278,8 +283,8 @@ def test_a_sticky_cuda_error_in_the_body_leaves_the_users_own_error(fake_clock: 
         finally:
             clock.lap(0)  # the rewritten body's `finally`
     assert clock.gpu_off is not None and "illegal memory access" in clock.gpu_off
-    with pytest.raises(RuntimeError, match="GPU time per line turned off"):
-        clock.finish()  # the caller turns this into a note
+    off = clock.finish()  # the caller turns this into a note
+    assert off is not None and off.startswith("GPU time per line turned off")
     assert clock.gpu_ms() is None
 
 

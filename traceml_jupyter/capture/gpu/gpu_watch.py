@@ -324,17 +324,16 @@ class GpuWatch:
 
     def merged(self, n: int) -> None:
         """The capture merged its last `n` closed steps into the open one (now step
-        `recorder.n_steps`): what the watch summed for them moves there. Never raises: the
-        edge of the step model's merge into the watch (nothing above it guards)."""
-        with never_raise(self.notes, "Copies and syncs of merged steps misplaced"):
-            first = int(self.run.recorder.n_steps)
-            for part in (self.copies, self.syncs):
-                if part is not None:
-                    for tally in part.tallies.values():
-                        tally.merge_from(first)
-            self.own_tally.merge_from(first)
-            self.backlog_raw.merge_from(first)
-            self.backlog_at.merge_from(first)
+        `recorder.n_steps`): what the watch summed for them moves there. Called through the
+        loop's GPU edge (loop_gpu.LoopGpu._watched): an error stops the watch, with a note."""
+        first = int(self.run.recorder.n_steps)
+        for part in (self.copies, self.syncs):
+            if part is not None:
+                for tally in part.tallies.values():
+                    tally.merge_from(first)
+        self.own_tally.merge_from(first)
+        self.backlog_raw.merge_from(first)
+        self.backlog_at.merge_from(first)
 
     # -- backlog ---------------------------------------------------------------------------
     def _tie_clocks(self) -> None:

@@ -184,8 +184,10 @@ class LineClock:
         self.runs[i] += 1
         self._prev = now
 
-    def finish(self) -> None:
-        """Read what is pending (CUDA events); nothing to do for the wall clock."""
+    def finish(self) -> str | None:
+        """Read what is pending (CUDA events); nothing to do for the wall clock. Returns why the
+        GPU time per line is incomplete (for the run's notes), None when it is not."""
+        return None
 
     def gpu_ms(self) -> tuple[list[float], int] | None:
         """GPU ms per statement summed over the event-sampled steps, and how many there were."""
@@ -203,7 +205,7 @@ class CudaLineClock(LineClock):
     `event_factory`, or by torch's CUDA that `api_for()` gives then (CUDA is initialised by
     the user's code by that time; nothing here initialises it). A step's marks all sit on the
     loop's stream as it was when the step's body began. Any error in the GPU bookkeeping turns
-    the GPU timing per line off for the run (`gpu_off` says why; `finish()` raises it for the
+    the GPU timing per line off for the run (`gpu_off` says why; `finish()` returns it for the
     caller's note); nothing is raised into the user's code. The edge: every CUDA call of this
     clock (from `start`, `lap` and `finish`) goes through `_gpu`, its one guard.
     """
@@ -341,9 +343,9 @@ class CudaLineClock(LineClock):
                     ev.synchronize()
         self._poll()
 
-    def finish(self) -> None:
-        """Wait for the sampled steps' last marks, read them, and drop every event. Raises
-        RuntimeError when the GPU timing per line turned itself off (the caller notes it)."""
+    def finish(self) -> str | None:
+        """Wait for the sampled steps' last marks, read them, and drop every event. Returns why
+        the GPU timing per line turned itself off (the caller notes it), else None."""
         if self._marks is not None:
             self._pending.append(self._marks)
             self._marks = None
@@ -353,8 +355,7 @@ class CudaLineClock(LineClock):
             self._gpu(self._wait_for_marks)
         self._pending.clear()
         self._free.clear()
-        if self.gpu_off is not None:
-            raise RuntimeError(f"GPU time per line turned off: {self.gpu_off}")
+        return None if self.gpu_off is None else f"GPU time per line turned off: {self.gpu_off}"
 
     def gpu_ms(self) -> tuple[list[float], int] | None:
         """The GPU time per line summed over the sampled steps read, and how many were read; None

@@ -14,7 +14,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any, Literal
 
-from ...failures import never_raise
+from ...failures import never_raise, read_or
 from ..data.probes import user_namespace
 from ..gpu.cuda_state import cuda_initialized
 from ..steps.step_model import ITERATION
@@ -50,9 +50,8 @@ class ResourceWatch:
         """On the cell's thread, before its code runs: what earlier cells hold (CUDA
         initialised only), the host sampler's thread, and the capture's hooks to the watches."""
         run, capture = self.run, self.capture
-        if cuda_initialized(gpu_memory.cuda_module()):
-            with never_raise(self.notes, "What earlier cells hold on the GPU was not read"):
-                self.held = held_before(user_namespace())
+        if cuda_initialized(gpu_memory.cuda_module()):  # the tensors of the user's namespace
+            self.held = read_or(None, held_before, user_namespace())
         capture.memory = self.memory
         capture.on_workers = self.host.add_workers
         self.host.start()
