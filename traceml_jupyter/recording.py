@@ -35,7 +35,13 @@ from .run_summary import StepFacts, analyse
 if TYPE_CHECKING:
     import numpy as np
 
+    from .capture.data.dataloaders import CodeSite, LoaderFacts
     from .capture.gpu.gpu_watch import GpuWatch
+    from .capture.gpu.h2d import CopiesResult
+    from .capture.gpu.syncs import SyncsResult
+    from .capture.resources.gpu_memory import GpuMemoryFacts, HeldBefore, OomFacts
+    from .capture.resources.host import HostFacts
+    from .capture.resources.machine import MachineFacts
     from .capture.resources.watch import ResourceWatch
 
 __all__ = ["COPIES_KEPT", "REFRESH_NS", "Observer", "Recording"]
@@ -88,7 +94,7 @@ class Recording:
         self.model_compiled = False
         self.cell_source: str | None = None
         self.cell_filename: str | None = None
-        self.loader_info: dict[str, Any] | None = None
+        self.loader_info: LoaderFacts | None = None
         self.loader_ref: Callable[[], Any] | None = None
         self.loader_name: str | None = None
         self.expected_steps: int | None = None
@@ -108,36 +114,36 @@ class Recording:
         self.extra_columns: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
         self.watch_summary: dict[str, Any] = {}
         self.gpu_watch: GpuWatch | None = None  # loop_started(device) and step_ended(t); CUDA path only
-        self.h2d: dict[str, Any] | None = None
-        self.sync_stalls: dict[str, Any] | None = None
-        self.line_costs: dict[str, Any] | None = None
+        self.h2d: CopiesResult | None = None
+        self.sync_stalls: SyncsResult | None = None
+        self.line_costs: LineCosts | None = None
         self.step_parts: StepFacts | None = None  # columns(cols) and facts() of the sampled steps
         self.pass_starts: list[int] = []
         self.cuda_graphs: dict[str, Any] | None = None
         self.gpu_note: str | None = None
         self.gpu_device: str | None = None
         self.resource_watch: ResourceWatch | None = None  # while recording
-        self.host: dict[str, Any] | None = None
-        self.gpu_memory: dict[str, Any] | None = None
-        self.held_before: dict[str, Any] | None = None
-        self.oom: dict[str, Any] | None = None
+        self.host: HostFacts | None = None
+        self.gpu_memory: GpuMemoryFacts | None = None
+        self.held_before: HeldBefore | None = None
+        self.oom: OomFacts | None = None
         self.ranks: list[dict[str, Any]] | None = None
         # ranks.Collector or ranks.LocalRank, which check what they are given (isinstance): the
         # recording names no type of the ranks above it.
         self.rank_collector: object = None
         self.processes: list[dict[str, Any]] | None = None
-        self.loader_site: dict[str, Any] | None = None
-        self.dataset_site: dict[str, Any] | None = None
+        self.loader_site: CodeSite | None = None
+        self.dataset_site: CodeSite | None = None
         # NVML samples of the run's GPU (time_s, gpu_util_pct, gpu_mem_used_mib), left by the
         # resource watch when it stops, before the run finishes.
-        self.gpu_samples: dict[str, Any] | None = None
+        self.gpu_samples: dict[str, np.ndarray] | None = None
         self.gpu_used = False
         self.loops_started = 0  # passes begun over the located loop (0 before the first)
         self.next_tick = 0
         self.finished = False
         self._capture: Any = None  # capture.Capture while recording
         self._observers: list[Observer] = []
-        self._loader_infos: dict[Any, dict[str, Any]] = {}
+        self._loader_infos: dict[Any, LoaderFacts] = {}
         self._loader_copies: dict[Any, Any] = {}  # copies of its DataLoaders (kernel_state.keep_loader_copy)
         self._result: RunResult | None = None
 
@@ -176,14 +182,14 @@ class Recording:
     def note_dataloader(self, source: Any, loader: Any) -> None:
         """A DataLoader's first iter() in the run: keep its settings (the user's object, read
         once: settings that cannot be read are none, {})."""
-        from .capture.data.dataloaders import describe_loader, loader_copy
+        from .capture.data.dataloaders import LoaderFacts, describe_loader, loader_copy
 
-        self._loader_infos[source.key] = read_or({}, describe_loader, loader)
+        self._loader_infos[source.key] = read_or(LoaderFacts(), describe_loader, loader)
         while len(self._loader_copies) >= COPIES_KEPT:
             self._loader_copies.pop(next(iter(self._loader_copies)))
         self._loader_copies[source.key] = loader_copy(loader)
 
-    def loader_settings(self, key: Any) -> dict[str, Any]:
+    def loader_settings(self, key: Any) -> LoaderFacts:
         """The settings note_dataloader() kept of the DataLoader of that source key ({}: none)."""
         return self._loader_infos.get(key) or {}
 
@@ -340,9 +346,9 @@ class Recording:
             notes=tuple(self.notes), error=self.error,
         )
 
-    def _machine(self) -> dict[str, Any] | None:
+    def _machine(self) -> MachineFacts | None:
         """What the run ran on (capture/resources/machine.py), once it has finished; None before."""
-        return dict(describe_machine(usable_cpus(), self.cuda_device, self.gpu_device)) if self.finished else None
+        return describe_machine(usable_cpus(), self.cuda_device, self.gpu_device) if self.finished else None
 
     def columns(self) -> dict[str, np.ndarray]:
         """The recorder's kept steps so far, with the columns of the optional watches and the

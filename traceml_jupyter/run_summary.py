@@ -18,6 +18,9 @@ from .analysis.verdict import Verdict, diagnose
 if TYPE_CHECKING:
     import numpy as np
 
+    from .capture.data.dataloaders import LoaderFacts
+    from .capture.resources.gpu_memory import GpuMemoryFacts, HeldBefore, OomFacts
+    from .capture.resources.host import HostFacts
     from .capture.steps.recorder import Recorder
 
 
@@ -78,7 +81,7 @@ class Recorded(Protocol):
     def step_parts(self) -> StepFacts | None:
         """The parts of sampled steps (None: not measured)."""
     @property
-    def loader_info(self) -> dict[str, Any] | None:
+    def loader_info(self) -> LoaderFacts | None:
         """The training DataLoader's settings."""
     @property
     def pass_starts(self) -> list[int]:
@@ -99,16 +102,16 @@ class Recorded(Protocol):
     def loader_name(self) -> str | None:
         """The training DataLoader's name in the namespace."""
     @property
-    def gpu_memory(self) -> dict[str, Any] | None:
+    def gpu_memory(self) -> GpuMemoryFacts | None:
         """The GPU memory watch, if measured."""
     @property
-    def host(self) -> dict[str, Any] | None:
+    def host(self) -> HostFacts | None:
         """The host's CPU and memory samples, if measured."""
     @property
-    def held_before(self) -> dict[str, Any] | None:
+    def held_before(self) -> HeldBefore | None:
         """What earlier cells held on the GPU."""
     @property
-    def oom(self) -> dict[str, Any] | None:
+    def oom(self) -> OomFacts | None:
         """An out-of-memory error's facts."""
     @property
     def cuda_device(self) -> int | None:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from IPython.core.error import UsageError
 
@@ -47,6 +47,7 @@ from .result import RunResult
 from .run import Run
 
 if TYPE_CHECKING:
+    from .analysis.summary_keys import LineCosts
     from .views.display import LiveView
 
 NO_LOOP = (
@@ -473,8 +474,8 @@ def line_costs_kept(run: Recording, clock: Any) -> Iterator[Any]:
             run.line_costs = _costs_of(run, clock)
 
 
-def _costs_of(run: Recording, clock: Any) -> dict[str, Any]:
+def _costs_of(run: Recording, clock: Any) -> LineCosts:
     n = int(run.recorder.n_steps)
     warm = auto_warmup(n) if run.warmup is None else max(0, int(run.warmup))
     step, fetch = run.recorder.means_from(warm)
-    return line_costs(clock, warm, step, fetch, run.loop_line)
+    return cast("LineCosts", line_costs(clock, warm, step, fetch, run.loop_line))

@@ -26,7 +26,7 @@ from time import perf_counter_ns, process_time_ns
 from typing import TYPE_CHECKING, Any
 
 from ..failures import never_raise
-from .data.dataloaders import note_site
+from .data.dataloaders import NotedSite, note_site
 from .gpu import cuda_graphs
 from .gpu.cuda_clock import Marks, current_device
 from .gpu.cuda_state import cuda_initialized
@@ -65,7 +65,7 @@ class Capture:
         model.on_step = self._step_closed
         model.on_merge = self._steps_merged
         model.on_exclude = self._phase_excluded
-        self.loader_sites: dict[int, dict[str, Any]] = {}  # id(DataLoader) -> where it was built
+        self.loader_sites: dict[int, NotedSite] = {}  # id(DataLoader) -> where it was built
         self.gpu = gpu = LoopGpu(run, thread, self.listen, marks)
         # forward, backward and optimizer of sampled steps
         self.parts = StepParts(model, thread, lambda: gpu.cuda, lambda: f"{run.cell_source}\n{run.loop_cell_source}")

@@ -89,10 +89,10 @@ def _loader_object(run: FinishedRun) -> Any:
     return None
 
 
-def loader_settings(run: FinishedRun) -> dict[str, Any] | None:
+def loader_settings(run: FinishedRun) -> Mapping[str, Any] | None:
     """The run's loader settings, read from the loader object when the run has none."""
     if run.result.data.loader is not None:
-        return dict(run.result.data.loader)
+        return run.result.data.loader
     loader = _loader_object(run)
     if loader is None:
         return None

@@ -12,10 +12,10 @@ import os
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .. import ranks
-from ..capture.data.dataloaders import split_site
+from ..capture.data.dataloaders import LoaderFacts, NotedSite, split_site
 from ..capture.data.sources import training_source
 from ..capture.instrument import hooks
 from ..capture.instrument.locate import loop_at_line
@@ -77,7 +77,7 @@ class ChildSender(ranks.Sender):
         key = training.key if training is not None and training.kind == "dataloader" else None
         site = self.tripwires.sites.get(key) if isinstance(key, int) else None  # built before the capture
         if site:
-            run.loader_site, run.dataset_site = split_site(site)
+            run.loader_site, run.dataset_site = split_site(cast("NotedSite", site))
         if run.loader_info is not None:
             run.loader_info = script_loader_info(run.loader_info, self.main_file)
 
@@ -105,12 +105,12 @@ class ChildCapture:
         self.sender.forget_in_child()
 
 
-def script_loader_info(info: dict[str, Any], main_file: str | None) -> dict[str, Any]:
+def script_loader_info(info: LoaderFacts, main_file: str | None) -> LoaderFacts:
     """The loader's settings as the kernel's checklist should read them for a script: a Dataset
     of the script itself is in `__main__` like one of a notebook cell, but workers can import it
     (as `__mp_main__`), so it is named by its file; the start method is the script's own when it
     chose one."""
-    info = dict(info)
+    info = info.copy()
     if info.get("dataset_module") == "__main__" and isinstance(main_file, str):
         info["dataset_module"] = os.path.basename(main_file)
     mp = sys.modules.get("multiprocessing")

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import numpy as np
 
@@ -43,6 +43,9 @@ from . import startup_hook
 from .startup_hook import CHANNEL, LOOP, NOTE, PACKAGE, TOKEN
 
 if TYPE_CHECKING:
+    from ..capture.data.dataloaders import CodeSite, LoaderFacts
+    from ..capture.resources.gpu_memory import GpuMemoryFacts, OomFacts
+    from ..capture.resources.host import HostFacts
     from ..recording import Recording
     from ..result import RunResult
 
@@ -420,15 +423,15 @@ def shows_result(run: Recording, child: RunResult, ranked: bool) -> None:
     run.step_kind = steps.kind
     run.step_definition = steps.definition + (", on each rank" if ranked else "")
     run.batch_size, run.batches_per_step, run.batch_kind = steps.batch_size, steps.batches_per_step, steps.batch_kind
-    run.loader_info = dict(data.loader) if data.loader is not None else None
+    run.loader_info = cast("LoaderFacts", dict(data.loader)) if data.loader is not None else None
     run.expected_steps = plain_count((run.loader_info or {}).get("len"))
     run.sources = [dict(s) for s in data.sources]
     run.phases = [dict(p) for p in data.phases]
-    run.loader_site = dict(data.loader_site) if data.loader_site is not None else None
-    run.dataset_site = dict(data.dataset_site) if data.dataset_site is not None else None
-    run.host = dict(used.host) if used.host is not None else None
-    run.gpu_memory = dict(used.gpu_memory) if used.gpu_memory is not None else None
-    run.oom = dict(used.oom) if used.oom is not None else None
+    run.loader_site = cast("CodeSite", dict(data.loader_site)) if data.loader_site is not None else None
+    run.dataset_site = cast("CodeSite", dict(data.dataset_site)) if data.dataset_site is not None else None
+    run.host = cast("HostFacts", dict(used.host)) if used.host is not None else None
+    run.gpu_memory = cast("GpuMemoryFacts", dict(used.gpu_memory)) if used.gpu_memory is not None else None
+    run.oom = cast("OomFacts", dict(used.oom)) if used.oom is not None else None
     run.held_before = None  # the kernel's earlier cells hold nothing of the child's GPU
     run.notes.extend(child.notes)
 

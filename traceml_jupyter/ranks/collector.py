@@ -26,6 +26,7 @@ from .backward import RankParts, StepSample
 from .wire import END, HELLO, STEPS, End, end_result, read_frames
 
 if TYPE_CHECKING:
+    from ..capture.data.dataloaders import LoaderFacts
     from ..recording import Recording
 
 
@@ -462,7 +463,7 @@ def adopt(run: Recording, collector: Collector, drain_s: float) -> None:
         if run.batch_size is None and steps.batch_size:
             run.batch_size, run.batches_per_step = steps.batch_size, steps.batches_per_step
         if run.loader_info is None and loader is not None:  # the checklist reads the loader of the rank that holds back
-            run.loader_info = dict(loader)
+            run.loader_info = cast("LoaderFacts", dict(loader))
     whose = f"rank {main.label}'s" + (" (the rank that holds the others back)" if late else "")
     run.notes.append(f"The steps shown are {whose}; every rank is in the per-rank table.")
 

@@ -38,7 +38,41 @@ def unwrap_loader(iterable: Any) -> Any:
     return None
 
 
-def describe_loader(loader: Any) -> dict[str, Any]:
+class LoaderFacts(TypedDict, total=False):
+    """A DataLoader's settings as the checklist reads them (`describe_loader`); None: unknown."""
+
+    type: str
+    num_workers: int | None
+    batch_size: int | None
+    pin_memory: bool | None
+    persistent_workers: bool | None
+    prefetch_factor: int | None
+    multiprocessing_context: str | None
+    collate_fn: str
+    custom_collate: bool
+    dataset_type: str
+    dataset_module: str
+    len: int | None
+    n_samples: int | None
+    python_objects: list[PythonObjects]
+
+
+class NotedSite(TypedDict, total=False):
+    """Where a DataLoader was built ("file", "line") and its dataset's `__getitem__` written."""
+
+    file: str
+    line: int
+    dataset_file: str
+    dataset_line: int
+    dataset_class: str
+
+
+# Where the run says a loader was built ({"file", "line"}) or a dataset's __getitem__ is
+# written ({"file", "line", "class"}): "class" is a keyword, hence the functional form.
+CodeSite = TypedDict("CodeSite", {"file": str, "line": int, "class": str}, total=False)
+
+
+def describe_loader(loader: Any) -> LoaderFacts:
     """The settings the checklist reads, as plain values (no reference to the loader kept).
     A value that cannot be read honestly is None ("unknown" in the report)."""
     dataset = attribute(loader, "dataset")
@@ -154,7 +188,7 @@ def _values(namespace: Any) -> list[Any]:
 
 
 # -- where a DataLoader is built -------------------------------------------------------------------
-def note_site(sites: dict[int, dict[str, Any]], loader: Any, frame: Any) -> None:
+def note_site(sites: dict[int, NotedSite], loader: Any, frame: Any) -> None:
     """Remember in `sites` (by id of the loader, the newest SITES_KEPT) where `loader` is built,
     from `frame` (the caller of its __init__) up, and where its dataset's __getitem__ is.
     Never raises: the edge of the loader's construction in the user's code (a failure of ours
@@ -169,12 +203,12 @@ def note_site(sites: dict[int, dict[str, Any]], loader: Any, frame: Any) -> None
         sites[id(loader)] = site
 
 
-def split_site(site: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def split_site(site: NotedSite | None) -> tuple[CodeSite | None, CodeSite | None]:
     """A noted site as the run keeps it: ({"file", "line"} of the loader, {"file", "line",
     "class"} of its dataset's __getitem__), each None when not known."""
     if not site:
         return None, None
-    loader = {"file": site["file"], "line": site["line"]}
+    loader: CodeSite = {"file": site["file"], "line": site["line"]}
     if "dataset_file" not in site:
         return loader, None
     return loader, {"file": site["dataset_file"], "line": site["dataset_line"], "class": site["dataset_class"]}
@@ -190,12 +224,12 @@ def _user_code(filename: str) -> bool:
     return not any(root and filename.startswith(root) for root in roots)
 
 
-def construction_site(loader: Any, frame: Any) -> dict[str, Any] | None:
+def construction_site(loader: Any, frame: Any) -> NotedSite | None:
     """{"file", "line"} of the line that built `loader`, from the frame that called its
     __init__ up: the first frame of the user's code that is not a DataLoader subclass's own
     __init__; else the first frame outside torch."""
     torch_dir = os.path.dirname(getattr(sys.modules.get("torch"), "__file__", "") or "") + os.sep
-    fallback = None
+    fallback: NotedSite | None = None
     for _ in range(32):
         if frame is None:
             break
@@ -204,7 +238,8 @@ def construction_site(loader: Any, frame: Any) -> dict[str, Any] | None:
         inside = code.co_name == "__init__" and frame.f_locals.get("self") is loader
         if not inside and not name.startswith(torch_dir):
             if _user_code(name):
-                return {"file": _path(name), "line": int(frame.f_lineno)}
+                found: NotedSite = {"file": _path(name), "line": int(frame.f_lineno)}
+                return found
             if fallback is None and not name.startswith(PACKAGE_DIR):
                 fallback = {"file": _path(name), "line": int(frame.f_lineno)}
         frame = frame.f_back
@@ -227,7 +262,7 @@ def inner_dataset(dataset: Any) -> Any:
     return dataset
 
 
-def dataset_site(dataset: Any) -> dict[str, Any] | None:
+def dataset_site(dataset: Any) -> NotedSite | None:
     """Where the dataset's `__getitem__` is written (through torch's wrappers such as Subset)."""
     dataset = inner_dataset(dataset)
     if dataset is None:
@@ -237,4 +272,5 @@ def dataset_site(dataset: Any) -> dict[str, Any] | None:
     code = attribute(attribute(func, "__func__") or func, "__code__")
     if code is None:
         return None
-    return {"dataset_file": _path(code.co_filename), "dataset_line": int(code.co_firstlineno), "dataset_class": cls.__name__}
+    site: NotedSite = {"dataset_file": _path(code.co_filename), "dataset_line": int(code.co_firstlineno), "dataset_class": cls.__name__}
+    return site

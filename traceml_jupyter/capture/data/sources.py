@@ -16,6 +16,7 @@ from typing import Any, TypedDict
 
 from ...failures import read_or
 from ..steps.step_model import LEVEL_NAMES, Source
+from .dataloaders import LoaderFacts
 from .probes import attribute, user_namespace
 
 PHASE_WORDS = (("val", "validation"), ("test", "test"), ("eval", "evaluation"), ("dev", "validation"))
@@ -33,7 +34,7 @@ class SourceFacts:
     batches_per_step: float | None = None
     batch_size: int | None = None
     batch_kind: str | None = None
-    loader_info: dict[str, Any] | None = None
+    loader_info: LoaderFacts | None = None
     loader_ref: Any = None
     loader_name: str | None = None
     notes: list[str] = field(default_factory=list)
