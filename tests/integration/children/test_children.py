@@ -283,7 +283,7 @@ def test_who_trained_decides_what_the_run_shows(untouched: None) -> None:
 
 def test_a_child_whose_end_could_not_say_what_it_measured_still_shows_its_steps(untouched: None) -> None:
     run = Run("no result")
-    with children.followed(run) as collector, ranks.followed(run):
+    with children.followed(run.recording) as collector, ranks.followed(run.recording):
         address, token = os.environ[CHANNEL], os.environ[TOKEN].encode()
         child = knock(address, token + ranks.frame(ranks.HELLO, {"pid": 9, "command": "python f.py"}))
         child.sendall(ranks.frame(ranks.STEPS, {}, steps_rows(10, 1.0, 10.0)))
@@ -292,9 +292,9 @@ def test_a_child_whose_end_could_not_say_what_it_measured_still_shows_its_steps(
         until(lambda: any(s.end is not None for s in collector.streams))
         child.close()
     run.finish()
-    assert run.n_steps == 10 and run.step_kind == "none"  # its steps; what a step was, it could not say
+    assert run.n_steps == 10 and run.result.steps.kind == "none"  # its steps; what a step was, it could not say
     assert "`python f.py`: what fed its steps could not be read: TypeError: odd loader" in run.notes
-    assert [(p["pid"], p["status"]) for p in run.processes or []] == [(9, "finished")]
+    assert [(p["pid"], p["status"]) for p in run.result.processes or []] == [(9, "finished")]
 
 
 def test_the_exit_status_a_child_reports() -> None:
