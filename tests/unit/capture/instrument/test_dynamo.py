@@ -14,7 +14,9 @@ pytestmark = pytest.mark.slow  # torch._dynamo's import: seconds
 
 
 def test_the_check_is_torchs_own_and_a_torch_without_one_never_compiles() -> None:
-    assert dynamo.compile_check(torch) is torch.compiler.is_compiling
+    assert dynamo.compile_check(torch) is torch.compiler.is_dynamo_compiling
+    older = SimpleNamespace(compiler=SimpleNamespace(is_compiling=torch.compiler.is_compiling))
+    assert dynamo.compile_check(older) is torch.compiler.is_compiling
     assert dynamo.compile_check(SimpleNamespace())() is False
     assert dynamo.compile_check(None)() is False
 
