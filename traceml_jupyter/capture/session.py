@@ -26,7 +26,7 @@ from threading import get_ident
 from time import perf_counter_ns, process_time_ns
 from typing import TYPE_CHECKING, Any
 
-from ..failures import never_raise
+from ..failures import never_raise, read_or
 from .data.dataloaders import note_site
 from .data.probes import user_namespace
 from .gpu import cuda_graphs
@@ -35,7 +35,7 @@ from .gpu.cuda_state import cuda_initialized
 from .inside.line_costs import LineClock
 from .inside.step_parts import StepParts
 from .instrument import hooks
-from .instrument.dynamo import compile_check, compiled_function, keep_out
+from .instrument.dynamo import compile_check, keep_out, reaches_compiled
 from .instrument.patches import patched
 from .loop_gpu import LoopGpu, StepMemory
 from .resources.thread_time import thread_schedstat
@@ -152,12 +152,13 @@ class Capture:
 
     # -- torch.compile (instrument/dynamo.py) ------------------------------------------------------
     def calls_compiled(self) -> bool:
-        """The traced code uses the name of a torch.compile'd function of the notebook."""
+        """The traced code uses the name of a torch.compile'd function of the notebook, or of a
+        function that calls one by its name."""
         namespace = user_namespace()
         if not namespace:
             return False
         used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", self.parts.code_of()))
-        return any(compiled_function(namespace[name]) for name in used if name in namespace)
+        return any(read_or(False, reaches_compiled, namespace[name]) for name in used if name in namespace)
 
     def stand_aside(self) -> None:
         """The cell calls a compiled function, whose model and optimizer run in compiled code:

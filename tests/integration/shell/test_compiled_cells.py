@@ -3,7 +3,8 @@ compilations, recompilations, graphs and graph breaks, as torch's own counters c
 bit for bit the same losses and weights. Each story runs its cell plainly, then traced, each
 after `torch._dynamo.reset()` and the same seed, and compares what torch counted; the steps are
 still counted (one per iteration). Both shapes: `@torch.compile` on a training-step function
-(the model and optimizer by global name, or passed in) and `model = torch.compile(model)`."""
+(the model and optimizer by global name, or passed in; called from the cell or from a function
+of the notebook) and `model = torch.compile(model)`."""
 
 from __future__ import annotations
 
@@ -66,6 +67,16 @@ def step_of(m, o, x, y):
 STEP_OF_ARGUMENTS_LOOP = """
 for x, y in data:
     loss = step_of(model, opt, x, y)
+    losses.append(loss.detach().clone())
+"""
+
+THROUGH_A_FUNCTION = STEP_FUNCTION.replace("train_step", "inner_step") + """
+def train(x, y):
+    return inner_step(x, y)
+"""
+THROUGH_A_FUNCTION_LOOP = """
+for x, y in data:
+    loss = train(x, y)
     losses.append(loss.detach().clone())
 """
 
@@ -151,6 +162,7 @@ def assert_as_plain(plain: Compiled, traced_: Compiled) -> None:
 SHAPES = {
     "a compiled training-step function": (STEP_FUNCTION, STEP_FUNCTION_LOOP),
     "a compiled step taking the model and optimizer": (STEP_OF_ARGUMENTS, STEP_OF_ARGUMENTS_LOOP),
+    "a compiled step called by a function of the notebook": (THROUGH_A_FUNCTION, THROUGH_A_FUNCTION_LOOP),
     "a compiled model": (COMPILED_MODEL, COMPILED_MODEL_LOOP),
 }
 

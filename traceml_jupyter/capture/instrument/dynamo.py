@@ -50,6 +50,24 @@ def compiled_function(value: Any) -> bool:
     return type(value) is FunctionType and "_torchdynamo_orig_callable" in value.__dict__
 
 
+def reaches_compiled(value: Any) -> bool:
+    """`value` is a compiled function, or a plain function whose code names one among its
+    globals (`def train(): ... train_step(x, y)` with `train_step` compiled): its code read,
+    nothing run."""
+    if compiled_function(value):
+        return True
+    if type(value) is not FunctionType:
+        return False
+    names: set[str] = set()
+    codes = [value.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, CodeType)]
+    found = value.__globals__
+    return any(compiled_function(found.get(name)) for name in names)
+
+
 _kept_modules: set[str] = set()  # the package's modules whose code Dynamo runs as written
 
 

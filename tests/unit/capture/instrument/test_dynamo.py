@@ -46,3 +46,21 @@ def test_every_module_of_the_capture_is_kept_out_once_dynamo_is_loaded() -> None
     assert all(name.startswith("traceml_jupyter") for name in kept)
     dynamo.keep_out()  # once a module
     assert dynamo._kept_modules == kept
+
+
+compiled_step = torch.compile(lambda x: x + 1, backend="eager")
+
+
+def calls_the_compiled_step(x: torch.Tensor) -> torch.Tensor:
+    return compiled_step(x)
+
+
+def calls_nothing_compiled(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def test_a_function_that_calls_a_compiled_one_by_its_name_reaches_compiled_code() -> None:
+    assert dynamo.reaches_compiled(compiled_step)
+    assert dynamo.reaches_compiled(calls_the_compiled_step)
+    assert not dynamo.reaches_compiled(calls_nothing_compiled)
+    assert not dynamo.reaches_compiled(torch.nn.Linear(2, 2))
