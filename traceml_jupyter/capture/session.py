@@ -166,6 +166,7 @@ class Capture:
         them: a recompilation whenever they come or go). Its steps are its `backward()` calls
         (after Dynamo's graph break, they run as written) or its loop's iterations."""
         self.compiled = True
+        self.run.notes.append(COMPILED_NOTE)
         self.parts.stand_aside()
         for hooks_dict, key in self.optimizer_hooks:
             hooks_dict.pop(key, None)
@@ -313,6 +314,12 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
         stack.enter_context(patched(autograd, {"backward": backward}))
     _optimizer_hooks(capture, stack, torch, compiling)
 
+
+COMPILED_NOTE = (
+    "The cell calls a torch.compile'd function: its model and optimizer run in compiled code, where "
+    "traceml puts no hook (nothing is recompiled for it); steps are its backward() calls (or the "
+    "loop's iterations), and the parts of the step are not timed."
+)
 
 # Our keys in torch's dicts of global optimizer hooks: the same in every run, so that a compiled
 # function that Dynamo traced with them (it guards on the dict's keys) is not compiled again in

@@ -18,6 +18,7 @@ import torch
 from helpers import run, traced
 
 import traceml_jupyter
+from traceml_jupyter.capture.session import COMPILED_NOTE
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # each compiles: 2-10 s
 
@@ -175,7 +176,12 @@ def test_a_compiled_cell_compiles_and_computes_as_without_the_magic(ip: Any, sha
     assert plain.compiles >= 1  # the story compiles at all
     with_magic, runs = compiled_run(ip, setup, loop, magic=True)
     assert_as_plain(plain, with_magic)
-    assert runs[0].result.steps.n_steps == STEPS  # one step per iteration, as the loop ran
+    result = runs[0].result
+    assert result.steps.n_steps == STEPS  # one step per iteration, as the loop ran
+    # A compiled step: its backward() calls are the steps, and the report says why.
+    said = any(n == COMPILED_NOTE for n in result.notes)
+    assert said == (shape != "a compiled model")
+    assert result.steps.kind == ("optimizer" if shape == "a compiled model" else "backward")
 
 
 @pytest.mark.parametrize("shape", list(SHAPES)[:2])
