@@ -838,6 +838,72 @@ def cuda_graph(ctx: Context) -> list[Check]:
     return [check]
 
 
+COMPILED_STEP_SETUP = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+g = torch.Generator(device="cuda").manual_seed(1)
+data = [(torch.randn(64, 512, device="cuda", generator=g), torch.randn(64, 1, device="cuda", generator=g)) for _ in range(80)]
+losses = []
+
+@torch.compile(mode="reduce-overhead")
+def train_step(x, y):
+    opt.zero_grad(set_to_none=False)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+"""
+COMPILED_STEP_CELL = """
+for x, y in data:
+    loss = train_step(x, y)
+    losses.append(loss.detach().clone())
+"""
+
+
+def compiled_step_counts(ctx: Context, traced: bool) -> tuple[dict[str, int], Any]:
+    """The compiled step's cell from a fresh Dynamo, plainly or traced: what torch counted
+    (compilations, recompilations, graphs, graph breaks, CUDA graph skips) and its losses."""
+    torch = ctx.torch
+    from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
+
+    torch._dynamo.reset()
+    counters.clear()
+    clear_compilation_metrics()
+    result = ctx.shell.run_cell(COMPILED_STEP_SETUP)
+    if result.error_in_exec is not None:
+        raise result.error_in_exec
+    if traced:
+        ctx.traced("compile-reduce-overhead", COMPILED_STEP_CELL, {})
+    else:
+        ctx.plain(COMPILED_STEP_CELL, {})
+    metrics = get_compilation_metrics()
+    counts = {
+        "compiles": len(metrics),
+        "recompiles": sum(m.recompile_reason is not None for m in metrics),
+        "graphs": counters["stats"]["unique_graphs"],
+        "graph breaks": sum(counters["graph_break"].values()),
+        "cudagraph skips": counters["inductor"]["cudagraph_skips"],
+    }
+    return counts, torch.stack(ctx.shell.user_ns["losses"]).cpu()
+
+
+def compiled_graphs_stay(ctx: Context) -> list[Check]:
+    """compile: a training step under torch.compile(mode="reduce-overhead") (Inductor's CUDA
+    graph trees), plainly then traced: the magic changes nothing torch counts (no recompile, no
+    graph break, no CUDA graph skipped: the graphs stay captured and replay) and the losses are
+    the same bit for bit (issue 30)."""
+    check = Check("compile reduce-overhead step", "torch's counts as plain; the same losses", "issue 30")
+    plain, plain_losses = compiled_step_counts(ctx, traced=False)
+    traced, traced_losses = compiled_step_counts(ctx, traced=True)
+    check.numbers.update({f"plain {k}": v for k, v in plain.items()})
+    check.numbers.update({f"traced {k}": v for k, v in traced.items()})
+    check.expect(traced == plain, f"torch counted {traced} traced, {plain} plainly")
+    check.expect(bool(ctx.torch.equal(traced_losses, plain_losses)), "the losses differ from the plain run's")
+    return [check]
+
+
 def replay_ms(torch: Any, graph: Any, n: int) -> float:
     """The GPU time of one replay of `graph`: the mean of `n`, with events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -1288,6 +1354,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("H", "pageable non_blocking copies", "F11", "a timed wait", pageable_non_blocking),
     Scenario("I", "70 000 steps past the fold", "F12, F13", "all timings, no spike", long_run),
     Scenario("J", "CUDA graph replay", "", "no exception", cuda_graph),
+    Scenario("compile", "a training step under torch.compile(mode='reduce-overhead'), plain vs traced", "issue 30", "the same compiles, no CUDA graph skipped, the same losses", compiled_graphs_stay),
     Scenario("K", "AMP + GradScaler", "", "scaler.step named", amp),
     Scenario("L", "fork child after a traced cell (fresh interpreter)", "F1", "child exits 0", fork_after_traced_cell),
     Scenario("M", "20 000 .to(dtype) pass-throughs", "F16", "< 1 µs a call", to_dtype_calls),

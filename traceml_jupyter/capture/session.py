@@ -18,6 +18,7 @@ listeners, the patches that call the hooks, and the capture's lifetime.
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -25,14 +26,16 @@ from threading import get_ident
 from time import perf_counter_ns, process_time_ns
 from typing import TYPE_CHECKING, Any
 
-from ..failures import never_raise
+from ..failures import never_raise, read_or
 from .data.dataloaders import NotedSite, note_site
+from .data.probes import user_namespace
 from .gpu import cuda_graphs
 from .gpu.cuda_clock import Marks, current_device
 from .gpu.cuda_state import cuda_initialized
 from .inside.line_costs import LineClock
 from .inside.step_parts import StepParts
 from .instrument import hooks
+from .instrument.dynamo import compile_check, keep_out, reaches_compiled
 from .instrument.patches import patched
 from .loop_gpu import LoopGpu, StepMemory
 from .resources.thread_time import thread_schedstat
@@ -79,6 +82,11 @@ class Capture:
         self.dataloader_iter, self.dataloader_next = step_hooks.dataloader_iter, step_hooks.dataloader_next
         self.training_event = step_hooks.training_event
         self.current_step = stamping.current_step
+        # torch.compile in the cell (instrument/dynamo.py): our global optimizer hooks, to take
+        # out when the cell turns out to call a compiled function; whether it does.
+        self.optimizer_hooks: list[tuple[dict[int, Any], int]] = []
+        self.compiled = False
+        step_hooks.loop_starts = self._loop_starts
 
     def listen(self) -> None:
         """The run's next tick changed (an observer came, the GPU clock changed): the hooks
@@ -141,6 +149,34 @@ class Capture:
     def pass_starts(self) -> list[tuple[Source, int]]:
         """The steps where passes over a DataLoader started (each epoch's start-up wait)."""
         return self.step_hooks.pass_starts
+
+    # -- torch.compile (instrument/dynamo.py) ------------------------------------------------------
+    def calls_compiled(self) -> bool:
+        """The traced code uses the name of a torch.compile'd function of the notebook, or of a
+        function that calls one by its name."""
+        namespace = user_namespace()
+        if not namespace:
+            return False
+        used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", self.parts.code_of()))
+        return any(read_or(False, reaches_compiled, namespace[name]) for name in used if name in namespace)
+
+    def stand_aside(self) -> None:
+        """The cell calls a compiled function, whose model and optimizer run in compiled code:
+        no patch on a model's class and no optimizer hook (Dynamo would trace them and guard on
+        them: a recompilation whenever they come or go). Its steps are its `backward()` calls
+        (after Dynamo's graph break, they run as written) or its loop's iterations."""
+        self.compiled = True
+        self.run.notes.append(COMPILED_NOTE)
+        self.parts.stand_aside()
+        for hooks_dict, key in self.optimizer_hooks:
+            hooks_dict.pop(key, None)
+        self.optimizer_hooks.clear()
+
+    def _loop_starts(self) -> None:
+        """The located loop starts: a function the cell compiled before it is seen now."""
+        keep_out()
+        if not self.compiled and self.calls_compiled():
+            self.stand_aside()
 
     # -- the step model's listeners -----------------------------------------------------------
     def _graph_replayed(self, level: int | None, optimizer: Any) -> None:
@@ -225,22 +261,23 @@ def _dataloader_patches(capture: Capture, stack: ExitStack) -> None:
     original_iter = DataLoader.__dict__["__iter__"]
     original_next = _BaseDataLoaderIter.__dict__["__next__"]
     thread = capture.thread
+    compiling = compile_check(torch)  # (dynamo.py: torch.compile traces none of our code)
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        if hooks.active is capture and get_ident() == thread:  # where it is built, for the checklist
+        if not compiling() and hooks.active is capture and get_ident() == thread:  # where it is built, for the checklist
             note_site(capture.loader_sites, self, sys._getframe(1))
 
     def __iter__(self: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
-        if hooks.active is not capture or get_ident() != thread:
+        if compiling() or hooks.active is not capture or get_ident() != thread:
             return original_iter(self)
         return capture.dataloader_iter(self, original_iter)
 
     def __next__(self: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
-        if hooks.active is not capture or get_ident() != thread:
+        if compiling() or hooks.active is not capture or get_ident() != thread:
             return original_next(self)
         return capture.dataloader_next(self, original_next)
 
@@ -254,12 +291,15 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
         return
     thread = capture.thread
     parts = capture.parts
+    compiling = compile_check(torch)  # (dynamo.py: torch.compile traces none of our code)
     autograd = torch.autograd
     original_backward = autograd.__dict__.get("backward")
     if original_backward is not None:
 
         def backward(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True  # noqa: F841
+            if compiling():  # Dynamo traces it: torch's own backward, nothing of ours
+                return original_backward(*args, **kwargs)
             if parts.on and hooks.active is capture and get_ident() == thread:  # a sampled step
                 out = parts.backward(original_backward, args, kwargs)
                 capture.training_event(BACKWARD)
@@ -272,35 +312,72 @@ def _training_patches(capture: Capture, stack: ExitStack) -> None:
         backward.__doc__ = original_backward.__doc__
         backward.__wrapped__ = original_backward  # type: ignore[attr-defined]
         stack.enter_context(patched(autograd, {"backward": backward}))
-    register: Callable[..., Any] | None
+    _optimizer_hooks(capture, stack, torch, compiling)
+
+
+COMPILED_NOTE = (
+    "The cell calls a torch.compile'd function: its model and optimizer run in compiled code, where "
+    "traceml puts no hook (nothing is recompiled for it); steps are its backward() calls (or the "
+    "loop's iterations), and the parts of the step are not timed."
+)
+
+# Our keys in torch's dicts of global optimizer hooks: the same in every run, so that a compiled
+# function that Dynamo traced with them (it guards on the dict's keys) is not compiled again in
+# the next traced cell (torch's own handles count up from 0).
+PRE_HOOK_KEY, POST_HOOK_KEY = -(1 << 41), -(1 << 41) - 1
+
+
+def _optimizer_hooks(capture: Capture, stack: ExitStack, torch: Any, compiling: Callable[[], bool]) -> None:
+    """The global optimizer step hooks: each optimizer step of the capture's thread is a
+    training event. None when the cell calls a torch.compile'd function (`stand_aside`)."""
+    if capture.calls_compiled():
+        capture.stand_aside()
+        return
+    thread, parts = capture.thread, capture.parts
+    module = sys.modules.get("torch.optim.optimizer")  # (torch.optim deletes its name `optimizer`)
+    pre_hooks = getattr(module, "_global_optimizer_pre_hooks", None)
+    post_hooks = getattr(module, "_global_optimizer_post_hooks", None)
+    if not isinstance(post_hooks, dict):  # torch < 2.0
+        return
+    step_hooks = capture.step_hooks
+    calls = step_hooks.optimizer_calls
+
+    def stepping(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if compiling():  # (dynamo.py)
+            return
+        if hooks.active is capture and get_ident() == thread:
+            calls.append((optimizer, sys._getframe(1)))  # torch's wrapper, as in `stepped`
+
+    def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if compiling():  # (dynamo.py)
+            return
+        if hooks.active is capture and get_ident() == thread:
+            if calls and step_hooks.inner_step(optimizer, sys._getframe(1)):
+                return  # `super().step()` inside the step: the outer call is the step
+            if parts.on:  # a sampled step: the optimizer's time, before the step may end
+                parts.optimizer_stepped(optimizer)
+            capture.training_event(OPTIMIZER, optimizer)
+
+    if isinstance(pre_hooks, dict):
+        stack.enter_context(_hooked(pre_hooks, PRE_HOOK_KEY, stepping))
+        capture.optimizer_hooks.append((pre_hooks, PRE_HOOK_KEY))
+    stack.enter_context(_hooked(post_hooks, POST_HOOK_KEY, stepped))
+    capture.optimizer_hooks.append((post_hooks, POST_HOOK_KEY))
+
+
+@contextmanager
+def _hooked(hooks_dict: dict[int, Any], key: int, hook: Callable[..., None]) -> Iterator[None]:
+    """`hook` in one of torch's dicts of hooks under `key` for the duration (what it held
+    there before, a nested capture's, put back after)."""
+    before = hooks_dict.get(key)
+    hooks_dict[key] = hook
     try:
-        from torch.optim.optimizer import register_optimizer_step_post_hook as register
-    except ImportError:  # torch < 2.0
-        register = None
-    if register is not None:
-        step_hooks = capture.step_hooks
-        calls = step_hooks.optimizer_calls
-
-        def stepping(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if hooks.active is capture and get_ident() == thread:
-                calls.append((optimizer, sys._getframe(1)))  # torch's wrapper, as in `stepped`
-
-        def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if hooks.active is capture and get_ident() == thread:
-                if calls and step_hooks.inner_step(optimizer, sys._getframe(1)):
-                    return  # `super().step()` inside the step: the outer call is the step
-                if parts.on:  # a sampled step: the optimizer's time, before the step may end
-                    parts.optimizer_stepped(optimizer)
-                capture.training_event(OPTIMIZER, optimizer)
-
-        try:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-        except ImportError:
-            pass
+        yield
+    finally:
+        if before is None:
+            hooks_dict.pop(key, None)
         else:
-            stack.callback(register_optimizer_step_pre_hook(stepping).remove)
-        handle = register(stepped)
-        stack.callback(handle.remove)
+            hooks_dict[key] = before
 
 
 def _guarded(run: Recording, what: str, step: Callable[[], Any]) -> None:
@@ -318,6 +395,7 @@ def capture_session(run: Recording, capture: Capture | None = None) -> Iterator[
     if run.recorder.n_steps == 0:
         run.recorder.origin_ns = began  # the run's time 0: its code starts now, not when it was set up
     hooks.install()
+    keep_out()  # torch.compile traces none of our code (dynamo.py)
     previous = hooks.active
     run.recorded_by(capture)
     run.capture_thread = capture.thread

@@ -60,6 +60,7 @@ class StepHooks:
         self.pass_starts: list[tuple[Source, int]] = []  # the steps where passes over a DataLoader started
         # Who hears of DataLoader workers (host.HostSampler), while the resources are watched.
         self.on_workers: Callable[[list[int], int], None] | None = None
+        self.loop_starts: Callable[[], None] | None = None  # the capture's look at the cell when a located loop starts
         self._iter_passes: dict[int, Pass] = {}  # id(DataLoader iterator) -> its pass
         self._call_sources: dict[int, Source] = {}
         # Optimizer steps under way, (optimizer, frame): the patches' pre hook appends (`inner_step`).
@@ -74,6 +75,8 @@ class StepHooks:
     def loop(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """`for x in loop(it)`: each fetch is data wait, each iteration ends a step or not (see
         step_model.py)."""
+        if self.loop_starts is not None:
+            self.loop_starts()  # a function compiled in the cell, before its loop (session.py)
         self.run.loop_started()
         source = self.model.source("loop", "loop", "the loop's iterator", None)
         return self._loop(iterable, Pass(source), source)

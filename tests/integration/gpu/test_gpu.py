@@ -62,7 +62,7 @@ def test_without_cuda_the_script_lists_its_scenarios_and_skips() -> None:
 def test_every_scenario_group_is_there_and_says_what_it_shows() -> None:
     gpu_check = load_script()
     keys = {s.key for s in gpu_check.SCENARIOS}
-    assert set("ABCDEFHIJKLM") <= keys and {"hf", "demo", "overhead"} <= keys
+    assert set("ABCDEFHIJKLM") <= keys and {"hf", "demo", "overhead", "compile"} <= keys
     assert all(s.run.__doc__ for s in gpu_check.SCENARIOS)  # each says what it shows
 
 

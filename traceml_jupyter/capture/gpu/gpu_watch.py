@@ -46,6 +46,7 @@ from typing import Any, TypedDict
 import numpy as np
 
 from ...failures import failure_text, never_raise
+from ..instrument.dynamo import compile_check
 from ..steps.step_tally import StepTally
 from . import hidden_waits
 from .cuda_graphs import capturing
@@ -174,8 +175,7 @@ def torch_cuda_api(device: int | None = None) -> CudaApi | None:
     if cuda is None:
         return None
     torch = sys.modules["torch"]
-    compiler = getattr(torch, "compiler", None)
-    return cuda_api(cuda, torch.Tensor, device, getattr(compiler, "is_compiling", None))
+    return cuda_api(cuda, torch.Tensor, device, compile_check(torch))
 
 
 class GpuWatch:

@@ -418,7 +418,7 @@ def copies_timed(
     def timed_to(self: Any, *args: Any, **kwargs: Any) -> Any:
         if args and type(args[0]) in not_a_device and not kwargs:  # `.to(dtype)`: the commonest
             return to(self, *args)
-        if watch.off is not None or get_ident() != watch.thread:
+        if compiling() or watch.off is not None or get_ident() != watch.thread:  # (instrument/dynamo.py)
             return to(self, *args, **kwargs)
         if self.is_cuda:
             if synced is None or not target_is_cpu(args, kwargs) or non_blocking_of(args, kwargs):
@@ -436,7 +436,7 @@ def copies_timed(
         return timed(to, self, args, kwargs, step, device)
 
     def timed_cuda(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if watch.off is not None or get_ident() != watch.thread or self.is_cuda:
+        if compiling() or watch.off is not None or get_ident() != watch.thread or self.is_cuda:
             return cuda(self, *args, **kwargs)
         step = watch.current_step()
         if step is None or compiling() or capturing(True):

@@ -235,8 +235,8 @@ def _timed_sync(watch: SyncWatch, kind: str, method: Callable[..., Any]) -> Call
     clock, busy, get_ident = watch.clock, watch.inside, threading.get_ident
 
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not self.is_cuda or watch.off is not None or get_ident() != watch.thread:
-            return method(self, *args, **kwargs)
+        if watch.compiling() or not self.is_cuda or watch.off is not None or get_ident() != watch.thread:
+            return method(self, *args, **kwargs)  # (torch.compile tracing: instrument/dynamo.py)
         t_in = clock()
         step = watch.current_step()
         if step is None or watch.compiling():
@@ -266,8 +266,8 @@ def _timed_call(watch: SyncWatch, kind: str, function: Callable[..., Any]) -> Ca
     clock, busy, get_ident = watch.clock, watch.inside, threading.get_ident
 
     def timed(*args: Any, **kwargs: Any) -> Any:
-        if watch.off is not None or get_ident() != watch.thread:
-            return function(*args, **kwargs)
+        if watch.compiling() or watch.off is not None or get_ident() != watch.thread:
+            return function(*args, **kwargs)  # (torch.compile tracing: instrument/dynamo.py)
         t_in = clock()
         step = watch.current_step()
         if step is None or _ours(sys._getframe(1)):  # the capture's own waits are no user sync

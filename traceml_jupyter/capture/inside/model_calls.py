@@ -39,6 +39,7 @@ from types import FrameType, ModuleType
 from typing import Any
 
 from ...failures import read_or
+from ..instrument.dynamo import compile_check
 
 MAX_FRAMES = 64  # frames read above the first sampled backward() or optimizer step
 MAX_SCAN = 4096  # values looked at per place (a namespace, a frame, an object)
@@ -256,9 +257,12 @@ class ModuleCalls:
         if orig is None:
             return
         timed = self.timed
+        compiling = compile_check(sys.modules.get("torch"))
 
         def __call__(module: Any, *args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True  # noqa: F841  (IPython hides this frame in tracebacks)
+            if compiling():  # Dynamo traces it (instrument/dynamo.py): the class's own call
+                return orig(module, *args, **kwargs)
             return timed(orig, module, args, kwargs)
 
         __call__.__wrapped__ = orig  # type: ignore[attr-defined]

@@ -53,6 +53,7 @@ import numpy as np
 
 from ...failures import failure_text, never_raise, read_or
 from ..data.probes import attribute, type_name, user_namespace
+from ..instrument.dynamo import compile_check
 from ..steps.step_model import ITERATION, MERGE_MAX, NEVER, StepModel
 from ..steps.step_model import OPTIMIZER as OPTIMIZER_LEVEL
 from .cuda_parts import CudaParts
@@ -163,13 +164,16 @@ class StepParts:
         self._gpu_parts: CudaParts | None = None
         self._gpu_broken = False  # an error in our GPU bookkeeping: no GPU parts for the run
         self._namespace_seen: Mapping[str, Any] | None = None  # what begin() looked at: the walk skips it
+        # The cell calls a torch.compile'd function: nothing is patched nor hooked (its model and
+        # optimizer run in compiled code, where nothing of ours may be: instrument/dynamo.py)
+        self.compiled = False
 
     # -- the schedule ---------------------------------------------------------------------------
     def begin(self) -> None:
         """The capture starts: the first step is sampled."""
         cls = module_class()
-        if cls is None:
-            return  # no torch: nothing to time
+        if cls is None or self.compiled:
+            return  # no torch: nothing to time; a compiled training step: nothing of ours in it
         self.active = True
         self._first = self.model.recorder.n_steps
         namespace = user_namespace()
@@ -200,6 +204,16 @@ class StepParts:
         except Exception as exc:
             self.failed(exc)
             return None
+
+    def stand_aside(self) -> None:
+        """The cell calls a torch.compile'd function (found when its loop starts): the parts are
+        off for the run, before Dynamo saw any patch or hook of theirs."""
+        self.compiled = True
+        if self.active:
+            self.active = False
+            self.model.sample_in = NEVER
+            self._disarm()
+            self.calls.forget()
 
     def failed(self, exc: BaseException) -> None:
         """Any error in our bookkeeping: the parts are off for the rest of the run, with a note."""
@@ -384,9 +398,10 @@ class StepParts:
         self._optimizer_refs.append(ref)
         key = -(1 << 40) - who  # never one of torch's own handle ids (they count up from 0)
         parts = self
+        compiling = compile_check(sys.modules.get("torch"))
 
         def pre(opt: Any, args: Any, kwargs: Any) -> Any:
-            if not parts.on or get_ident() != parts.thread:
+            if compiling() or not parts.on or get_ident() != parts.thread:  # (dynamo.py)
                 return None
             return parts.guarded(parts._optimizer_starts, who, args, kwargs)  # never raised into the step
 
@@ -410,10 +425,11 @@ class StepParts:
         if closure is None:
             return None
         parts = self
+        compiling = compile_check(sys.modules.get("torch"))
 
         def timed_closure(*a: Any, **k: Any) -> Any:
             __tracebackhide__ = True  # noqa: F841
-            if not parts.on or get_ident() != parts.thread:
+            if compiling() or not parts.on or get_ident() != parts.thread:  # (dynamo.py)
                 return closure(*a, **k)
             return parts._timed(CLOSURE, closure, a, k)
 

@@ -1,0 +1,235 @@
+"""A cell that trains through `torch.compile` behaves under `%%traceml` as without it: the same
+compilations, recompilations, graphs and graph breaks, as torch's own counters count them, and
+bit for bit the same losses and weights. Each story runs its cell plainly, then traced, each
+after `torch._dynamo.reset()` and the same seed, and compares what torch counted; the steps are
+still counted (one per iteration). Both shapes: `@torch.compile` on a training-step function
+(the model and optimizer by global name, or passed in; called from the cell or from a function
+of the notebook) and `model = torch.compile(model)`."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from helpers import run, traced
+
+import traceml_jupyter
+from traceml_jupyter.capture.session import COMPILED_NOTE
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # each compiles: 2-10 s
+
+STEPS = 80  # past the first 64 steps, where the parts start sampling (and used to patch and unpatch)
+
+SETUP = """
+import torch
+torch.manual_seed(0)
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 1)
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+g = torch.Generator().manual_seed(1)
+data = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(STEPS)]
+losses = []
+"""
+
+STEP_FUNCTION = """
+@torch.compile(backend="BACKEND")
+def train_step(x, y):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+"""
+STEP_FUNCTION_LOOP = """
+for x, y in data:
+    loss = train_step(x, y)
+    losses.append(loss.detach().clone())
+"""
+
+STEP_OF_ARGUMENTS = """
+@torch.compile(backend="BACKEND")
+def step_of(m, o, x, y):
+    o.zero_grad()
+    loss = torch.nn.functional.mse_loss(m(x), y)
+    loss.backward()
+    o.step()
+    return loss
+"""
+STEP_OF_ARGUMENTS_LOOP = """
+for x, y in data:
+    loss = step_of(model, opt, x, y)
+    losses.append(loss.detach().clone())
+"""
+
+THROUGH_A_FUNCTION = STEP_FUNCTION.replace("train_step", "inner_step") + """
+def train(x, y):
+    return inner_step(x, y)
+"""
+THROUGH_A_FUNCTION_LOOP = """
+for x, y in data:
+    loss = train(x, y)
+    losses.append(loss.detach().clone())
+"""
+
+COMPILED_MODEL = """
+compiled = torch.compile(model, backend="BACKEND")
+"""
+COMPILED_MODEL_LOOP = """
+for x, y in data:
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(compiled(x), y)
+    loss.backward()
+    opt.step()
+    losses.append(loss.detach().clone())
+"""
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What torch counted while a cell ran, and what the cell computed."""
+
+    compiles: int  # frames compiled (torch's compilation metrics: one per compile)
+    recompiles: int  # of them, those a failed guard caused (a recompile reason)
+    graphs: int
+    graph_breaks: int
+    frames: int  # frames Dynamo looked at
+    losses: torch.Tensor
+    weights: torch.Tensor
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "compiles": self.compiles,
+            "recompiles": self.recompiles,
+            "graphs": self.graphs,
+            "graph breaks": self.graph_breaks,
+            "frames": self.frames,
+        }
+
+
+def fresh_dynamo() -> None:
+    from torch._dynamo.utils import clear_compilation_metrics, counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    clear_compilation_metrics()
+
+
+def counted(ip: Any) -> Compiled:
+    from torch._dynamo.utils import counters, get_compilation_metrics
+
+    metrics = get_compilation_metrics()
+    ns = ip.user_ns
+    return Compiled(
+        compiles=len(metrics),
+        recompiles=sum(m.recompile_reason is not None for m in metrics),
+        graphs=counters["stats"]["unique_graphs"],
+        graph_breaks=sum(counters["graph_break"].values()),
+        frames=counters["frames"]["total"],
+        losses=torch.stack(ns["losses"]),
+        weights=torch.cat([p.detach().flatten() for p in ns["model"].parameters()]),
+    )
+
+
+def compiled_run(ip: Any, setup: str, loop: str, *, magic: bool, times: int = 1) -> tuple[Compiled, list[Any]]:
+    """`setup` then `loop` run `times` times, plainly or under the magic, from a fresh Dynamo:
+    what torch counted, and the traced runs."""
+    fresh_dynamo()
+    run(ip, SETUP.replace("STEPS", str(STEPS)) + textwrap.dedent(setup), check=True)
+    runs = []
+    for _ in range(times):
+        if magic:
+            runs.append(traced(ip, loop))
+        else:
+            run(ip, loop, check=True)
+    return counted(ip), runs
+
+
+def assert_as_plain(plain: Compiled, traced_: Compiled) -> None:
+    assert traced_.counts() == plain.counts()
+    assert torch.equal(traced_.losses, plain.losses), (traced_.losses - plain.losses).abs().max()
+    assert torch.equal(traced_.weights, plain.weights)
+
+
+SHAPES = {
+    "a compiled training-step function": (STEP_FUNCTION, STEP_FUNCTION_LOOP),
+    "a compiled step taking the model and optimizer": (STEP_OF_ARGUMENTS, STEP_OF_ARGUMENTS_LOOP),
+    "a compiled step called by a function of the notebook": (THROUGH_A_FUNCTION, THROUGH_A_FUNCTION_LOOP),
+    "a compiled model": (COMPILED_MODEL, COMPILED_MODEL_LOOP),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_compiled_cell_compiles_and_computes_as_without_the_magic(ip: Any, shape: str) -> None:
+    setup, loop = SHAPES[shape]
+    setup = setup.replace("BACKEND", "eager")  # the backend does not change what Dynamo traces
+    plain, _ = compiled_run(ip, setup, loop, magic=False)
+    assert plain.compiles >= 1  # the story compiles at all
+    with_magic, runs = compiled_run(ip, setup, loop, magic=True)
+    assert_as_plain(plain, with_magic)
+    result = runs[0].result
+    assert result.steps.n_steps == STEPS  # one step per iteration, as the loop ran
+    # A compiled step: its backward() calls are the steps, and the report says why.
+    said = any(n == COMPILED_NOTE for n in result.notes)
+    assert said == (shape != "a compiled model")
+    assert result.steps.kind == ("optimizer" if shape == "a compiled model" else "backward")
+
+
+@pytest.mark.parametrize("shape", list(SHAPES)[:2])
+def test_a_compiled_cell_run_twice_under_the_magic_compiles_as_often_as_plainly(ip: Any, shape: str) -> None:
+    setup, loop = SHAPES[shape]
+    setup = setup.replace("BACKEND", "eager")
+    plain, _ = compiled_run(ip, setup, loop, magic=False, times=2)
+    with_magic, runs = compiled_run(ip, setup, loop, magic=True, times=2)
+    assert with_magic.counts() == plain.counts()
+    assert torch.equal(with_magic.losses, plain.losses)
+    assert [r.result.steps.n_steps for r in runs] == [STEPS, STEPS]
+
+
+def test_a_step_function_compiled_in_the_traced_cell_itself(ip: Any) -> None:
+    """The function is compiled by the traced cell, before its loop: the capture sees it when
+    the loop starts, before Dynamo traces anything."""
+    setup = STEP_FUNCTION.replace("BACKEND", "eager").replace("train_step", "step_here")
+    loop = STEP_FUNCTION_LOOP.replace("train_step", "step_here")
+    fresh_dynamo()
+    run(ip, SETUP.replace("STEPS", str(STEPS)), check=True)
+    run(ip, setup + loop, check=True)
+    plain = counted(ip)
+    fresh_dynamo()
+    run(ip, SETUP.replace("STEPS", str(STEPS)), check=True)
+    got = traced(ip, setup + loop)
+    assert_as_plain(plain, counted(ip))
+    assert got.result.steps.n_steps == STEPS
+
+
+def test_inductor_end_to_end(ip: Any) -> None:
+    """Inductor's generated C++ (built with the machine's compiler): the same compilations and
+    bit for bit the same losses and weights, with and without the magic."""
+    pytest.importorskip("torch._inductor")
+    setup, loop = SHAPES["a compiled training-step function"]
+    setup = setup.replace("BACKEND", "inductor")
+    plain, _ = compiled_run(ip, setup, loop, magic=False)
+    with_magic, runs = compiled_run(ip, setup, loop, magic=True)
+    assert_as_plain(plain, with_magic)
+    assert runs[0].result.steps.n_steps == STEPS
+
+
+def test_nothing_of_ours_is_left_where_dynamo_looks(ip: Any) -> None:
+    """After a traced compiled cell: no hook of ours in torch's optimizer hook dicts, no patch
+    on the model's class (what Dynamo guards on in the next cell's compiled code)."""
+    module = sys.modules["torch.optim.optimizer"]  # (torch.optim deletes its name `optimizer`)
+    setup, loop = SHAPES["a compiled training-step function"]
+    compiled_run(ip, setup.replace("BACKEND", "eager"), loop, magic=True)
+    assert dict(module._global_optimizer_pre_hooks) == {}
+    assert dict(module._global_optimizer_post_hooks) == {}
+    assert "__call__" not in type(ip.user_ns["model"]).__dict__
+    assert traceml_jupyter.last() is not None

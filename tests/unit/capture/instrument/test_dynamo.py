@@ -1,0 +1,66 @@
+"""What the hooks ask before Dynamo may trace them (instrument/dynamo.py): torch's own check, a
+compiled function told from a plain one without calling it, our frames kept out of Dynamo."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from traceml_jupyter.capture.instrument import dynamo
+
+pytestmark = pytest.mark.slow  # torch._dynamo's import: seconds
+
+
+def test_the_check_is_torchs_own_and_a_torch_without_one_never_compiles() -> None:
+    assert dynamo.compile_check(torch) is torch.compiler.is_dynamo_compiling
+    older = SimpleNamespace(compiler=SimpleNamespace(is_compiling=torch.compiler.is_compiling))
+    assert dynamo.compile_check(older) is torch.compiler.is_compiling
+    assert dynamo.compile_check(SimpleNamespace())() is False
+    assert dynamo.compile_check(None)() is False
+
+
+def test_a_compiled_function_is_told_from_a_plain_one_without_compiling_it() -> None:
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    compiled = torch.compile(step, backend="eager")
+    assert dynamo.compiled_function(compiled)
+    assert not dynamo.compiled_function(step)
+    assert not dynamo.compiled_function(torch.nn.Linear(2, 2))
+    assert not dynamo.compiled_function(None)
+
+
+def test_every_module_of_the_capture_is_kept_out_once_dynamo_is_loaded() -> None:
+    """(That a frame of ours then runs as written inside a compiled function is shown by the
+    frames torch counts: tests/integration/shell/test_compiled_cells.py.)"""
+    import torch._dynamo.eval_frame  # noqa: F401  (what the user's first torch.compile loads)
+
+    from traceml_jupyter.capture import session  # noqa: F401
+    from traceml_jupyter.capture.inside import step_parts  # noqa: F401
+
+    dynamo.keep_out()
+    kept = set(dynamo._kept_modules)
+    assert {"traceml_jupyter.capture.session", "traceml_jupyter.capture.inside.step_parts"} <= kept
+    assert all(name.startswith("traceml_jupyter") for name in kept)
+    dynamo.keep_out()  # once a module
+    assert dynamo._kept_modules == kept
+
+
+compiled_step = torch.compile(lambda x: x + 1, backend="eager")
+
+
+def calls_the_compiled_step(x: torch.Tensor) -> torch.Tensor:
+    return compiled_step(x)
+
+
+def calls_nothing_compiled(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def test_a_function_that_calls_a_compiled_one_by_its_name_reaches_compiled_code() -> None:
+    assert dynamo.reaches_compiled(compiled_step)
+    assert dynamo.reaches_compiled(calls_the_compiled_step)
+    assert not dynamo.reaches_compiled(calls_nothing_compiled)
+    assert not dynamo.reaches_compiled(torch.nn.Linear(2, 2))

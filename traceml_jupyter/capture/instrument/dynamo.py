@@ -1,0 +1,110 @@
+"""Our hooks under torch.compile: Dynamo traces none of our code.
+
+Dynamo traces into what a compiled function calls: our patched `__call__` of a model's class,
+our `torch.autograd.backward`, our optimizer hooks. Traced, they would guard on our state (a
+flag that changes between sampled steps: a recompilation each time) and break the graph where
+they read a clock or a thread id. So each of them first asks `compiling()` (torch's
+`torch.compiler.is_dynamo_compiling`, which Dynamo folds to True while it traces, and which
+costs a call returning False otherwise: 40 ns) and, while Dynamo traces, returns the call it
+wraps at once:
+Dynamo sees torch's own call, as without the magic.
+
+When a compiled function calls one of them eagerly (after a graph break), Dynamo would compile
+that frame of ours on its own, with `compiling()` folded in, and every frame of ours it calls:
+`keep_out()` tells Dynamo to run every frame of the package's code as written (torch's
+`skip_code`, frame by frame: what our frames call of the user's or torch's code is compiled as
+without us).
+
+Nothing here imports torch: the check is read off an imported torch, and the frames are kept
+out once torch's Dynamo is imported (by the user's first `torch.compile`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from types import CodeType, FunctionType
+from typing import Any
+
+PACKAGE = __name__.split(".")[0]
+
+
+def _never() -> bool:
+    return False
+
+
+def compile_check(torch: Any) -> Callable[[], bool]:
+    """This torch's `torch.compiler.is_dynamo_compiling` (a function that returns False, 40 ns,
+    which Dynamo folds to True), else its `is_compiling` (200 ns: it asks TorchScript first);
+    a torch that never compiles: always False."""
+    compiler = getattr(torch, "compiler", None)
+    for name in ("is_dynamo_compiling", "is_compiling"):
+        check = getattr(compiler, name, None)
+        if callable(check):
+            return check  # type: ignore[no-any-return]
+    return _never
+
+
+def compiled_function(value: Any) -> bool:
+    """`value` is a function `torch.compile` made (its attribute read without running anything)."""
+    return type(value) is FunctionType and "_torchdynamo_orig_callable" in value.__dict__
+
+
+def reaches_compiled(value: Any) -> bool:
+    """`value` is a compiled function, or a plain function whose code names one among its
+    globals (`def train(): ... train_step(x, y)` with `train_step` compiled): its code read,
+    nothing run."""
+    if compiled_function(value):
+        return True
+    if type(value) is not FunctionType:
+        return False
+    names: set[str] = set()
+    codes = [value.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, CodeType)]
+    found = value.__globals__
+    return any(compiled_function(found.get(name)) for name in names)
+
+
+_kept_modules: set[str] = set()  # the package's modules whose code Dynamo runs as written
+
+
+def keep_out() -> None:
+    """Dynamo never compiles a frame of the package's code (its modules imported so far), if
+    Dynamo is loaded; a look at `sys.modules` otherwise. Called where the capture starts and a
+    located loop starts (never per step)."""
+    skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
+    if skip is None:
+        return
+    for name, module in list(sys.modules.items()):
+        if module is None or name in _kept_modules or not (name == PACKAGE or name.startswith(PACKAGE + ".")):
+            continue
+        _kept_modules.add(name)
+        for code in _codes(vars(module), name):
+            skip(code)
+
+
+def _codes(namespace: dict[str, Any], module: str) -> Iterator[CodeType]:
+    """The code of the functions and methods defined in `module`, with the code nested in it
+    (closures, comprehensions)."""
+    for value in list(namespace.values()):
+        if isinstance(value, type) and value.__module__ == module:
+            yield from _codes(dict(vars(value)), module)
+            continue
+        value = getattr(value, "__func__", value)  # staticmethod, classmethod
+        if isinstance(value, property):
+            functions = [value.fget, value.fset, value.fdel]
+        else:
+            functions = [value]
+        for function in functions:
+            if isinstance(function, FunctionType) and function.__module__ == module:
+                yield from _nested(function.__code__)
+
+
+def _nested(code: CodeType) -> Iterator[CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            yield from _nested(const)
