@@ -13,6 +13,7 @@ from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import kernel_state
+from .analysis.compile import CompileFacts
 from .analysis.phases import step_definition
 from .analysis.summary_keys import LineCosts
 from .capture.data.probes import safe_len
@@ -35,6 +36,7 @@ from .run_summary import StepFacts, analyse
 if TYPE_CHECKING:
     import numpy as np
 
+    from .capture.compiled.dynamo import CompileRecord, CompileWatch
     from .capture.gpu.gpu_watch import GpuWatch
     from .capture.resources.watch import ResourceWatch
 
@@ -117,6 +119,8 @@ class Recording:
         self.gpu_note: str | None = None
         self.gpu_device: str | None = None
         self.resource_watch: ResourceWatch | None = None  # while recording
+        self.compile_watch: CompileWatch | None = None  # while recording: is Dynamo compiling now
+        self.compiled: CompileRecord | None = None  # what torch.compile did (capture/compiled/)
         self.host: dict[str, Any] | None = None
         self.gpu_memory: dict[str, Any] | None = None
         self.held_before: dict[str, Any] | None = None
@@ -335,7 +339,8 @@ class Recording:
                 host=frozen_facts(self.host), gpu_memory=frozen_facts(self.gpu_memory),
                 held_before=frozen_facts(self.held_before), oom=frozen_facts(self.oom),
             ),
-            line_costs=frozen_as(LineCosts, self.line_costs), ranks=frozen_rows(self.ranks),
+            line_costs=frozen_as(LineCosts, self.line_costs),
+            compiled=frozen_as(CompileFacts, self.compiled), ranks=frozen_rows(self.ranks),
             processes=frozen_rows(self.processes), machine=frozen_facts(self._machine()),
             notes=tuple(self.notes), error=self.error,
         )

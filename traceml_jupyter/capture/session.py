@@ -26,6 +26,7 @@ from time import perf_counter_ns, process_time_ns
 from typing import TYPE_CHECKING, Any
 
 from ..failures import never_raise
+from .compiled.dynamo import compile_watched
 from .data.dataloaders import note_site
 from .gpu import cuda_graphs
 from .gpu.cuda_clock import Marks, current_device
@@ -325,6 +326,7 @@ def capture_session(run: Recording, capture: Capture | None = None) -> Iterator[
         _dataloader_patches(capture, stack)
         _training_patches(capture, stack)
         stack.enter_context(resources_watched(run, capture))
+        stack.enter_context(compile_watched(run))
         stack.enter_context(cuda_graphs.graphs_watched(capture.graphs))
         capture.open()
         run.step_parts = capture.parts
