@@ -122,6 +122,8 @@ def analyse(run: Recorded, cols: dict[str, np.ndarray]) -> tuple[Summary, Verdic
     compiled = _compiled(run, cols)
     summary = summarize(_steady(cols, compiled), rec.n_steps, _warmup(run, compiled), run.gpu_used, rec.totals())
     summary.update(_compile_summary(compiled))
+    late = [s for s in summary["compiling_steps"] if s >= int(summary["warmup_steps"])]
+    summary["n_analysed"] = max(0, int(summary["n_analysed"]) - len(late))  # compiling: not analysed
     summary.update(cast(Summary, run.watch_summary))  # the GPU watch's keys (capture/gpu)
     summary.update(_source_summary(run))
     summary.update(_inside_the_step(run, cols, summary))

@@ -137,3 +137,15 @@ def test_the_compile_facts_go_to_the_json_and_back() -> None:
     assert from_dict(doc) == result
     plain = CANNED["compute-bound"]()
     assert to_dict(plain)["compile"] is None and plain.summary["compile_s"] is None
+
+
+def test_the_report_shows_the_compile_findings_and_what_torch_compiled() -> None:
+    from traceml_jupyter.views.report import render_html
+
+    html = render_html(CANNED["compiled"]())
+    assert "compiling: 2.2 s in steps 1 and 40" in html  # the Also line
+    assert "Compile (torch 2.13.0) — graph breaks (torch&#x27;s counter): 2" in html
+    assert html.count('class="tml-compiled"') == 3
+    assert "recompiled: 0/0: tensor &#x27;x&#x27; size mismatch" in html
+    assert "after a graph break at line 4" in html
+    assert 'class="tml-compile"' not in render_html(CANNED["compute-bound"]())
