@@ -100,13 +100,20 @@ class CompileWatch:
             self.registered = handler
 
     def stop(self) -> None:
-        """Remove the callbacks (a compile still open ends now)."""
+        """Remove the callbacks (a compile still open ends now). `torch._dynamo.reset()` in the
+        cell removed them already: the intervals then come from the frames' own records."""
         handler, self.registered = self.registered, None
-        if handler is not None:
-            handler.remove_start_callback(self._started)
-            handler.remove_end_callback(self._ended)
         if self.open_ns is not None:  # the cell stopped inside a compile
             self._ended(None)
+        if handler is None:
+            return
+        starts, ends = getattr(handler, "start_callbacks", []), getattr(handler, "end_callbacks", [])
+        if self._started not in starts or self._ended not in ends:
+            self.spans = []  # reset() cleared the callbacks: what they saw is not the whole cell
+        if self._started in starts:
+            handler.remove_start_callback(self._started)
+        if self._ended in ends:
+            handler.remove_end_callback(self._ended)
 
     def record(self) -> CompileRecord | None:
         """What torch recorded during the cell (None: torch._dynamo never loaded, or nothing compiled)."""
@@ -150,7 +157,7 @@ class CompileWatch:
             "line": line if isinstance(line, int) else None,
             "start_s": self._s(start_us * 1000 - self.epoch_offset_ns) if isinstance(start_us, int) else None,
             "seconds": duration_us / 1e6 if isinstance(duration_us, int) else None,
-            "recompile_reason": str(recompile) if recompile else None,
+            "recompile_reason": first_line(str(recompile)) if recompile else None,
             "break_reasons": sorted({first_line(str(r)) for r in reasons}),
             "failed": first_line(str(failed)) if failed else None,
         }
