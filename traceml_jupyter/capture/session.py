@@ -326,7 +326,7 @@ def capture_session(run: Recording, capture: Capture | None = None) -> Iterator[
         _dataloader_patches(capture, stack)
         _training_patches(capture, stack)
         stack.enter_context(resources_watched(run, capture))
-        stack.enter_context(compile_watched(run))
+        stack.callback(_guarded, run, "reading torch.compile's record", compile_watched(run))
         stack.enter_context(cuda_graphs.graphs_watched(capture.graphs))
         capture.open()
         run.step_parts = capture.parts

@@ -105,3 +105,18 @@ def got_lines(result: Any) -> list[tuple[str, str]]:
 def test_a_cell_that_compiles_nothing_has_no_compile_facts(shell: Any) -> None:
     got = traced(shell, "for (x,) in loader:\n    x.sum()\n").result
     assert got.compiled is None and got.summary["compiling_steps"] == []
+
+
+def test_a_failure_reading_torchs_record_is_a_note_and_the_cell_runs_as_without_the_magic(
+    shell: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch._dynamo.utils
+
+    def broken() -> list[object]:
+        raise RuntimeError("metrics moved")
+
+    monkeypatch.setattr(torch._dynamo.utils, "get_compilation_metrics", broken)
+    got = traced(shell, "total = 0\nfor (x,) in loader:\n    total += int(x.shape[0])\n")
+    assert shell.user_ns["total"] == 16 * 30 + 6
+    assert got.result.compiled is None
+    assert any(n.startswith("traceml failed reading torch.compile's record: RuntimeError: metrics moved") for n in got.result.notes)

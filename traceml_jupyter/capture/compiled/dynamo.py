@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypedDict
 
 
@@ -68,7 +67,6 @@ class CompileWatch:
         self.epoch_offset_ns = time.time_ns() - time.perf_counter_ns()  # epoch = perf + offset
         self.spans: list[list[int]] = []
         self.open_ns: int | None = None  # a compile in progress since (perf_counter_ns)
-        self.metrics_before: object | None = None  # torch's last record before the cell
         self.breaks_before: dict[str, int] = {}
         self.registered: Any = None
 
@@ -86,12 +84,11 @@ class CompileWatch:
             self.spans.append([start, time.perf_counter_ns()])
 
     def start(self) -> None:
-        """Remember torch's last record and counters; register the compile callbacks."""
+        """Remember torch's counters; register the compile callbacks. Only reads of plain values
+        here (the records torch holds from before the cell are told apart by their start time)."""
         dynamo = sys.modules.get("torch._dynamo")
         if dynamo is None:  # nothing compiled before: every record the cell leaves is its own
             return
-        metrics = _metrics()
-        self.metrics_before = metrics[-1] if metrics else None
         self.breaks_before = _break_counts()
         handler = getattr(getattr(dynamo, "callback", None), "callback_handler", None)
         if handler is not None and hasattr(handler, "register_start_callback"):
@@ -119,11 +116,7 @@ class CompileWatch:
         """What torch recorded during the cell (None: torch._dynamo never loaded, or nothing compiled)."""
         if sys.modules.get("torch._dynamo") is None:
             return None
-        metrics = _metrics()
-        if self.metrics_before is not None:
-            kept = [i for i, m in enumerate(metrics) if m is self.metrics_before]
-            metrics = metrics[kept[-1] + 1 :] if kept else metrics
-        frames = [f for f in map(self._frame, metrics) if f["start_s"] is None or f["start_s"] >= -0.001]
+        frames = [f for f in map(self._frame, _metrics()) if f["start_s"] is not None and f["start_s"] >= -0.001]
         breaks = _break_counts()
         new_breaks = {k: n - self.breaks_before.get(k, 0) for k, n in breaks.items() if n > self.breaks_before.get(k, 0)}
         if not frames and not self.spans and not new_breaks:
@@ -179,16 +172,17 @@ def _break_counts() -> dict[str, int]:
     return {str(k): int(n) for k, n in found.items()} if found is not None else {}
 
 
-@contextmanager
-def compile_watched(run: Any) -> Iterator[CompileWatch]:
-    """Watch torch.compile for the capture of `run`: callbacks registered now, removed in finally;
-    then `run.compiled` holds what torch recorded (None when nothing compiled)."""
+def compile_watched(run: Any) -> Callable[[], None]:
+    """Watch torch.compile for the capture of `run`: the callbacks are registered now; the
+    function returned (which the capture's close calls at its guarded edge, whatever the cell
+    did) removes them and leaves what torch recorded on `run.compiled` (None: nothing compiled)."""
     watch = CompileWatch(run.recorder.origin_ns or time.perf_counter_ns())
     run.compile_watch = watch
     watch.start()
-    try:
-        yield watch
-    finally:
-        watch.stop()
+
+    def finish() -> None:
         run.compile_watch = None
+        watch.stop()
         run.compiled = watch.record()
+
+    return finish
