@@ -14,6 +14,7 @@ callback runs inside torch's compile: it appends a timestamp, nothing that can r
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypedDict
@@ -62,8 +63,9 @@ def first_line(text: str) -> str:
 class CompileWatch:
     """The compile callbacks registered for one capture, and what torch recorded before it."""
 
-    def __init__(self, origin_ns: int) -> None:
+    def __init__(self, origin_ns: int, changed: Callable[[], None] | None = None) -> None:
         self.origin_ns = origin_ns
+        self.changed = changed  # called when a compile starts or ends (the live header's tick)
         self.epoch_offset_ns = time.time_ns() - time.perf_counter_ns()  # epoch = perf + offset
         self.spans: list[list[int]] = []
         self.open_ns: int | None = None  # a compile in progress since (perf_counter_ns)
@@ -77,11 +79,15 @@ class CompileWatch:
 
     def _started(self, args: object) -> None:
         self.open_ns = time.perf_counter_ns()
+        if self.changed is not None:
+            self.changed()
 
     def _ended(self, args: object) -> None:
         start, self.open_ns = self.open_ns, None
         if start is not None:
             self.spans.append([start, time.perf_counter_ns()])
+        if self.changed is not None:
+            self.changed()
 
     def start(self) -> None:
         """Remember torch's counters; register the compile callbacks. Only reads of plain values
@@ -176,12 +182,17 @@ def compile_watched(run: Any) -> Callable[[], None]:
     """Watch torch.compile for the capture of `run`: the callbacks are registered now; the
     function returned (which the capture's close calls at its guarded edge, whatever the cell
     did) removes them and leaves what torch recorded on `run.compiled` (None: nothing compiled)."""
-    watch = CompileWatch(run.recorder.origin_ns or time.perf_counter_ns())
+    def changed() -> None:  # the observers (the live header) see "compiling…" come and go
+        if threading.get_ident() == run.capture_thread:
+            run.tick(time.perf_counter_ns())  # the observers' guarded edge
+
+    watch = CompileWatch(run.recorder.origin_ns or time.perf_counter_ns(), changed)
     run.compile_watch = watch
     watch.start()
 
     def finish() -> None:
         run.compile_watch = None
+        watch.changed = None
         watch.stop()
         run.compiled = watch.record()
 
