@@ -149,3 +149,15 @@ def test_the_report_shows_the_compile_findings_and_what_torch_compiled() -> None
     assert "recompiled: 0/0: tensor &#x27;x&#x27; size mismatch" in html
     assert "after a graph break at line 4" in html
     assert 'class="tml-compile"' not in render_html(CANNED["compute-bound"]())
+
+
+def test_compare_shows_the_compile_time_of_both_runs() -> None:
+    from traceml_jupyter.analysis.compare import compile_rows
+
+    compiled, plain = CANNED["compiled"]().summary, CANNED["compute-bound"]().summary
+    assert compile_rows(plain, plain) == []
+    ((what, a, b, change),) = compile_rows(compiled, plain)
+    assert what == "Compiling (torch.compile)" and b == "none" and change == ""
+    assert a.startswith("2.2 s, ") and a.endswith("of the cell, 2 step(s)")
+    ((_, _, _, change),) = compile_rows(compiled, compiled)
+    assert change == "+0.0 s"
