@@ -120,3 +120,15 @@ def test_a_failure_reading_torchs_record_is_a_note_and_the_cell_runs_as_without_
     assert shell.user_ns["total"] == 16 * 30 + 6
     assert got.result.compiled is None
     assert any(n.startswith("traceml failed reading torch.compile's record: RuntimeError: metrics moved") for n in got.result.notes)
+
+
+def test_inductor_compile_time_is_the_first_steps_extra_time(shell: Any) -> None:
+    """Inductor builds C++ with the machine's compiler: seconds, against the cell's stopwatch."""
+    got = traced(shell, CELL.replace("BACKEND", "'inductor'").replace("if y.sum().item() > 1e9:", "if False:")).result
+    hand = shell.user_ns["hand"]
+    steady = statistics.median(hand[2:-1])
+    reading = read_compile(got.compiled, got.steps.columns, got.loop.wall_ms)
+    first = hand[0] - steady
+    assert first > 0.5  # Inductor compiled for real
+    assert abs(reading.per_step[0] - first) <= 0.3 * first, (reading.per_step, hand[:3])
+    assert not reading.breaks and got.compiled["graph_breaks"] == 0
