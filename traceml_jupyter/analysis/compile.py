@@ -149,6 +149,11 @@ def recompile_cause(reason: str) -> tuple[str, str]:
         return "train()/eval() or no_grad switched", "expected once per mode; keep one mode inside the loop"
     if "___check_obj_id" in reason or "ID_MATCH" in reason or "id(" in reason:
         return "a new object each step (a module, a function)", "build it once, outside the loop"
+    if re.search(r"___stack\d+ *(==|!=|<=|>=|<|>)", reason):
+        return (
+            "a value read into Python at a graph break (an .item()) was guarded on",
+            "keep the value a tensor (the graph break's fix)",
+        )
     if re.search(r"==|!=", reason):
         return "a Python value guarded on changed (an int, a flag)", "pass it as a tensor, or keep it constant"
     return "a guard failed", "read the reason: keep what it names the same from step to step"
@@ -240,14 +245,31 @@ def compile_lines(reading: CompileReading, cell_filename: str | None = None) -> 
             f"RECOMPILE LIMIT HIT: torch.compile gave up on {reading.limit_hit}(): it runs eagerly "
             "(uncompiled) from then on — fix the recompilations below"
         )
-    for r in reading.recompiles:
-        at = f" at {step_list([r.step])}" if r.step is not None else ""
-        cost = f", {r.seconds:.1f} s" if r.seconds is not None else ""
-        lines.append(f"recompiled {r.function}(){at}{cost}: {r.cause} — {r.fix}")
+    for (step, cause, fix), group in _by_step_and_cause(reading.recompiles).items():
+        at = f" at {step_list([step])}" if step is not None else ""
+        costs = [r.seconds for r in group if r.seconds is not None]
+        cost = f", {sum(costs):.1f} s" if costs else ""
+        names = " and ".join(dict.fromkeys(function_name(r.function) for r in group))
+        lines.append(f"recompiled {names}{at}{cost}: {cause} — {fix}")
     for b in reading.breaks:
         place = f"line {b.line}" if b.filename == cell_filename else f"{_short(b.filename)}:{b.line}"
         lines.append(f"graph break in {b.function}() at {place}: {b.reason} — {b.fix}")
     return lines
+
+
+def function_name(name: str) -> str:
+    """A compiled function as people read it: "forward()", "forward() after line 9" for the
+    resume function Dynamo compiles after a graph break."""
+    resume = RESUME.match(name)
+    return f"{resume.group('function')}() after line {resume.group('line')}" if resume else f"{name}()"
+
+
+def _by_step_and_cause(recompiles: Sequence[Recompile]) -> dict[tuple[int | None, str, str], list[Recompile]]:
+    """The recompilations of one step for one cause together (a forward and its resume)."""
+    out: dict[tuple[int | None, str, str], list[Recompile]] = {}
+    for r in recompiles:
+        out.setdefault((r.step, r.cause, r.fix), []).append(r)
+    return out
 
 
 def _short(filename: str) -> str:

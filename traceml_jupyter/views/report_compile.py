@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..analysis.compile import RESUME, FrameCompiled, step_at
+from ..analysis.compile import RESUME, FrameCompiled, function_name, step_at
 from ..result.value import RunResult
 from .report_style import CELL, MUTED, ROW, TABLE, esc, section_title, with_code
 
@@ -28,8 +28,7 @@ def _why(frame: FrameCompiled) -> str:
 
 
 def _function(frame: FrameCompiled) -> str:
-    resume = RESUME.match(frame["function"])
-    return f"{resume.group('function')}() (resumed)" if resume is not None else f"{frame['function']}()"
+    return function_name(frame["function"])
 
 
 def compile_section(result: RunResult) -> str:

@@ -79,7 +79,11 @@ def test_the_recompilations_are_the_graphs_torch_counted_after_the_first_step(sh
     last = [r for r in reading.recompiles if r.step == len(graphs) - 1]
     assert len(last) == 2 and all("6 instead of 16" in r.cause and "drop_last=True" in r.fix for r in last)
     # the second step: the resume function guarded on the value `.item()` read
-    assert any(r.step == 1 and "Python value" in r.cause for r in reading.recompiles)
+    assert any(r.step == 1 and ".item()" in r.cause for r in reading.recompiles)
+    assert any(
+        line.startswith(f"recompiled forward() and forward() after line {IF_LINE} at step {len(graphs)}, ")
+        for _, line in got_lines(got)
+    )
     assert any("drop_last=True" in line for _, line in got_lines(got))
 
 

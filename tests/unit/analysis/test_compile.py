@@ -161,3 +161,19 @@ def test_compare_shows_the_compile_time_of_both_runs() -> None:
     assert a.startswith("2.2 s, ") and a.endswith("of the cell, 2 step(s)")
     ((_, _, _, change),) = compile_rows(compiled, compiled)
     assert change == "+0.0 s"
+
+
+def test_a_forward_and_its_resume_recompiled_for_one_cause_are_one_line() -> None:
+    reason = "0/0: tensor 'x' size mismatch at index 0. expected 32, actual 7"
+    twice = facts(frames=[
+        *COMPILED["frames"],
+        frame("1/1", "torch_dynamo_resume_in_forward_at_4", 2.63, 0.05, recompile_reason=reason),
+    ])
+    lines = compile_lines(read_compile(twice, columns([2000.0] + [10.0] * 38 + [300.0]), 2800.0))
+    recompiled = [line for line in lines if line.startswith("recompiled")]
+    assert recompiled == [
+        "recompiled forward() and forward() after line 4 at step 40, 0.2 s: a batch of another size (7 instead "
+        "of 32: often the last one) — drop_last=True on the DataLoader, or torch._dynamo.mark_dynamic(x, 0) on the batch"
+    ]
+    assert "value read into Python" in recompile_cause("1/0: ___stack0 == 4.71  # if y.sum().item() > 1e9:")[0]
+    assert "value read into Python" in recompile_cause("1/1: ___stack0 <= 1000000000.0  # if y.sum().item() > 1e9:")[0]
