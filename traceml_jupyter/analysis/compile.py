@@ -205,7 +205,7 @@ def read_compile(
     ends = starts + step_s
     recompiles = []
     for frame in facts["frames"]:
-        if frame["recompile_reason"] is None:
+        if frame["recompile_reason"] is None or frame["failed"]:  # a refused compile is no recompile
             continue
         at = step_at(frame["start_s"], starts, ends) if frame["start_s"] is not None else None
         cause, fix = recompile_cause(frame["recompile_reason"])
@@ -213,13 +213,20 @@ def read_compile(
             int(steps[at]) if at is not None else None, frame["seconds"], frame["function"],
             frame["recompile_reason"], cause, fix,
         ))
-    limit = next((f["function"] for f in facts["frames"] if f["failed"] and "limit" in f["failed"].lower()), None)
+    limit = next((_named(f, facts["frames"]) for f in facts["frames"] if f["failed"] and "limit" in f["failed"].lower()), None)
     return CompileReading(
         seconds=seconds, per_step=per_step,
         share_of_cell=seconds / (wall_ms / 1e3) if wall_ms else None,
         compiling_steps=compiling, recompiles=tuple(recompiles), breaks=tuple(graph_breaks(facts)),
         graph_breaks=facts["graph_breaks"], limit_hit=limit,
     )
+
+
+def _named(frame: FrameCompiled, frames: Sequence[FrameCompiled]) -> str:
+    """A frame's function, or (a refused compile names none) that of the frame's earlier compiles."""
+    number = frame["id"].split("/")[0]
+    same = [f["function"] for f in frames if f["id"].split("/")[0] == number and f["function"]]
+    return frame["function"] or (same[0] if same else "a function")
 
 
 def step_list(steps: Sequence[int]) -> str:

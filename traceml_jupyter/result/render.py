@@ -34,15 +34,19 @@ def compile_reading(result: RunResult) -> CompileReading | None:
 
 
 def compiled_lines(result: RunResult) -> list[tuple[str, str]]:
-    """torch.compile's lines (docs/compile.md): the time compiling is information, the rest a
-    warning (each costs time on every run of the cell)."""
+    """torch.compile's lines (docs/compile.md): the time compiling is information, the recompile
+    limit hit critical (the model runs uncompiled), the rest a warning (each costs time on every
+    run of the cell)."""
     reading = compile_reading(result)
     if reading is None:
         return []
-    return [
-        ("info" if line.startswith("compiling:") else "warn", line)
-        for line in compile_lines(reading, result.loop.cell_filename)
-    ]
+    return [(_severity(line), line) for line in compile_lines(reading, result.loop.cell_filename)]
+
+
+def _severity(line: str) -> str:
+    if line.startswith("compiling:"):
+        return "info"
+    return "critical" if line.startswith("RECOMPILE LIMIT HIT") else "warn"
 
 
 def text(result: RunResult) -> str:

@@ -136,3 +136,26 @@ def test_inductor_compile_time_is_the_first_steps_extra_time(shell: Any) -> None
     assert first > 0.5  # Inductor compiled for real
     assert abs(reading.per_step[0] - first) <= 0.3 * first, (reading.per_step, hand[:3])
     assert not reading.breaks and got.compiled["graph_breaks"] == 0
+
+
+def test_the_recompile_limit_hit_is_said_loudly(shell: Any) -> None:
+    """A Python int that changes every step, compiled without dynamic shapes, past a limit of 2:
+    torch gives up on the function (it runs eagerly) and the report says so."""
+    import torch._dynamo
+
+    cell = """\
+    torch._dynamo.reset()
+    def scale(x, n):
+        return x * n
+    scaled = torch.compile(scale, backend="eager", dynamic=False)
+    for k, (x,) in enumerate(loader):
+        scaled(x, k)
+    """
+    with torch._dynamo.config.patch(recompile_limit=2):
+        got = traced(shell, cell).result
+    reading = read_compile(got.compiled, got.steps.columns, got.loop.wall_ms)
+    assert reading.limit_hit == "scale"
+    assert [r.step for r in reading.recompiles] == [1]  # the one recompile allowed: k == 1
+    assert "Python value" in reading.recompiles[0].cause
+    assert ("critical", "RECOMPILE LIMIT HIT: torch.compile gave up on scale(): it runs eagerly (uncompiled) from "
+            "then on — fix the recompilations below") in got_lines(got)

@@ -151,7 +151,8 @@ class CompileWatch:
         line = getattr(m, "co_firstlineno", None)
         return {
             "id": str(getattr(m, "compile_id", "") or ""),
-            "function": str(getattr(m, "co_name", "") or "") or "(backward)",  # AOT's lazy backward
+            # no code: AOT's lazy backward, or a compile refused (the function: analysis/compile.py)
+            "function": str(getattr(m, "co_name", "") or "") or ("" if failed else "(backward)"),
             "filename": str(getattr(m, "co_filename", "") or ""),
             "line": line if isinstance(line, int) else None,
             "start_s": self._s(start_us * 1000 - self.epoch_offset_ns) if isinstance(start_us, int) else None,
