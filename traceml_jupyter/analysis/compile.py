@@ -24,6 +24,8 @@ from .verdict import Verdict, VerdictLabel
 COMPILING_SHARE = 0.25
 # Most of the cell compiled: the verdict says so instead of judging the few steps left.
 MOSTLY_COMPILING = 0.5
+# traceml's own code (its hooks) that Dynamo traced into: kept apart from the user's findings.
+OWN_CODE = re.compile(r"[/\\]traceml_jupyter[/\\]")
 RESUME = re.compile(r"torch_dynamo_resume_in_(?P<function>\w+?)_at_(?P<line>\d+)$")
 
 
@@ -86,6 +88,7 @@ class CompileReading:
     recompiles: tuple[Recompile, ...]
     breaks: tuple[GraphBreak, ...]
     graph_breaks: int | None  # torch's counter
+    own_frames: int  # compiles of traceml's own hooks (Dynamo traced into them)
     limit_hit: str | None  # the function whose compiled code was abandoned at the recompile limit
 
     @property
@@ -166,6 +169,10 @@ def break_fix(reason: str) -> str:
         return "take the print out of the compiled code (or log outside forward)"
     if "item" in text or "scalar" in text or "data-dependent" in text and "branch" not in text:
         return ".item() reads a value into Python: keep it a tensor (or torch._dynamo.config.capture_scalar_outputs = True)"
+    if "backward()" in text:
+        return "backward() is not traced: compile the model (torch.compile(model)) rather than the training step"
+    if "optimizer" in text or "zero_grad" in text:
+        return "the optimizer is not traced here: keep opt.step() and opt.zero_grad() out of the compiled function"
     if "jump" in text or "branch" in text or "control flow" in text:
         return "an if on a tensor's value: use torch.where or torch.cond"
     return "a call Dynamo cannot trace: move it out of the model, or wrap it in torch.compiler.disable"
@@ -178,7 +185,7 @@ def graph_breaks(facts: CompileFacts) -> list[GraphBreak]:
     frames = facts["frames"]
     for i, frame in enumerate(frames):
         resume = RESUME.match(frame["function"])
-        if resume is None:
+        if resume is None or OWN_CODE.search(frame["filename"]):
             continue
         key = (frame["filename"], int(resume.group("line")))
         if key in found:
@@ -205,8 +212,8 @@ def read_compile(
     ends = starts + step_s
     recompiles = []
     for frame in facts["frames"]:
-        if frame["recompile_reason"] is None or frame["failed"]:  # a refused compile is no recompile
-            continue
+        if frame["recompile_reason"] is None or frame["failed"] or OWN_CODE.search(frame["filename"]):
+            continue  # a refused compile is no recompile; traceml's own hooks: own_frames
         at = step_at(frame["start_s"], starts, ends) if frame["start_s"] is not None else None
         cause, fix = recompile_cause(frame["recompile_reason"])
         recompiles.append(Recompile(
@@ -219,6 +226,7 @@ def read_compile(
         share_of_cell=seconds / (wall_ms / 1e3) if wall_ms else None,
         compiling_steps=compiling, recompiles=tuple(recompiles), breaks=tuple(graph_breaks(facts)),
         graph_breaks=facts["graph_breaks"], limit_hit=limit,
+        own_frames=sum(1 for f in facts["frames"] if OWN_CODE.search(f["filename"])),
     )
 
 
@@ -258,6 +266,11 @@ def compile_lines(reading: CompileReading, cell_filename: str | None = None) -> 
         cost = f", {sum(costs):.1f} s" if costs else ""
         names = " and ".join(dict.fromkeys(function_name(r.function) for r in group))
         lines.append(f"recompiled {names}{at}{cost}: {cause} — {fix}")
+    if reading.own_frames:
+        lines.append(
+            f"Dynamo compiled traceml's own hooks {reading.own_frames} time(s): they run inside your "
+            "compiled code and add graph breaks and compiles of their own (see docs/compile.md)"
+        )
     for b in reading.breaks:
         place = f"line {b.line}" if b.filename == cell_filename else f"{_short(b.filename)}:{b.line}"
         lines.append(f"graph break in {b.function}() at {place}: {b.reason} — {b.fix}")

@@ -159,3 +159,26 @@ def test_the_recompile_limit_hit_is_said_loudly(shell: Any) -> None:
     assert "Python value" in reading.recompiles[0].cause
     assert ("critical", "RECOMPILE LIMIT HIT: torch.compile gave up on scale(): it runs eagerly (uncompiled) from "
             "then on — fix the recompilations below") in got_lines(got)
+
+
+def test_a_compiled_training_step_function_names_its_own_breaks_at_the_users_lines(shell: Any) -> None:
+    cell = """\
+    torch._dynamo.reset()
+    net = torch.nn.Linear(32, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    @torch.compile(backend="eager")
+    def train_step(x):
+        loss = net(x).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    for (x,) in loader:
+        train_step(x)
+    """
+    got = traced(shell, cell).result
+    reading = read_compile(got.compiled, got.steps.columns, got.loop.wall_ms)
+    lines = {b.line: b for b in reading.breaks if b.function == "train_step"}
+    assert 8 in lines and "compile the model" in lines[8].fix  # loss.backward()
+    assert all(b.filename == got.loop.cell_filename for b in reading.breaks)  # never traceml's own lines
+    assert [(r.function, r.step) for r in reading.recompiles] == [("train_step", len(got.steps.columns["step"]) - 1)]

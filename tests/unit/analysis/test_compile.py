@@ -99,6 +99,8 @@ def test_each_kind_of_graph_break_has_its_fix() -> None:
     assert ".item()" in break_fix("Unsupported Tensor.item() call with capture_scalar_outputs=False")
     assert "torch.where" in break_fix("Data-dependent branching")
     assert "torch.compiler.disable" in break_fix("Attempted to call function marked as skipped")
+    assert "compile the model" in break_fix("Unsupported Tensor.backward() call: Dynamo currently does not support")
+    assert "out of the compiled function" in break_fix("the function `Optimizer.zero_grad` should not be traced")
 
 
 def test_the_recompile_limit_hit_is_said_loudly() -> None:
