@@ -40,7 +40,8 @@ def test_compiling_is_true_between_torchs_compile_start_and_end() -> None:
     assert [f["id"] for f in record["frames"]] == ["0/0", "0/1"]
     for (a, b), frame in zip(record["spans"], record["frames"], strict=True):
         assert frame["start_s"] is not None and frame["seconds"] is not None
-        assert a - 0.01 <= frame["start_s"] and frame["start_s"] + frame["seconds"] <= b + 0.01
+        slack = max(0.05, 0.1 * (b - a))  # torch's record ends a little after its end callback
+        assert a - slack <= frame["start_s"] and frame["start_s"] + frame["seconds"] <= b + slack
     assert record["frames"][1]["recompile_reason"] is not None
 
 
@@ -53,6 +54,23 @@ def test_the_live_header_says_compiling_while_dynamo_works() -> None:
     assert "| step 0 / 100 | compiling… (torch.compile) |" in live_header.header_text(numbers, "")
     numbers["compiling"] = False
     assert "compiling" not in live_header.header_text(numbers, "")
+
+
+def test_the_live_numbers_read_the_watch_of_the_recording_while_it_records() -> None:
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    watch = CompileWatch(0)
+    run = SimpleNamespace(name="run 1", finished=False, n_steps=0, batch_size=None, error=None, gpu_used=False,
+                          warmup=None, compile_watch=watch)  # fmt: skip
+    tail = {k: np.empty(0) for k in ("step", "time_s", "data_wait_ms", "compute_ms", "step_ms")}
+    assert live_header.live_numbers(run, tail, 100, None)["compiling"] is False  # type: ignore[arg-type]
+    watch._started(None)  # torch's start callback
+    assert live_header.live_numbers(run, tail, 100, None)["compiling"] is True  # type: ignore[arg-type]
+    watch._ended(None)
+    assert live_header.live_numbers(run, tail, 100, None)["compiling"] is False  # type: ignore[arg-type]
+    assert len(watch.spans) == 1
 
 
 def test_a_reason_is_one_line_with_torchs_explanation() -> None:
