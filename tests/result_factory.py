@@ -85,6 +85,29 @@ CHECKLIST = [
     {"key": "pin_memory", "title": "Pinned memory", "status": "ok", "seen": "False", "to_try": None, "line": None,
      "cell": None, "where": None, "reason": "Not applicable: the loop runs on the CPU", "bears_on_verdict": False},
 ]  # fmt: skip
+# torch.compile (capture/compiled/dynamo.py): the first step compiled 1.9 s of its 2 s, a
+# graph break at the cell's line 4 (a print), the last batch (7 samples) compiled again for 0.26 s.
+COMPILED_CELL = "%%traceml\nfor x, y in loader:\n    loss = model(x).sum()\n    print(loss)\n    loss.backward()\n    opt.step()\n"
+
+
+def frame(id: str, function: str, start_s: float, seconds: float, **more: Any) -> dict[str, Any]:
+    """One frame compiled, as the capture reads it off torch's compilation metrics."""
+    return {"id": id, "function": function, "filename": "<cell>", "line": 2, "start_s": start_s, "seconds": seconds,
+            "recompile_reason": None, "break_reasons": [], "failed": None, **more}  # fmt: skip
+
+
+COMPILED = {
+    "torch": "2.13.0",
+    "spans": [[0.05, 1.95], [2.42, 2.68]],
+    "frames": [
+        frame("0/0", "forward", 0.05, 1.5, break_reasons=["Failed to trace builtin operator: Dynamo does not know how to trace builtin operator `print`"]),
+        frame("1/0", "torch_dynamo_resume_in_forward_at_4", 1.56, 0.39, line=4),
+        frame("0/1", "forward", 2.42, 0.2, recompile_reason="0/0: tensor 'x' size mismatch at index 0. expected 32, actual 7"),
+    ],
+    "graph_breaks": 2,
+    "graph_break_reasons": {"Failed to trace builtin operator: Dynamo does not know how to trace builtin operator `print`": 2},
+    "recompile_limit": 8,
+}  # fmt: skip
 QUOTED = {"In [3]": "n_batches = 40\nloader = DataLoader(SlowSamples(), batch_size=32)"}
 
 
@@ -114,6 +137,10 @@ CANNED: dict[str, Callable[[], RunResult]] = {
     ),
     "out of memory": lambda: result_of(
         "oom", [1.0] * 8, [20.0] * 8, oom=OOM, error="OutOfMemoryError: CUDA out of memory.", **_training()
+    ),
+    "compiled": lambda: result_of(
+        "compiled", [0.2] * 40, [2000.0] + [10.0] * 38 + [300.0],
+        **_training(cell_source=COMPILED_CELL, cell_filename="<cell>", compiled=COMPILED),
     ),
     "checklist read": lambda: result_of("slow", [30.0] * 40, [10.0] * 40, **_training()).with_reading(
         CHECKLIST, QUOTED

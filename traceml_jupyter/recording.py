@@ -13,6 +13,7 @@ from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import kernel_state
+from .analysis.compile import CompileFacts
 from .analysis.phases import step_definition
 from .analysis.summary_keys import LineCosts
 from .capture.data.probes import safe_len
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from .capture.data.dataloaders import CodeSite, LoaderFacts
+    from .capture.compiled.dynamo import CompileRecord, CompileWatch
     from .capture.gpu.gpu_watch import GpuWatch
     from .capture.gpu.h2d import CopiesResult
     from .capture.gpu.syncs import SyncsResult
@@ -123,6 +125,8 @@ class Recording:
         self.gpu_note: str | None = None
         self.gpu_device: str | None = None
         self.resource_watch: ResourceWatch | None = None  # while recording
+        self.compile_watch: CompileWatch | None = None  # while recording: is Dynamo compiling now
+        self.compiled: CompileRecord | None = None  # what torch.compile did (capture/compiled/)
         self.host: HostFacts | None = None
         self.gpu_memory: GpuMemoryFacts | None = None
         self.held_before: HeldBefore | None = None
@@ -341,7 +345,8 @@ class Recording:
                 host=frozen_facts(self.host), gpu_memory=frozen_facts(self.gpu_memory),
                 held_before=frozen_facts(self.held_before), oom=frozen_facts(self.oom),
             ),
-            line_costs=frozen_as(LineCosts, self.line_costs), ranks=frozen_rows(self.ranks),
+            line_costs=frozen_as(LineCosts, self.line_costs),
+            compiled=frozen_as(CompileFacts, self.compiled), ranks=frozen_rows(self.ranks),
             processes=frozen_rows(self.processes), machine=frozen_facts(self._machine()),
             notes=tuple(self.notes), error=self.error,
         )

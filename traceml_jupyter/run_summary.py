@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from .analysis.compile import CompileFacts, CompileReading, compiling_verdict, read_compile
 from .analysis.data_sources import loader_facts
 from .analysis.step_parts import epoch_startup, parts_summary, trend
 from .analysis.step_pattern import step_pattern
-from .analysis.summary import summarize, with_batch_size
+from .analysis.summary import auto_warmup, summarize, with_batch_size
 from .analysis.summary_keys import Summary
 from .analysis.verdict import Verdict, diagnose
 
@@ -121,19 +122,63 @@ class Recorded(Protocol):
 def analyse(run: Recorded, cols: dict[str, np.ndarray]) -> tuple[Summary, Verdict]:
     """The summary and the verdict of what `run` recorded, its per-step columns `cols`."""
     rec = run.recorder
-    summary = summarize(cols, rec.n_steps, run.warmup, run.gpu_used, rec.totals())
+    compiled = _compiled(run, cols)
+    summary = summarize(_steady(cols, compiled), rec.n_steps, _warmup(run, compiled), run.gpu_used, rec.totals())
+    summary.update(_compile_summary(compiled))
+    late = [s for s in summary["compiling_steps"] if s >= int(summary["warmup_steps"])]
+    summary["n_analysed"] = max(0, int(summary["n_analysed"]) - len(late))  # compiling: not analysed
     summary.update(cast(Summary, run.watch_summary))  # the GPU watch's keys (capture/gpu)
     summary.update(_source_summary(run))
     summary.update(_inside_the_step(run, cols, summary))
     with_batch_size(summary, run.batch_size, run.batches_per_step)
     summary.update(_resource_summary(run, cols, int(summary["warmup_steps"])))
     verdict = diagnose(summary)
+    if compiled is not None and compiled.mostly_compiling:
+        verdict = compiling_verdict(compiled, summary, verdict)
     if run.ranks:
         from .analysis.rank_verdict import with_ranks
 
         summary, verdict = with_ranks(summary, run.ranks)
     return summary, verdict
 
+
+
+def _compiled(run: Recorded, cols: Mapping[str, np.ndarray]) -> CompileReading | None:
+    """What torch.compile did during the run, read against its steps (None: nothing compiled)."""
+    facts = cast("CompileFacts | None", getattr(run, "compiled", None))  # a rank's recording: none
+    return read_compile(facts, cols, run.wall_ms) if facts is not None else None
+
+
+def _warmup(run: Recorded, compiled: CompileReading | None) -> int | None:
+    """The warm-up: what was asked for (or the automatic one), stretched over the steps that
+    compiled in the run's first half (kept out of the steady state, with the reason "compiling")."""
+    n = run.recorder.n_steps
+    early = [s for s in compiled.compiling_steps if s < max(1, n // 2)] if compiled is not None else []
+    if not early:
+        return run.warmup
+    asked = auto_warmup(n) if run.warmup is None else run.warmup
+    return max(asked, early[-1] + 1)
+
+
+def _steady(cols: dict[str, np.ndarray], compiled: CompileReading | None) -> dict[str, np.ndarray]:
+    """The columns without the steps that compiled (the steady state's figures: a recompile at
+    the last batch is no step of the training's pace)."""
+    if compiled is None or not compiled.compiling_steps:
+        return cols
+    import numpy as np
+
+    keep = ~np.isin(cols["step"], compiled.compiling_steps)
+    return {name: column[keep] for name, column in cols.items()}
+
+
+def _compile_summary(compiled: CompileReading | None) -> Summary:
+    if compiled is None:
+        return {"compile_s": None, "compile_share": None, "compiling_steps": []}
+    return {
+        "compile_s": compiled.seconds,
+        "compile_share": compiled.share_of_cell,
+        "compiling_steps": list(compiled.compiling_steps),
+    }
 
 
 def _source_summary(run: Recorded) -> Summary:

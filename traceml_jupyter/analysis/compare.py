@@ -280,8 +280,26 @@ def summary_rows(
             str(summary_b.get("n_analysed", "n/a")),
             "",
         ),
+        *compile_rows(summary_a, summary_b),
         *resource_rows(summary_a, summary_b),
     ]
+
+
+def _compiling(summary: Summary) -> str:
+    seconds, share = summary.get("compile_s"), summary.get("compile_share")
+    if seconds is None:
+        return "none"
+    steps = len(summary.get("compiling_steps") or [])
+    return f"{seconds:.1f} s, {_pct(share)} of the cell, {steps} step(s)" if share is not None else f"{seconds:.1f} s"
+
+
+def compile_rows(summary_a: Summary, summary_b: Summary) -> list[tuple[str, str, str, str]]:
+    """torch.compile's time in each run (docs/compile.md), where either compiled."""
+    a, b = summary_a.get("compile_s"), summary_b.get("compile_s")
+    if a is None and b is None:
+        return []
+    change = f"{b - a:+.1f} s" if a is not None and b is not None else ""
+    return [("Compiling (torch.compile)", _compiling(summary_a), _compiling(summary_b), change)]
 
 
 def _conclusion(

@@ -240,6 +240,9 @@ class Summary(TypedDict, total=False):
     phases: list[dict[str, object]]
     wall_ms: float | None
     model_compiled: bool
+    compile_s: float | None
+    compile_share: float | None
+    compiling_steps: list[int]
     forward_ms: float | None
     backward_ms: float | None
     optimizer_ms: float | None

@@ -50,7 +50,8 @@ def box_notes(summary: Summary) -> list[str]:
     warm, loop, n = summary.get("warmup_ms"), summary.get("loop_ms"), summary.get("warmup_steps")
     if warm and loop and n and warm >= WARMUP_LINE_SHARE * loop:
         steps = f"first {n} steps" if n > 1 else "the first step"
-        notes.append(f"warm-up ({steps}, not in the verdict): {_ms(warm)} of {_ms(loop)}")
+        kind = "compiling" if summary.get("compiling_steps") else "warm-up"  # docs/compile.md
+        notes.append(f"{kind} ({steps}, not in the verdict): {_ms(warm)} of {_ms(loop)}")
     outside = summary.get("outside_steps_ms")
     if outside and loop and outside >= OUTSIDE_LINE_SHARE * loop:
         notes.append(f"{_ms(outside)} between the steps (phases, traceml's own set-up)")

@@ -27,6 +27,7 @@ from time import perf_counter_ns, process_time_ns
 from typing import TYPE_CHECKING, Any
 
 from ..failures import never_raise, read_or
+from .compiled.dynamo import compile_watched
 from .data.dataloaders import NotedSite, note_site
 from .data.probes import user_namespace
 from .gpu import cuda_graphs
@@ -403,6 +404,7 @@ def capture_session(run: Recording, capture: Capture | None = None) -> Iterator[
         _dataloader_patches(capture, stack)
         _training_patches(capture, stack)
         stack.enter_context(resources_watched(run, capture))
+        stack.callback(_guarded, run, "reading torch.compile's record", compile_watched(run))
         stack.enter_context(cuda_graphs.graphs_watched(capture.graphs))
         capture.open()
         run.step_parts = capture.parts

@@ -14,6 +14,7 @@ from typing import Any, TypedDict, cast
 import numpy as np
 
 from ..analysis.checklist.facts import ItemRow
+from ..analysis.compile import CompileFacts
 from ..analysis.findings import FindingRow
 from ..analysis.summary_keys import LineCosts
 from ..analysis.verdict import Verdict
@@ -44,7 +45,7 @@ REQUIRED_COLUMNS = ("step_ms", "data_wait_ms", "compute_ms")
 # straggler, trend, epoch_startup and resources.findings are read off the summary).
 PATHS = {
     "name": "name", "started_at": "started_at", "ended_at": "ended_at", "summary": "summary",
-    "verdict": "verdict", "line_costs": "line_costs", "ranks": "ranks", "processes": "processes",
+    "verdict": "verdict", "line_costs": "line_costs", "compiled": "compile", "ranks": "ranks", "processes": "processes",
     "machine": "machine", "notes": "notes", "error": "error",
     "steps.columns": "steps", "steps.n_steps": "summary.n_steps", "steps.stride": "stride", "steps.kind": "step.kind",
     "steps.definition": "step.definition", "steps.warmup": "warmup",
@@ -99,6 +100,7 @@ def to_dict(result: RunResult) -> dict[str, Any]:
         "h2d": jsonable(gpu.h2d),
         "sync_stalls": jsonable(gpu.sync_stalls),
         "line_costs": jsonable(r.line_costs),
+        "compile": jsonable(r.compiled),
         "cuda_graphs": jsonable(gpu.cuda_graphs),
         "ranks": jsonable(r.ranks),
         "straggler": jsonable(r.straggler),
@@ -242,6 +244,7 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
             oom=got.facts("resources.oom"),
         ),
         line_costs=frozen_as(LineCosts, got.facts("line_costs")),
+        compiled=frozen_as(CompileFacts, got.facts("compile")),
         ranks=got.rows("ranks"),
         processes=got.rows("processes"),
         machine=got.facts("machine"),

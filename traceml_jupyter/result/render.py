@@ -4,6 +4,7 @@ chart's final state render the same value."""
 
 from __future__ import annotations
 
+from ..analysis.compile import CompileReading, compile_lines, read_compile
 from ..analysis.phases import phase_sentence, phase_verdict
 from ..analysis.resources import finding_lines
 from ..analysis.step_parts import also_lines, parts_sentence
@@ -17,11 +18,35 @@ def box(result: RunResult) -> str:
 
 
 def lines_after_verdict(result: RunResult) -> list[tuple[str, str]]:
-    """(severity, text) of the lines after the verdict: the rest of the step, advice by the
-    part that dominates, each epoch's start-up, the trend over the run."""
+    """(severity, text) of the lines after the verdict: torch.compile's (compile time, the
+    recompile limit hit, recompilations, graph breaks), the rest of the step, advice by the part
+    that dominates, each epoch's start-up, the trend over the run."""
     loop = result.loop
     source = loop.loop_cell_source if loop.loop_cell_source else loop.cell_source
-    return also_lines(result.summary, result.line_costs, (source or "").splitlines())
+    return compiled_lines(result) + also_lines(result.summary, result.line_costs, (source or "").splitlines())
+
+
+def compile_reading(result: RunResult) -> CompileReading | None:
+    """What torch.compile did in the run, read against its steps (None: nothing compiled)."""
+    if result.compiled is None:
+        return None
+    return read_compile(result.compiled, result.steps.columns, result.loop.wall_ms)
+
+
+def compiled_lines(result: RunResult) -> list[tuple[str, str]]:
+    """torch.compile's lines (docs/compile.md): the time compiling is information, the recompile
+    limit hit critical (the model runs uncompiled), the rest a warning (each costs time on every
+    run of the cell)."""
+    reading = compile_reading(result)
+    if reading is None:
+        return []
+    return [(_severity(line), line) for line in compile_lines(reading, result.loop.cell_filename)]
+
+
+def _severity(line: str) -> str:
+    if line.startswith("compiling:"):
+        return "info"
+    return "critical" if line.startswith("RECOMPILE LIMIT HIT") else "warn"
 
 
 def text(result: RunResult) -> str:

@@ -15,6 +15,7 @@ from typing import Any, TypedDict, TypeVar, cast
 import numpy as np
 
 from ..analysis.checklist.facts import ItemRow
+from ..analysis.compile import CompileFacts
 from ..analysis.summary_keys import LineCosts, Straggler, Summary
 from ..analysis.verdict import Verdict
 
@@ -242,7 +243,8 @@ class RunResult:
         name, started_at, ended_at (time.time()), summary (the numbers the verdict read: every
         key in docs/api.md), verdict (label, severity, why, next, evidence);
         steps (Steps), loop (Loop), data (DataFeed), gpu (Gpu), resources (Resources);
-        line_costs (cost per line of the loop body), ranks (one row per rank), processes (the
+        line_costs (cost per line of the loop body), compiled (what torch.compile did: its
+        compile intervals, frames compiled, graph breaks; docs/compile.md), ranks (one row per rank), processes (the
         child processes the cell started), machine (python, torch, cuda, platform, cpu, cpus,
         gpu); reading (KernelRead: the checklist, the quoted cells); notes (what could not be
         measured or shown), error (what stopped the cell).
@@ -261,6 +263,7 @@ class RunResult:
     gpu: Gpu = field(default_factory=Gpu)
     resources: Resources = field(default_factory=Resources)
     line_costs: LineCosts | None = None
+    compiled: CompileFacts | None = None
     ranks: tuple[Facts, ...] | None = None
     processes: tuple[Facts, ...] | None = None
     machine: Facts | None = None

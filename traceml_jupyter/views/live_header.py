@@ -183,6 +183,7 @@ HeaderNumbers = TypedDict(
         "elapsed_s": "float | None",
         "error": "str | None",
         "ranks": str,
+        "compiling": bool,
     },
     total=False,
 )
@@ -263,6 +264,7 @@ def live_numbers(
         "finished": finished,
         "elapsed_s": elapsed,
         "error": error,
+        "compiling": not finished and bool(getattr(getattr(run, "compile_watch", None), "compiling", False)),
     }
 
 
@@ -293,6 +295,8 @@ def header_parts(numbers: HeaderNumbers, gpu: str) -> list[str]:
     else:
         where = f"step {step:,}"
     parts = [where]
+    if numbers.get("compiling"):
+        parts.append("compiling… (torch.compile)")  # a long first step is not hung (docs/compile.md)
     if numbers["steps_per_s"] is not None or not numbers["finished"]:
         parts.append(_count(numbers["steps_per_s"], "steps/s"))
     if numbers["samples_per_s"] is not None:

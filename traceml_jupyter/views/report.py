@@ -23,6 +23,7 @@ from ..analysis.summary_keys import Summary, part_figures
 from ..analysis.verdict_box import headline_ms
 from ..kernel.code_facts import CodeContext, KernelReading, kernel_reading
 from .report_code import code_pane, legend_html
+from .report_compile import compile_section
 from .report_evidence import evidence_table
 from .report_style import (
     BACKWARD_COLOUR,
@@ -324,6 +325,7 @@ def render_html(result: RunResult, reading: KernelReading | None = None) -> str:
         + section_title("What a step is made of (median shares)")
         + _step_bar(result.summary)
         + _also(result)
+        + compile_section(result)
         + _phases(result)
         + _resources(result)
         + section_title("Evidence")
