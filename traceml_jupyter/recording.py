@@ -13,6 +13,8 @@ from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import kernel_state
+from .analysis.loader_inside import LoaderInside, inside_next
+from .analysis.loader_inside import summarise as summarise_inside
 from .analysis.phases import step_definition
 from .analysis.summary_keys import LineCosts
 from .capture.data.probes import safe_len
@@ -128,6 +130,8 @@ class Recording:
         self.processes: list[dict[str, Any]] | None = None
         self.loader_site: dict[str, Any] | None = None
         self.dataset_site: dict[str, Any] | None = None
+        # The workers' records, the loop's receptions, the start (capture/loader/watch.py)
+        self.loader_inside: tuple[list[tuple[int, ...]], list[tuple[int, int, int]], int] | None = None
         # NVML samples of the run's GPU (time_s, gpu_util_pct, gpu_mem_used_mib), left by the
         # resource watch when it stops, before the run finishes.
         self.gpu_samples: dict[str, Any] | None = None
@@ -304,6 +308,8 @@ class Recording:
     def _build(self) -> RunResult:
         cols = self.columns()
         summary, verdict = analyse(self, cols)
+        inside = summarise_inside(*self.loader_inside) if self.loader_inside else None
+        verdict = inside_next(verdict, inside)
         samples = self.gpu_samples
         return RunResult(
             name=self.name, started_at=self.started_at, ended_at=self.ended_at,
@@ -324,6 +330,7 @@ class Recording:
                 loader=frozen_facts(self.loader_info), sources=frozen_rows(self.sources) or (),
                 phases=frozen_rows(self.phases) or (), loader_site=frozen_facts(self.loader_site),
                 dataset_site=frozen_facts(self.dataset_site),
+                inside=frozen_as(LoaderInside, inside),
             ),
             gpu=Gpu(
                 used=self.gpu_used, cuda_device=self.cuda_device, device=self.gpu_device,

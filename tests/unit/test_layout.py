@@ -214,6 +214,7 @@ CAPTURE_PARTS: dict[str, set[str]] = {
     "gpu": {"instrument", "steps"},  # patches and the cell's lines; per-step columns
     "resources": {"data", "gpu", "steps"},  # is CUDA initialised; the namespace; the steps' level
     "inside": {"data", "gpu", "instrument", "steps"},  # the parts and lines of a sampled step
+    "loader": {"instrument"},  # inside the DataLoader's workers: the patches on the capture's
 }
 MAX_CAPTURE_TOP = 8  # modules at capture/'s top, besides __init__
 

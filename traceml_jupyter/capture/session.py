@@ -34,6 +34,7 @@ from .inside.line_costs import LineClock
 from .inside.step_parts import StepParts
 from .instrument import hooks
 from .instrument.patches import patched
+from .loader.watch import LoaderInside
 from .loop_gpu import LoopGpu, StepMemory
 from .resources.thread_time import thread_schedstat
 from .resources.watch import resources_watched
@@ -197,6 +198,10 @@ class Capture:
             self.run.notes.append(self.parts.note)
 
 
+def _inside_read(run: Recording, inside: LoaderInside) -> None:
+    run.loader_inside = inside.close(run.notes)
+
+
 def _graphs_read(run: Recording, capture: Capture) -> None:
     """The cell's CUDA graphs on the run (None: it used none), with the report's note."""
     graphs = capture.graphs
@@ -326,6 +331,8 @@ def capture_session(run: Recording, capture: Capture | None = None) -> Iterator[
         _training_patches(capture, stack)
         stack.enter_context(resources_watched(run, capture))
         stack.enter_context(cuda_graphs.graphs_watched(capture.graphs))
+        inside = LoaderInside(capture)
+        _guarded(run, "watching inside the DataLoader", lambda: stack.enter_context(inside.patches()))
         capture.open()
         run.step_parts = capture.parts
         _guarded(run, "timing the parts of the step", capture.parts.begin)
@@ -340,6 +347,7 @@ def capture_session(run: Recording, capture: Capture | None = None) -> Iterator[
             # Each step of the wrap-up is guarded: this runs while the user's error (if any)
             # goes up, and nothing of ours may replace it.
             _guarded(run, "closing the capture", capture.close)
+            _guarded(run, "reading inside the DataLoader", lambda: _inside_read(run, inside))
             if capture.gpu.note:
                 run.notes.append(capture.gpu.note)
             run.process_cpu_ms = (process_time_ns() - cpu_began) / 1e6

@@ -15,6 +15,7 @@ from typing import Any, TypedDict, TypeVar, cast
 import numpy as np
 
 from ..analysis.checklist.facts import ItemRow
+from ..analysis.loader_inside import LoaderInside
 from ..analysis.summary_keys import LineCosts, Straggler, Summary
 from ..analysis.verdict import Verdict
 
@@ -123,13 +124,15 @@ class Loop:
 class DataFeed:
     """What fed the steps: the training DataLoader's settings (`loader`), every data source
     (`sources`) and the passes kept out of the steps (`phases`), where the loader and its dataset
-    were built (file, line[, class])."""
+    were built (file, line[, class]), what happened inside its workers (`inside`:
+    docs/loader-inside.md)."""
 
     loader: Facts | None = None
     sources: tuple[Facts, ...] = ()
     phases: tuple[Facts, ...] = ()
     loader_site: Facts | None = None
     dataset_site: Facts | None = None
+    inside: LoaderInside | None = None
 
 
 class CopySite(TypedDict, total=False):
