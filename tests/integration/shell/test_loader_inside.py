@@ -19,6 +19,7 @@ from helpers import run as run_cell
 from helpers import shell_fixture, traced_and_result
 from loader_cases import own_timings
 
+import traceml_jupyter
 from traceml_jupyter.result.codec import from_dict, to_dict
 
 SETUP = """
@@ -116,6 +117,13 @@ def test_a_slow_collate_dominates_over_two_passes_of_persistent_workers(shell: A
     # After the cell the persistent workers go on without us: a plain pass gives its 4 batches.
     run(shell, "n = sum(1 for _ in data)")
     assert shell.user_ns["n"] == 4
+    # The collate made fast (2 ms): compare says so, stage by stage.
+    faster, _ = traced_over(shell, "loader(Samples(32, 0.0), batch_size=8, num_workers=2, collate_fn=SlowCollate(2), "
+                            "multiprocessing_context='fork')", tmp_path, "fast-collate")
+    after = faster.result.data.inside
+    assert after is not None and after["collate_ms"] is not None and after["collate_ms"] < inside["collate_ms"]
+    notes = traceml_jupyter.compare("slow-collate", "fast-collate").notes
+    assert f"inside the loader: collate {inside['collate_ms']:.1f} -> {after['collate_ms']:.1f} ms a batch" in notes
 
 
 def test_one_slow_worker_is_named(shell: Any, tmp_path: Any) -> None:

@@ -29,6 +29,7 @@ SLOWEST = 4  # the slowest samples a record keeps (index, ns)
 RECORD = struct.Struct("<iiqqqqqqq" + "qq" * SLOWEST)
 MAX_RECORDS = 50_000  # per worker file (6.4 MB): bounded
 PREFIX = "w"
+INDEX_LIMIT = 1 << 62  # an index a record holds (another key of a dataset: -1, "not an index")
 
 
 class WorkerInit:
@@ -101,7 +102,7 @@ class _TimedItems:
     def __getitem__(self, index: Any) -> Any:
         t0 = time.monotonic_ns()
         item = self._dataset[index]
-        self._times.append((index if type(index) is int else -1, time.monotonic_ns() - t0))
+        self._times.append((index if type(index) is int and 0 <= index < INDEX_LIMIT else -1, time.monotonic_ns() - t0))
         return item
 
     def __getattr__(self, name: str) -> Any:
