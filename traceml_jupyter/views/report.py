@@ -24,6 +24,7 @@ from ..analysis.verdict_box import headline_ms
 from ..kernel.code_facts import CodeContext, KernelReading, kernel_reading
 from .report_code import code_pane, legend_html
 from .report_evidence import evidence_table
+from .report_loader import loader_inside_html
 from .report_style import (
     BACKWARD_COLOUR,
     BADGE,
@@ -326,6 +327,7 @@ def render_html(result: RunResult, reading: KernelReading | None = None) -> str:
         + _also(result)
         + _phases(result)
         + _resources(result)
+        + loader_inside_html(result)
         + section_title("Evidence")
         + evidence_table(result, reading.code)
         + section_title("Checklist")

@@ -87,6 +87,14 @@ def test_slow_samples_are_named_with_their_indices_and_their_own_times(shell: An
     assert "Also: inside the loader, SLOW SAMPLES: indices" in shown
     # per worker: the batches and samples each made, as the test's own timings count them
     assert sum(w["batches"] for w in inside["workers"]) == 6 and sum(w["items"] for w in inside["workers"]) == 48
+    # The report's part: the finding, a row per worker (its pid), a lane per worker with a bar per stage.
+    from traceml_jupyter.views.report import report_html
+
+    page = report_html(got)
+    part = page[page.index('class="tml-inside"'):]
+    assert "SLOW SAMPLES" in part and all(f">{w['pid']}<" in part for w in inside["workers"])
+    lanes = part[part.index('<svg class="tml-inside-lanes"'):part.index("</svg>")]
+    assert lanes.count(">worker ") == 2 and lanes.count("<rect") >= 2 * 6
     # The user's worker_init_fn ran once in each worker; nothing of ours is left.
     inits = own_timings_lines(str(tmp_path), "init")
     assert sorted(inits) == ["0", "1"]
@@ -209,3 +217,15 @@ def traceml_inside(shell: Any) -> Any:
 
     last = traceml_jupyter.last()
     return last.result.data.inside if last is not None else None
+
+
+def test_a_cell_that_raises_mid_pass_leaves_nothing_of_ours(shell: Any, tmp_path: Any) -> None:
+    # The user's error after the second batch: it is the cell's error, as without the magic,
+    # and the loader, torch's classes and the temporary folder are as they were.
+    run(shell, "data = loader(Samples(32, 0.0), batch_size=4, num_workers=2, multiprocessing_context='fork')")
+    before = our_directories()
+    result = run_cell(shell, "%%traceml --no-live\nfor i, (x, y) in enumerate(data):\n    if i == 2:\n        raise ValueError('bad batch')\n")
+    assert isinstance(result.error_in_exec, ValueError) and str(result.error_in_exec) == "bad batch"
+    nothing_left(shell, before)
+    run(shell, "n = sum(1 for _ in data)")  # the loader as it was
+    assert shell.user_ns["n"] == 8

@@ -88,8 +88,8 @@ class _Timing:
         flat = [v for pair in slow for v in pair] + [-1, 0] * (SLOWEST - len(slow))
         try:
             self.file.write(RECORD.pack(self.pid, self.worker_id, self.ordinal, start, collate, end, getitem, items, nbytes, *flat))
-        except OSError:
-            self.ordinal = MAX_RECORDS  # (a full disk: nothing more written)
+        except (OSError, struct.error):
+            self.ordinal = MAX_RECORDS  # (a full disk, a figure past 64 bits: nothing more written)
         self.ordinal += 1
 
 
