@@ -130,8 +130,8 @@ class Recording:
         self.processes: list[dict[str, Any]] | None = None
         self.loader_site: dict[str, Any] | None = None
         self.dataset_site: dict[str, Any] | None = None
-        # The workers' records, the loop's receptions, the start (capture/loader/watch.py)
-        self.loader_inside: tuple[list[tuple[int, ...]], list[tuple[int, int, int]], int] | None = None
+        # The workers' records, the loop's receptions, the start, the pinned batches (capture/loader/watch.py)
+        self.loader_inside: tuple[list[tuple[int, ...]], list[tuple[int, int, int]], int, list[tuple[int, int]]] | None = None
         # NVML samples of the run's GPU (time_s, gpu_util_pct, gpu_mem_used_mib), left by the
         # resource watch when it stops, before the run finishes.
         self.gpu_samples: dict[str, Any] | None = None

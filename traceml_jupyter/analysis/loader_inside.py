@@ -61,7 +61,7 @@ class LoaderInside(TypedDict, total=False):
     batches made, per worker, per batch the mean ms in `__getitem__`, in `collate_fn` and the
     hand-over (ready in the worker -> received by the loop), MB a batch, the median sample,
     the slowest samples, the loop's data wait on the batches matched split into producing and
-    handing over, and the lane picture's bars."""
+    handing over, the lane picture's bars, the pin-memory thread's ms a batch and batches."""
 
     batches: int
     received: int
@@ -77,6 +77,8 @@ class LoaderInside(TypedDict, total=False):
     producing_ms: float | None
     handing_over_ms: float | None
     lanes: list[LaneBar]
+    pin_ms: float | None
+    pinned: int
 
 
 class Finding(TypedDict):
@@ -91,10 +93,12 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarise(records: Sequence[Sequence[int]], receptions: Sequence[Sequence[int]], began_ns: int) -> LoaderInside:
+def summarise(records: Sequence[Sequence[int]], receptions: Sequence[Sequence[int]], began_ns: int,
+              pinned: Sequence[Sequence[int]] = ()) -> LoaderInside:  # fmt: skip
     """The workers' records (worker_side.RECORD: pid, worker, ordinal, start, collate start,
-    end, getitem ns, items, bytes, SLOWEST (index, ns)) and the loop's receptions (pid, wait
-    start, received; in order per worker) as the run keeps them. Every time: monotonic ns."""
+    end, getitem ns, items, bytes, SLOWEST (index, ns)), the loop's receptions (pid, wait
+    start, received; in order per worker) and the pin-memory thread's batches (start, end) as
+    the run keeps them. Every time: monotonic ns."""
     by_pid: dict[int, list[Sequence[int]]] = {}
     for r in records:
         by_pid.setdefault(r[0], []).append(r)
@@ -130,6 +134,7 @@ def summarise(records: Sequence[Sequence[int]], receptions: Sequence[Sequence[in
         wait_ms=sum((got - asked) / MS for _, asked, got in matched) if matched else None,
         producing_ms=sum(producing) if matched else None, handing_over_ms=sum(handover) if matched else None,
         lanes=_lanes(records, by_pid, receptions, began_ns),
+        pin_ms=_mean([(t1 - t0) / MS for t0, t1 in pinned]), pinned=len(pinned),
     )  # fmt: skip
 
 
@@ -224,9 +229,10 @@ def dominant_stage(inside: LoaderInside) -> Finding | None:
     if label == "COLLATE":
         return Finding(label=label, text=f"{ms:.1f} ms a batch in collate_fn, {share:.0%} of a batch's making",
                        fix="vectorise collate_fn (stack, pad once), or do the per-sample work in __getitem__")
-    mb = inside.get("mb_per_batch")
+    mb, pin = inside.get("mb_per_batch"), inside.get("pin_ms")
     size = f"{mb:.1f} MB a batch, " if mb is not None else ""
-    return Finding(label=label, text=f"{size}{ms:.1f} ms a batch handing it to the loop, {share:.0%} of a batch's making",
+    pinning = f" (pinning {pin:.1f} ms of it)" if pin is not None else ""
+    return Finding(label=label, text=f"{size}{ms:.1f} ms a batch handing it to the loop{pinning}, {share:.0%} of a batch's making",
                    fix="send smaller batches (uint8 or float16, converted in the step on the device)")
 
 

@@ -25,6 +25,8 @@ from ..instrument.patches import patched
 from .worker_side import WorkerInit, read_records
 
 MAX_RECEPTIONS = 200_000  # the loop's batches noted (then no more)
+# What a run's watch gives its recording: (records, receptions, began_ns, pinned)
+Watched = tuple[list[tuple[int, ...]], list[tuple[int, int, int]], int, list[tuple[int, int]]]
 
 
 class LoaderInside:
@@ -38,6 +40,7 @@ class LoaderInside:
         self.iterators: dict[int, list[int]] = {}  # id(iterator) -> its workers' pids by worker id
         self.receptions: list[tuple[int, int, int]] = []  # (worker pid, asked, received)
         self.unmeasured = 0  # passes whose workers started before the cell (persistent)
+        self.pinned: list[tuple[int, int]] = []  # the pin-memory thread's batches: (start, end)
 
     @contextmanager
     def patches(self) -> Iterator[None]:
@@ -68,7 +71,24 @@ class LoaderInside:
         with ExitStack() as stack:
             stack.enter_context(patched(loader_class, {"__iter__": __iter__}))
             stack.enter_context(patched(base_iter, {"__next__": __next__}))
+            pinning = sys.modules.get("torch.utils.data._utils.pin_memory")
+            if callable(getattr(pinning, "pin_memory", None)):
+                stack.enter_context(patched(pinning, {"pin_memory": self.timed_pin(pinning.pin_memory)}))  # type: ignore[union-attr]
             yield
+
+    def timed_pin(self, original: Any) -> Any:
+        """torch's `pin_memory(data, device)` as the pin-memory thread calls it, timed (its module's
+        name, looked up at each call: the thread takes torch's own back after the cell)."""
+        pinned = self.pinned
+
+        def pin_memory(data: Any, device: Any = None) -> Any:
+            t0 = time.monotonic_ns()
+            out = original(data, device)
+            if len(pinned) < MAX_RECEPTIONS:
+                pinned.append((t0, time.monotonic_ns()))
+            return out
+
+        return pin_memory
 
     def started(self, loader: Any, inner: Any) -> Any:
         """`iter(loader)`: the workers started with our init before the user's; the iterator noted."""
@@ -103,10 +123,10 @@ class LoaderInside:
             self.receptions.append((pids[task[0]], asked, got))
         return item
 
-    def close(self, notes: list[str]) -> tuple[list[tuple[int, ...]], list[tuple[int, int, int]], int] | None:
-        """The cell ended: the workers' records, the loop's receptions and the start (monotonic
-        ns), or None when no worker was watched; the directory removed. What could not be
-        watched: a note."""
+    def close(self, notes: list[str]) -> Watched | None:
+        """The cell ended: the workers' records, the loop's receptions, the start (monotonic
+        ns) and the pin-memory thread's batches, or None when no worker was watched; the
+        directory removed. What could not be watched: a note."""
         directory, self.directory = self.directory, None
         self.iterators.clear()
         if self.unmeasured:
@@ -115,7 +135,7 @@ class LoaderInside:
             return None
         records = read_records(directory)
         shutil.rmtree(directory, ignore_errors=True)
-        return (records, self.receptions, self.began_ns) if records else None
+        return (records, self.receptions, self.began_ns, self.pinned) if records else None
 
 
 def _num_workers(loader: Any) -> int:
