@@ -125,6 +125,10 @@ def test_a_slow_collate_dominates_over_two_passes_of_persistent_workers(shell: A
     # After the cell the persistent workers go on without us: a plain pass gives its 4 batches.
     run(shell, "n = sum(1 for _ in data)")
     assert shell.user_ns["n"] == 4
+    # A later traced cell over the same workers (started before it): not watched, and said so.
+    again, _ = traced_and_result(shell, TRAIN, "--no-live --name again")
+    assert again.result.data.inside is None
+    assert any("persistent workers started before this cell were not watched" in n for n in again.result.notes)
     # The collate made fast (2 ms): compare says so, stage by stage.
     faster, _ = traced_over(shell, "loader(Samples(32, 0.0), batch_size=8, num_workers=2, collate_fn=SlowCollate(2), "
                             "multiprocessing_context='fork')", tmp_path, "fast-collate")
@@ -198,16 +202,21 @@ def batches_of(shell: Any, build: str, traced: bool) -> list[torch.Tensor]:
     return list(shell.user_ns["got"])
 
 
-@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
-def test_the_batches_are_the_same_bit_for_bit(shell: Any, context: str) -> None:
+@pytest.mark.parametrize("context", ["fork", *(pytest.param(c, marks=pytest.mark.slow) for c in ("spawn", "forkserver"))])
+def test_the_batches_are_the_same_bit_for_bit(shell: Any, context: str, tmp_path: Any) -> None:
     # Random samples (torch.rand in the workers, seeded per worker from the loader's generator):
-    # the same batches with and without the watch inside the workers.
-    build = f"loader(Samples(24, 0.0, shape=(4,)), batch_size=4, shuffle=True, num_workers=2, multiprocessing_context='{context}')"
+    # the same batches with and without the watch inside the workers; the user's worker_init_fn
+    # runs once a worker in each (its own count), whatever starts the workers.
+    shell.user_ns["log"] = str(tmp_path)
+    build = (f"loader(Samples(24, 0.0, shape=(4,)), batch_size=4, shuffle=True, num_workers=2, "
+             f"worker_init_fn=CountInits(log), multiprocessing_context='{context}')")
     plain = batches_of(shell, build, traced=False)
+    assert sorted(own_timings_lines(str(tmp_path), "init")) == ["0", "1"]
     before = our_directories()
     watched = batches_of(shell, build, traced=True)
     nothing_left(shell, before)
     assert traceml_inside(shell) is not None  # (the watch did run)
+    assert sorted(own_timings_lines(str(tmp_path), "init")) == ["0", "0", "1", "1"]
     assert len(plain) == len(watched) == 6
     assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
 
