@@ -130,8 +130,8 @@ class Recording:
         self.processes: list[dict[str, Any]] | None = None
         self.loader_site: dict[str, Any] | None = None
         self.dataset_site: dict[str, Any] | None = None
-        # The workers' records, the loop's receptions, the start, the pinned batches (capture/loader/watch.py)
-        self.loader_inside: tuple[list[tuple[int, ...]], list[tuple[int, int, int]], int, list[tuple[int, int]]] | None = None
+        # Inside the DataLoader's workers (capture/loader/watch.py, summarised: inside_watched)
+        self.loader_inside: LoaderInside | None = None
         # NVML samples of the run's GPU (time_s, gpu_util_pct, gpu_mem_used_mib), left by the
         # resource watch when it stops, before the run finishes.
         self.gpu_samples: dict[str, Any] | None = None
@@ -305,10 +305,15 @@ class Recording:
             self._result = self._build()
         return self._result
 
+    def inside_watched(self, watched: tuple[list[tuple[int, ...]], list[tuple[int, int, int]], int, list[tuple[int, int]]] | None) -> None:
+        """What the watch inside the DataLoader's workers gave at the capture's end (records,
+        receptions, start, pinned batches), summarised; None: no worker was watched."""
+        self.loader_inside = summarise_inside(*watched) if watched else None
+
     def _build(self) -> RunResult:
         cols = self.columns()
         summary, verdict = analyse(self, cols)
-        inside = summarise_inside(*self.loader_inside) if self.loader_inside else None
+        inside = self.loader_inside
         verdict = inside_next(verdict, inside)
         samples = self.gpu_samples
         return RunResult(

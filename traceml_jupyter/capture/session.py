@@ -199,7 +199,7 @@ class Capture:
 
 
 def _inside_read(run: Recording, inside: LoaderInside) -> None:
-    run.loader_inside = inside.close(run.notes)
+    run.inside_watched(inside.close(run.notes))
 
 
 def _graphs_read(run: Recording, capture: Capture) -> None:

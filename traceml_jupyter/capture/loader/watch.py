@@ -10,6 +10,7 @@ and pass straight through for anything else. Reads of the user's loader go throu
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -34,7 +35,7 @@ class LoaderInside:
 
     def __init__(self, capture: object) -> None:
         self.capture = capture  # (hooks.active while the cell runs)
-        self.thread = get_ident()
+        self.thread, self.pid = get_ident(), os.getpid()
         self.directory: str | None = None
         self.began_ns = time.monotonic_ns()
         self.iterators: dict[int, list[int]] = {}  # id(iterator) -> its workers' pids by worker id
@@ -129,6 +130,8 @@ class LoaderInside:
         directory removed. What could not be watched: a note."""
         directory, self.directory = self.directory, None
         self.iterators.clear()
+        if os.getpid() != self.pid:  # a forked process closing what it inherited: the directory is its parent's
+            return None
         if self.unmeasured:
             notes.append("inside the loader: persistent workers started before this cell were not watched (a new loader, or iter() in this cell, watches them)")
         if directory is None:
