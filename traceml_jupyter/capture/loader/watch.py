@@ -23,7 +23,7 @@ from typing import Any
 from ...failures import read_or
 from ..instrument import hooks
 from ..instrument.patches import patched
-from .worker_side import WorkerInit, read_records
+from .worker_side import WorkerInit, known_fetchers, read_records
 
 MAX_RECEPTIONS = 200_000  # the loop's batches noted (then no more)
 # What a run's watch gives its recording: (records, receptions, began_ns, pinned)
@@ -50,6 +50,9 @@ class LoaderInside:
         loader_class = getattr(data, "DataLoader", None)
         base_iter = getattr(sys.modules.get("torch.utils.data.dataloader"), "_BaseDataLoaderIter", None)
         if loader_class is None or base_iter is None:
+            yield
+            return
+        if not known_fetchers():  # (another torch: its workers' fetchers are not the ones timed)
             yield
             return
         self.directory = tempfile.mkdtemp(prefix="traceml-loader-")

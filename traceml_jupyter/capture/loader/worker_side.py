@@ -61,17 +61,18 @@ class _Timing:
 
     @classmethod
     def start(cls, directory: str, worker_id: int) -> None:
-        from torch.utils.data._utils import fetch as fetch_module
-
+        """Time this worker's fetchers (nothing when torch's are not the ones this knows)."""
         if cls.active is not None:  # (a worker re-initialised: never twice)
             return
-        fetchers: list[tuple[Any, Any]] = [(k, k.__dict__["fetch"]) for k in (fetch_module._MapDatasetFetcher, fetch_module._IterableDatasetFetcher)]
+        fetchers = known_fetchers()
+        if not fetchers:
+            return
         try:
             cls.active = _Timing(directory, worker_id, fetchers)
         except OSError:
             return  # (no file: nothing measured in this worker)
         for kind, original in fetchers:
-            kind.fetch = _timed_fetch(original, kind is fetch_module._IterableDatasetFetcher)
+            kind.fetch = _timed_fetch(original, kind.__name__ == "_IterableDatasetFetcher")
 
     def stop(self) -> None:
         """The cell ended: the fetchers as they were, the file closed."""
@@ -91,6 +92,18 @@ class _Timing:
         except (OSError, struct.error):
             self.ordinal = MAX_RECORDS  # (a full disk, a figure past 64 bits: nothing more written)
         self.ordinal += 1
+
+
+def known_fetchers() -> list[tuple[Any, Any]]:
+    """torch's two fetcher classes with their own `fetch` ([] when this torch has other ones:
+    then nothing is timed, and the user's init still runs)."""
+    try:
+        from torch.utils.data._utils import fetch as fetch_module
+    except ImportError:
+        return []
+    kinds = [getattr(fetch_module, name, None) for name in ("_MapDatasetFetcher", "_IterableDatasetFetcher")]
+    found = [(k, vars(k).get("fetch")) for k in kinds if isinstance(k, type)]
+    return found if len(found) == 2 and all(callable(f) for _, f in found) else []
 
 
 class _TimedItems:

@@ -52,3 +52,26 @@ def test_a_workers_records_are_read_back_and_a_record_cut_short_left_out(tmp_pat
     (tmp_path / "w1-7.bin").write_bytes(data + data[:50])  # a worker killed mid-write
     (tmp_path / "other.txt").write_text("not ours")
     assert worker_side.read_records(str(tmp_path)) == rows
+
+
+def test_in_a_worker_the_users_init_runs_once_after_ours_and_the_fetchers_come_back(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils.data._utils.fetch import _MapDatasetFetcher
+
+    torch_fetch = _MapDatasetFetcher.fetch
+    calls: list[int] = []
+    init = worker_side.WorkerInit(str(tmp_path), calls.append)
+    init(3)  # (as a worker calls it, here in this process)
+    try:
+        assert calls == [3] and _MapDatasetFetcher.fetch is not torch_fetch
+        fetcher = _MapDatasetFetcher(list(range(10)), True, lambda batch: sum(batch), False)
+        assert fetcher.fetch([1, 2, 3]) == 6  # the same batch
+        (record,) = worker_side.read_records(str(tmp_path))
+        assert record[1] == 3 and record[7] == 3 and {record[9], record[11], record[13]} == {1, 2, 3}
+    finally:
+        assert worker_side._Timing.active is not None
+        worker_side._Timing.active.stop()
+    assert _MapDatasetFetcher.fetch is torch_fetch
+    # A torch whose fetchers are not the ones known: nothing timed, the user's init still runs.
+    monkeypatch.setattr(worker_side, "known_fetchers", lambda: [])
+    init(4)
+    assert calls == [3, 4] and _MapDatasetFetcher.fetch is torch_fetch and worker_side._Timing.active is None
