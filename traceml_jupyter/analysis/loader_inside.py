@@ -61,7 +61,8 @@ class LoaderInside(TypedDict, total=False):
     batches made, per worker, per batch the mean ms in `__getitem__`, in `collate_fn` and the
     hand-over (ready in the worker -> received by the loop), MB a batch, the median sample,
     the slowest samples, the loop's data wait on the batches matched split into producing and
-    handing over, the lane picture's bars, the pin-memory thread's ms a batch and batches."""
+    handing over, the lane picture's bars and the loop's waits beneath them ([asked, received]
+    in ms from the cell's start), the pin-memory thread's ms a batch and batches."""
 
     batches: int
     received: int
@@ -77,6 +78,7 @@ class LoaderInside(TypedDict, total=False):
     producing_ms: float | None
     handing_over_ms: float | None
     lanes: list[LaneBar]
+    waits: list[list[float]]
     pin_ms: float | None
     pinned: int
 
@@ -134,6 +136,7 @@ def summarise(records: Sequence[Sequence[int]], receptions: Sequence[Sequence[in
         wait_ms=sum((got - asked) / MS for _, asked, got in matched) if matched else None,
         producing_ms=sum(producing) if matched else None, handing_over_ms=sum(handover) if matched else None,
         lanes=_lanes(records, by_pid, receptions, began_ns),
+        waits=[[(asked - began_ns) / MS, (got - began_ns) / MS] for _, asked, got in list(receptions)[:LANE_BARS]],
         pin_ms=_mean([(t1 - t0) / MS for t0, t1 in pinned]), pinned=len(pinned),
     )  # fmt: skip
 

@@ -8,12 +8,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..analysis.loader_inside import LaneBar, LoaderInside, findings, wait_split
-from .report_style import BORDER, CELL, MUTED, ROW, SEVERITY, TABLE, esc, section_title, with_code
+from .report_style import (
+    BORDER,
+    CELL,
+    MUTED,
+    ROW,
+    SEVERITY,
+    TABLE,
+    WAIT_COLOUR,
+    esc,
+    section_title,
+    with_code,
+)
 
 if TYPE_CHECKING:
     from ..result import RunResult
 
-GETITEM_COLOUR, COLLATE_COLOUR, HANDOVER_COLOUR = "#d9480f", "#ae3ec9", "#ced4da"
+GETITEM_COLOUR, COLLATE_COLOUR, HANDOVER_COLOUR = "#f08c00", "#ae3ec9", "#ced4da"
 LANE_H, WIDTH, LEFT = 14, 560, 64
 
 
@@ -34,7 +45,7 @@ def loader_inside_html(result: RunResult) -> str:
     split = wait_split(inside)
     if split:
         out += f'<div class="tml-inside-wait" style="margin-top:6px">{esc(split[:1].upper() + split[1:])}.</div>'
-    out += _worker_table(inside) + _lanes(inside.get("lanes") or [])
+    out += _worker_table(inside) + _lanes(inside.get("lanes") or [], inside.get("waits") or [])
     return f'<div class="tml-inside">{out}</div>'
 
 
@@ -55,8 +66,9 @@ def _worker_table(inside: LoaderInside) -> str:
     return f'<table class="tml-inside-workers" style="{TABLE};margin-top:6px">{"".join(rows)}</table>{note}'
 
 
-def _lanes(bars: list[LaneBar]) -> str:
-    """One lane per worker, each batch a bar: __getitem__, collate, then until received."""
+def _lanes(bars: list[LaneBar], waits: list[list[float]]) -> str:
+    """One lane per worker, each batch a bar: __getitem__, collate, then until received; the
+    loop's waits for its batches beneath."""
     if not bars:
         return ""
     workers = sorted({b["worker"] for b in bars})
@@ -64,7 +76,8 @@ def _lanes(bars: list[LaneBar]) -> str:
     t1 = max(max(b["end_ms"], b["received_ms"] or b["end_ms"]) for b in bars)
     scale = (WIDTH - LEFT - 4) / max(t1 - t0, 1e-3)
     lane = {w: i for i, w in enumerate(workers)}
-    height = LANE_H * len(workers) + 18
+    loop_y = LANE_H * len(workers) + 2
+    height = LANE_H * (len(workers) + 1) + 18
 
     def x(t: float) -> float:
         return LEFT + (t - t0) * scale
@@ -78,13 +91,19 @@ def _lanes(bars: list[LaneBar]) -> str:
         for a, z, fill in spans:
             if z > a:
                 parts.append(f'<rect x="{x(a):.1f}" y="{y}" width="{max((z - a) * scale, 0.5):.1f}" height="{LANE_H - 4}" fill="{fill}"/>')
-    axis = LANE_H * len(workers) + 14
+    parts.append(f'<text x="0" y="{loop_y + 9}" font-size="10" fill="{MUTED}">loop waits</text>')
+    for asked, got in waits:
+        a, z = max(asked, t0), min(got, t1)  # (the first wait starts with the workers' start-up)
+        if z > a:
+            parts.append(f'<rect x="{x(a):.1f}" y="{loop_y}" width="{max((z - a) * scale, 0.5):.1f}" '
+                         f'height="{LANE_H - 4}" fill="{WAIT_COLOUR}"/>')
+    axis = LANE_H * (len(workers) + 1) + 14
     parts.append(f'<text x="{LEFT}" y="{axis}" font-size="10" fill="{MUTED}">{t0:.0f} ms</text>')
     parts.append(f'<text x="{WIDTH - 4}" y="{axis}" font-size="10" fill="{MUTED}" text-anchor="end">{t1:.0f} ms from the cell\'s start</text>')
     legend = (
         f'<div style="color:{MUTED};font-size:11px"><span style="color:{GETITEM_COLOUR}">■</span> __getitem__ '
         f'<span style="color:{COLLATE_COLOUR}">■</span> collate_fn <span style="color:{HANDOVER_COLOUR}">■</span> '
-        "ready, until the loop received it</div>"
+        f'ready, until the loop received it <span style="color:{WAIT_COLOUR}">■</span> the loop waiting for a batch</div>'
     )
     svg = (
         f'<svg class="tml-inside-lanes" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" '

@@ -94,7 +94,7 @@ def test_slow_samples_are_named_with_their_indices_and_their_own_times(shell: An
     part = page[page.index('class="tml-inside"'):]
     assert "SLOW SAMPLES" in part and all(f">{w['pid']}<" in part for w in inside["workers"])
     lanes = part[part.index('<svg class="tml-inside-lanes"'):part.index("</svg>")]
-    assert lanes.count(">worker ") == 2 and lanes.count("<rect") >= 2 * 6
+    assert lanes.count(">worker ") == 2 and lanes.count("<rect") >= 2 * 6 and ">loop waits<" in lanes
     # The user's worker_init_fn ran once in each worker; nothing of ours is left.
     inits = own_timings_lines(str(tmp_path), "init")
     assert sorted(inits) == ["0", "1"]

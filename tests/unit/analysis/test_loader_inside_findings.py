@@ -58,6 +58,7 @@ def test_the_wait_split_into_producing_and_handing_over() -> None:
     assert inside["received"] == 2
     assert inside["wait_ms"] == 8.0 and inside["producing_ms"] == 5.0 and inside["handing_over_ms"] == 3.0
     assert inside["handover_ms"] == 1.5
+    assert inside["waits"] == [[5.0, 12.0], [25.0, 26.0]]  # beneath the lanes
     bars = inside["lanes"]
     assert [(b["start_ms"], b["end_ms"], b["received_ms"]) for b in bars] == [(0.0, 10.0, 12.0), (10.0, 20.0, 26.0)]
 
