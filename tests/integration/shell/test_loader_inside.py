@@ -238,3 +238,14 @@ def test_a_cell_that_raises_mid_pass_leaves_nothing_of_ours(shell: Any, tmp_path
     nothing_left(shell, before)
     run(shell, "n = sum(1 for _ in data)")  # the loader as it was
     assert shell.user_ns["n"] == 8
+
+
+def test_batches_handed_out_of_order_are_measured_in_the_workers_and_not_matched(shell: Any, tmp_path: Any) -> None:
+    # in_order=False: the stages in the workers as ever; which batch the loop got from whom is
+    # not known, so no hand-over and no wait split (unmeasured, not 0).
+    got, shown = traced_over(shell, "loader(Samples(16, 1.0), batch_size=4, num_workers=2, in_order=False, "
+                             "multiprocessing_context='fork')", tmp_path, "out-of-order")
+    inside = got.result.data.inside
+    assert inside is not None and inside["batches"] == 4 and inside["received"] == 0
+    assert inside["handover_ms"] is None and inside["wait_ms"] is None and inside["getitem_ms"] is not None
+    assert "handing them over" not in shown

@@ -105,8 +105,8 @@ class LoaderInside:
         finally:
             if armed:
                 read_or(False, _set_init, loader, user)
-        if armed:
-            self.iterators[id(it)] = read_or([], _pids, it)
+        if armed:  # (batches handed out of order, `in_order=False`: not matched to their worker)
+            self.iterators[id(it)] = read_or([], _pids, it) if getattr(it, "_in_order", True) is not False else []
         elif workers and not fresh and id(it) not in self.iterators:
             self.unmeasured += 1
         return it
