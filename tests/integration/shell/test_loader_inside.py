@@ -122,6 +122,10 @@ def test_a_slow_collate_dominates_over_two_passes_of_persistent_workers(shell: A
     assert len(own) == 8
     assert mean(own) <= inside["collate_ms"] <= mean(own) + 5
     assert "inside the loader, COLLATE:" in result.shown
+    # The checklist's collate_fn item reads the measured figure.
+    item = next(i for i in got.result.reading.checklist or () if i["key"] == "collate_fn")
+    assert item["seen"] == f"SlowCollate: {inside['collate_ms']:.1f} ms a batch" and item["to_try"] == "vectorise it (stack, pad once)"
+    assert item["status"] in ("fix", "check") and "Measured in the workers" in item["reason"]
     # After the cell the persistent workers go on without us: a plain pass gives its 4 batches.
     run(shell, "n = sum(1 for _ in data)")
     assert shell.user_ns["n"] == 4

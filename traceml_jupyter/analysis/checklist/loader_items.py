@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..cell_code import RANDOM_CALL, CodeSite, SampleCode
 from ..data_sources import Feeder
+from ..loader_inside import dominant_stage
 from ..number_text import ms as _ms
 from ..number_text import pct as _pct
 from ..step_parts import wait_words
@@ -354,6 +355,18 @@ def collate_item(f: Facts) -> Item:
     name = str(f.loader.get("collate_fn") or "default_collate")
     bears = f.verdict in INPUT_VERDICTS
     title = "Batch assembly (collate_fn)"
+    measured = f.inside.get("collate_ms") if f.inside else None
+    if f.inside and measured is not None:  # timed in the workers
+        stage = dominant_stage(f.inside)
+        dominates = stage is not None and stage["label"] == "COLLATE"  # (else OK: it is measured)
+        return Item(
+            "collate_fn", title, needs_change(bears) if dominates else OK, f"{name}: {measured:.1f} ms a batch",
+            "vectorise it (stack, pad once)" if dominates else None, f.loader_site,
+            f"Measured in the workers: {measured:.1f} ms a batch, "
+            + ("the largest part of a batch's making: vectorise it, or do the per-sample work in __getitem__."
+               if dominates else "not the largest part of a batch's making."),
+            bears,
+        )
     if f.loader.get("custom_collate"):
         return Item(
             "collate_fn", title, CHECK, name, "time it on one batch", f.loader_site,
