@@ -85,6 +85,8 @@ def test_slow_samples_are_named_with_their_indices_and_their_own_times(shell: An
     for s in ours:  # ours encloses the dataset's own timer, and little more
         assert own[s["index"]] <= s["ms"] <= own[s["index"]] + 5
     assert "Also: inside the loader, SLOW SAMPLES: indices" in shown
+    item = next(i for i in got.result.reading.checklist or () if i["key"] == "per_sample_cost")
+    assert item["reason"].endswith(f"Measured in the workers: {inside['item_ms']:.2f} ms a sample (median).")
     # per worker: the batches and samples each made, as the test's own timings count them
     assert sum(w["batches"] for w in inside["workers"]) == 6 and sum(w["items"] for w in inside["workers"]) == 48
     # The report's part: the finding, a row per worker (its pid), a lane per worker with a bar per stage.

@@ -4,6 +4,8 @@ dataset's per-sample work and storage."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..cell_code import RANDOM_CALL, CodeSite, SampleCode
 from ..data_sources import Feeder
 from ..loader_inside import dominant_stage
@@ -381,7 +383,16 @@ def collate_item(f: Facts) -> Item:
 
 
 def per_sample_item(f: Facts) -> Item:
-    """__getitem__'s costly calls per sample, read from its source."""
+    """__getitem__'s costly calls per sample, read from its source; the time a sample measured
+    in the workers, when it was."""
+    item = _per_sample_item(f)
+    typical = f.inside.get("item_ms") if f.inside else None
+    if typical is None:
+        return item
+    return replace(item, reason=f"{item.reason} Measured in the workers: {typical:.2f} ms a sample (median).")
+
+
+def _per_sample_item(f: Facts) -> Item:
     title = "Per-sample work in __getitem__"
     bears = f.verdict in INPUT_VERDICTS
     code = f.sample_code
