@@ -56,6 +56,13 @@ class Samples(Dataset[Any]):
         return x, i % 2
 
 
+class Batched(Samples):
+    """Samples read a batch at a time (`__getitems__`, as a database query reads them)."""
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
+        return [self[i] for i in indices]
+
+
 class Stream(IterableDataset[Any]):
     """An IterableDataset whose shards are uneven: worker k gets `sizes[k]` items of `ms` each."""
 

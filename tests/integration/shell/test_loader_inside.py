@@ -25,7 +25,7 @@ from traceml_jupyter.result.codec import from_dict, to_dict
 SETUP = """
 import os, tempfile, time, torch
 from torch import nn
-from loader_cases import Samples, SlowCollate, Stream, CountInits, loader
+from loader_cases import Batched, Samples, SlowCollate, Stream, CountInits, loader
 model = nn.Linear(8, 2)
 """
 
@@ -255,3 +255,14 @@ def test_batches_handed_out_of_order_are_measured_in_the_workers_and_not_matched
     assert inside is not None and inside["batches"] == 4 and inside["received"] == 0
     assert inside["handover_ms"] is None and inside["wait_ms"] is None and inside["getitem_ms"] is not None
     assert "handing them over" not in shown
+
+
+def test_a_dataset_read_a_batch_at_a_time_is_timed_as_one_call(shell: Any, tmp_path: Any) -> None:
+    # __getitems__ (one call a batch): its time is the batch's, no sample is timed alone.
+    got, _ = traced_over(shell, "loader(Batched(16, 2.0, log_dir=log), batch_size=4, num_workers=2, "
+                         "multiprocessing_context='fork')", tmp_path, "batched")
+    inside = got.result.data.inside
+    assert inside is not None and inside["batches"] == 4 and inside["slow_samples"] == [] and inside["item_ms"] is None
+    own = own_timings(str(tmp_path), "getitem")  # the samples' own timings, 4 a batch
+    assert len(own) == 16 and inside["getitem_ms"] is not None
+    assert inside["getitem_ms"] >= 4 * min((t1 - t0) / 1e6 for _, t0, t1 in own)
