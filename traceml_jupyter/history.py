@@ -10,9 +10,11 @@ import os
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .analysis.compare import Comparison, compare_summaries
+from .analysis.loader_inside import compare_lines
 from .capture.resources.host import usable_cpus
 from .failures import failure_text
 from .run import Run, find_run, runs
@@ -205,12 +207,14 @@ def compare(a: Run | str | None = None, b: Run | str | None = None) -> Compariso
         run_a, run_b = resolve(a), resolve(b)
     workers = (run_b.result.data.loader or {}).get("num_workers")
     cpus = (run_b.machine or {}).get("cpus")
-    return compare_summaries(
+    comparison = compare_summaries(
         run_a.name, run_a.summary, run_a.verdict, run_b.name, run_b.summary, run_b.verdict,
         workers_b=workers if isinstance(workers, int) else None,
         cpus=cpus if isinstance(cpus, int) else usable_cpus(),
         steps_a=run_a.steps, steps_b=run_b.steps, machine_a=run_a.machine, machine_b=run_b.machine,
     )
+    inside = compare_lines(run_a.result.data.inside, run_b.result.data.inside)  # docs/loader-inside.md
+    return replace(comparison, notes=[*comparison.notes, *(f"inside the loader: {line}" for line in inside)])
 
 
 def describe(directory: Path | None) -> str:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import kernel_state
 from .analysis.compile import CompileFacts
+from .analysis.loader_inside import LoaderInside, inside_next
+from .analysis.loader_inside import summarise as summarise_inside
 from .analysis.phases import step_definition
 from .analysis.summary_keys import LineCosts
 from .capture.data.probes import safe_len
@@ -36,8 +38,8 @@ from .run_summary import StepFacts, analyse
 if TYPE_CHECKING:
     import numpy as np
 
-    from .capture.data.dataloaders import CodeSite, LoaderFacts
     from .capture.compiled.dynamo import CompileRecord, CompileWatch
+    from .capture.data.dataloaders import CodeSite, LoaderFacts
     from .capture.gpu.gpu_watch import GpuWatch
     from .capture.gpu.h2d import CopiesResult
     from .capture.gpu.syncs import SyncsResult
@@ -138,6 +140,8 @@ class Recording:
         self.processes: list[dict[str, Any]] | None = None
         self.loader_site: CodeSite | None = None
         self.dataset_site: CodeSite | None = None
+        # Inside the DataLoader's workers (capture/loader/watch.py, summarised: inside_watched)
+        self.loader_inside: LoaderInside | None = None
         # NVML samples of the run's GPU (time_s, gpu_util_pct, gpu_mem_used_mib), left by the
         # resource watch when it stops, before the run finishes.
         self.gpu_samples: dict[str, np.ndarray] | None = None
@@ -311,9 +315,16 @@ class Recording:
             self._result = self._build()
         return self._result
 
+    def inside_watched(self, watched: tuple[list[tuple[int, ...]], list[tuple[int, int, int]], int, list[tuple[int, int]]] | None) -> None:
+        """What the watch inside the DataLoader's workers gave at the capture's end (records,
+        receptions, start, pinned batches), summarised; None: no worker was watched."""
+        self.loader_inside = summarise_inside(*watched) if watched else None
+
     def _build(self) -> RunResult:
         cols = self.columns()
         summary, verdict = analyse(self, cols)
+        inside = self.loader_inside
+        verdict = inside_next(verdict, inside)
         samples = self.gpu_samples
         return RunResult(
             name=self.name, started_at=self.started_at, ended_at=self.ended_at,
@@ -334,6 +345,7 @@ class Recording:
                 loader=frozen_facts(self.loader_info), sources=frozen_rows(self.sources) or (),
                 phases=frozen_rows(self.phases) or (), loader_site=frozen_facts(self.loader_site),
                 dataset_site=frozen_facts(self.dataset_site),
+                inside=frozen_as(LoaderInside, inside),
             ),
             gpu=Gpu(
                 used=self.gpu_used, cuda_device=self.cuda_device, device=self.gpu_device,

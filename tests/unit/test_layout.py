@@ -215,6 +215,7 @@ CAPTURE_PARTS: dict[str, set[str]] = {
     "resources": {"data", "gpu", "steps"},  # is CUDA initialised; the namespace; the steps' level
     "inside": {"data", "gpu", "instrument", "steps"},  # the parts and lines of a sampled step
     "compiled": set(),  # torch.compile's own record: callbacks, compilation metrics, counters
+    "loader": {"instrument"},  # inside the DataLoader's workers: the patches it sets go through instrument/
 }
 MAX_CAPTURE_TOP = 8  # modules at capture/'s top, besides __init__
 

@@ -38,6 +38,7 @@ from .inside.step_parts import StepParts
 from .instrument import hooks
 from .instrument.dynamo import compile_check, keep_out, reaches_compiled
 from .instrument.patches import patched
+from .loader.watch import LoaderInside
 from .loop_gpu import LoopGpu, StepMemory
 from .resources.thread_time import thread_schedstat
 from .resources.watch import resources_watched
@@ -234,6 +235,10 @@ class Capture:
             self.run.notes.append(self.parts.note)
 
 
+def _inside_read(run: Recording, inside: LoaderInside) -> None:
+    run.inside_watched(inside.close(run.notes))
+
+
 def _graphs_read(run: Recording, capture: Capture) -> None:
     """The cell's CUDA graphs on the run (None: it used none), with the report's note."""
     graphs = capture.graphs
@@ -406,6 +411,8 @@ def capture_session(run: Recording, capture: Capture | None = None) -> Iterator[
         stack.enter_context(resources_watched(run, capture))
         stack.callback(_guarded, run, "reading torch.compile's record", compile_watched(run))
         stack.enter_context(cuda_graphs.graphs_watched(capture.graphs))
+        inside = LoaderInside(capture)
+        _guarded(run, "watching inside the DataLoader", lambda: stack.enter_context(inside.patches()))
         capture.open()
         run.step_parts = capture.parts
         _guarded(run, "timing the parts of the step", capture.parts.begin)
@@ -420,6 +427,7 @@ def capture_session(run: Recording, capture: Capture | None = None) -> Iterator[
             # Each step of the wrap-up is guarded: this runs while the user's error (if any)
             # goes up, and nothing of ours may replace it.
             _guarded(run, "closing the capture", capture.close)
+            _guarded(run, "reading inside the DataLoader", lambda: _inside_read(run, inside))
             if capture.gpu.note:
                 run.notes.append(capture.gpu.note)
             run.process_cpu_ms = (process_time_ns() - cpu_began) / 1e6

@@ -427,6 +427,7 @@ def facts_for(
         loader_site=ctx.loader_site,
         transfers=tuple(transfers_in(ctx.loop, ctx.loop_cell)) if ctx.loop is not None else None,
         sample_code=_sample_code(run, shell, ctx),
+        inside=run.result.data.inside,
         start_method=method or _process_start_method(),
         straggler_steps=int(summary.get("straggler_steps") or 0),
         wait_median_ms=summary.get("data_wait_ms"),

@@ -429,6 +429,7 @@ def shows_result(run: Recording, child: RunResult, ranked: bool) -> None:
     run.phases = [dict(p) for p in data.phases]
     run.loader_site = cast("CodeSite", dict(data.loader_site)) if data.loader_site is not None else None
     run.dataset_site = cast("CodeSite", dict(data.dataset_site)) if data.dataset_site is not None else None
+    run.loader_inside = data.inside  # (docs/loader-inside.md)
     run.host = cast("HostFacts", dict(used.host)) if used.host is not None else None
     run.gpu_memory = cast("GpuMemoryFacts", dict(used.gpu_memory)) if used.gpu_memory is not None else None
     run.oom = cast("OomFacts", dict(used.oom)) if used.oom is not None else None

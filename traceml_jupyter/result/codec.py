@@ -16,6 +16,7 @@ import numpy as np
 from ..analysis.checklist.facts import ItemRow
 from ..analysis.compile import CompileFacts
 from ..analysis.findings import FindingRow
+from ..analysis.loader_inside import LoaderInside
 from ..analysis.summary_keys import LineCosts
 from ..analysis.verdict import Verdict
 from .value import (
@@ -56,7 +57,7 @@ PATHS = {
     "loop.wall_ms": "wall_ms", "loop.process_cpu_ms": "cpu.process_ms",
     "loop.thread_cpu_ms": "cpu.thread_ms", "loop.thread_wait_ms": "cpu.thread_wait_ms",
     "data.loader": "loader", "data.sources": "sources", "data.phases": "phases",
-    "data.loader_site": "loader_site", "data.dataset_site": "dataset_site",
+    "data.loader_site": "loader_site", "data.dataset_site": "dataset_site", "data.inside": "loader_inside",
     "gpu.used": "gpu.used", "gpu.cuda_device": "gpu.cuda_device", "gpu.device": "gpu.device",
     "gpu.note": "gpu.note", "gpu.samples": "gpu.samples", "gpu.h2d": "h2d",
     "gpu.sync_stalls": "sync_stalls", "gpu.cuda_graphs": "cuda_graphs",
@@ -109,6 +110,7 @@ def to_dict(result: RunResult) -> dict[str, Any]:
         "processes": jsonable(r.processes),
         "loader_site": jsonable(data.loader_site),
         "dataset_site": jsonable(data.dataset_site),
+        "loader_inside": jsonable(data.inside),
         "cell": {"source": loop.cell_source, "filename": loop.cell_filename, "loop_cell_source": loop.loop_cell_source},
         "quoted_cells": jsonable(r.reading.quoted_cells),
         "machine": jsonable(r.machine),
@@ -226,6 +228,7 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
             phases=got.rows("phases") or (),
             loader_site=got.facts("loader_site"),
             dataset_site=got.facts("dataset_site"),
+            inside=frozen_as(LoaderInside, got.facts("loader_inside")),
         ),
         gpu=Gpu(
             used=bool(got.value("gpu.used")) or summary.get("clock") == "gpu",

@@ -5,6 +5,7 @@ chart's final state render the same value."""
 from __future__ import annotations
 
 from ..analysis.compile import CompileReading, compile_lines, read_compile
+from ..analysis.loader_inside import inside_lines
 from ..analysis.phases import phase_sentence, phase_verdict
 from ..analysis.resources import finding_lines
 from ..analysis.step_parts import also_lines, parts_sentence
@@ -71,6 +72,7 @@ def text(result: RunResult) -> str:
     if slow_phase:
         lines.append(f"Also: {slow_phase}")
     lines.extend(f"Also: {line}" for line in finding_lines(summary))
+    lines.extend(f"Also: {line}" for line in inside_lines(result.data.inside))
     if result.error:
         lines.append(f"Stopped by: {result.error}")
     lines.extend(f"Note: {note}" for note in result.notes)

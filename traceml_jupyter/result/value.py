@@ -16,6 +16,7 @@ import numpy as np
 
 from ..analysis.checklist.facts import ItemRow
 from ..analysis.compile import CompileFacts
+from ..analysis.loader_inside import LoaderInside
 from ..analysis.summary_keys import LineCosts, Straggler, Summary
 from ..analysis.verdict import Verdict
 
@@ -124,13 +125,15 @@ class Loop:
 class DataFeed:
     """What fed the steps: the training DataLoader's settings (`loader`), every data source
     (`sources`) and the passes kept out of the steps (`phases`), where the loader and its dataset
-    were built (file, line[, class])."""
+    were built (file, line[, class]), what happened inside its workers (`inside`:
+    docs/loader-inside.md)."""
 
     loader: Facts | None = None
     sources: tuple[Facts, ...] = ()
     phases: tuple[Facts, ...] = ()
     loader_site: Facts | None = None
     dataset_site: Facts | None = None
+    inside: LoaderInside | None = None
 
 
 class CopySite(TypedDict, total=False):

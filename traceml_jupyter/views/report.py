@@ -25,6 +25,7 @@ from ..kernel.code_facts import CodeContext, KernelReading, kernel_reading
 from .report_code import code_pane, legend_html
 from .report_compile import compile_section
 from .report_evidence import evidence_table
+from .report_loader import loader_inside_html
 from .report_style import (
     BACKWARD_COLOUR,
     BADGE,
@@ -328,6 +329,7 @@ def render_html(result: RunResult, reading: KernelReading | None = None) -> str:
         + compile_section(result)
         + _phases(result)
         + _resources(result)
+        + loader_inside_html(result)
         + section_title("Evidence")
         + evidence_table(result, reading.code)
         + section_title("Checklist")

@@ -8,6 +8,7 @@ from typing import Any, TypedDict
 
 from ..cell_code import CodeSite, SampleCode, Transfer
 from ..data_sources import Feeder
+from ..loader_inside import LoaderInside
 from ..summary_keys import EpochStartup, Oversubscription, SyncTop
 from ..verdict import VerdictLabel
 
@@ -143,6 +144,7 @@ class Facts:
     feeder: Feeder | None = None
     feeder_site: CodeSite | None = None
     feeder_code: SampleCode | None = None
+    inside: LoaderInside | None = None  # measured inside the loader's workers (loader-inside.md)
 
 
 def needs_change(bears: bool) -> str:

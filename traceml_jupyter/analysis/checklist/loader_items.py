@@ -4,8 +4,11 @@ dataset's per-sample work and storage."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..cell_code import RANDOM_CALL, CodeSite, SampleCode
 from ..data_sources import Feeder
+from ..loader_inside import dominant_stage
 from ..number_text import ms as _ms
 from ..number_text import pct as _pct
 from ..step_parts import wait_words
@@ -354,6 +357,18 @@ def collate_item(f: Facts) -> Item:
     name = str(f.loader.get("collate_fn") or "default_collate")
     bears = f.verdict in INPUT_VERDICTS
     title = "Batch assembly (collate_fn)"
+    measured = f.inside.get("collate_ms") if f.inside else None
+    if f.inside and measured is not None:  # timed in the workers
+        stage = dominant_stage(f.inside)
+        dominates = stage is not None and stage["label"] == "COLLATE"  # (else OK: it is measured)
+        return Item(
+            "collate_fn", title, needs_change(bears) if dominates else OK, f"{name}: {measured:.1f} ms a batch",
+            "vectorise it (stack, pad once)" if dominates else None, f.loader_site,
+            f"Measured in the workers: {measured:.1f} ms a batch, "
+            + ("the largest part of a batch's making: vectorise it, or do the per-sample work in __getitem__."
+               if dominates else "not the largest part of a batch's making."),
+            bears,
+        )
     if f.loader.get("custom_collate"):
         return Item(
             "collate_fn", title, CHECK, name, "time it on one batch", f.loader_site,
@@ -368,7 +383,16 @@ def collate_item(f: Facts) -> Item:
 
 
 def per_sample_item(f: Facts) -> Item:
-    """__getitem__'s costly calls per sample, read from its source."""
+    """__getitem__'s costly calls per sample, read from its source; the time a sample measured
+    in the workers, when it was."""
+    item = _per_sample_item(f)
+    typical = f.inside.get("item_ms") if f.inside else None
+    if typical is None:
+        return item
+    return replace(item, reason=f"{item.reason} Measured in the workers: {typical:.2f} ms a sample (median).")
+
+
+def _per_sample_item(f: Facts) -> Item:
     title = "Per-sample work in __getitem__"
     bears = f.verdict in INPUT_VERDICTS
     code = f.sample_code
