@@ -85,7 +85,7 @@ CHECKLIST = [
     {"key": "pin_memory", "title": "Pinned memory", "status": "ok", "seen": "False", "to_try": None, "line": None,
      "cell": None, "where": None, "reason": "Not applicable: the loop runs on the CPU", "bears_on_verdict": False},
 ]  # fmt: skip
-# torch.compile (capture/compiled/dynamo.py): the first step compiled 1.9 s of its 2 s, a
+# torch.compile (capture/compiled/compile_record.py): the first step compiled 1.9 s of its 2 s, a
 # graph break at the cell's line 4 (a print), the last batch (7 samples) compiled again for 0.26 s.
 COMPILED_CELL = "%%traceml\nfor x, y in loader:\n    loss = model(x).sum()\n    print(loss)\n    loss.backward()\n    opt.step()\n"
 

@@ -38,7 +38,7 @@ from .run_summary import StepFacts, analyse
 if TYPE_CHECKING:
     import numpy as np
 
-    from .capture.compiled.dynamo import CompileRecord, CompileWatch
+    from .capture.compiled.compile_record import CompileRecord, CompileWatch
     from .capture.data.dataloaders import CodeSite, LoaderFacts
     from .capture.gpu.gpu_watch import GpuWatch
     from .capture.gpu.h2d import CopiesResult

@@ -2,7 +2,7 @@
 recompilation with its cause and the fix that fits, each graph break with its reason, the user's
 line and its fix, and the recompile limit hit (the model runs eagerly from then on).
 
-The facts are what the capture read off torch's own record (capture/compiled/dynamo.py; the
+The facts are what the capture read off torch's own record (capture/compiled/compile_record.py; the
 JSON's `compile`, docs/compile.md): compile intervals on the run's clock, one record per frame
 compiled, the graph-break counter."""
 

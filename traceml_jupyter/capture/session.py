@@ -27,7 +27,7 @@ from time import perf_counter_ns, process_time_ns
 from typing import TYPE_CHECKING, Any
 
 from ..failures import never_raise, read_or
-from .compiled.dynamo import compile_watched
+from .compiled.compile_record import compile_watched
 from .data.dataloaders import NotedSite, note_site
 from .data.probes import user_namespace
 from .gpu import cuda_graphs

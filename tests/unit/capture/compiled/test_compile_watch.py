@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from traceml_jupyter.capture.compiled.dynamo import CompileWatch, first_line
+from traceml_jupyter.capture.compiled.compile_record import CompileWatch, first_line
 from traceml_jupyter.views import live_header
 
 torch = pytest.importorskip("torch")
