@@ -261,7 +261,8 @@ class Recording:
         self.step_definition = step_definition(
             facts.step_kind, facts.optimizer, facts.batches_per_step, self.loop_line, self.loop_where
         )
-        self.model_compiled = facts.model_compiled
+        # A compiled model seen, or a torch.compile'd function the cell calls (the capture stood aside)
+        self.model_compiled = facts.model_compiled or capture.compiled
         self.batch_size, self.batch_kind = facts.batch_size, facts.batch_kind
         if facts.loader_info is not None:
             self.loader_info = facts.loader_info

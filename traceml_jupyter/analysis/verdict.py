@@ -291,12 +291,13 @@ def _host_verdict(summary: Summary, severity: str, evidence: list[tuple[str, str
         why += f" (traceml's own hooks took {_ms(own)} of the host's time a step; it is not counted.)"
     calls = summary.get("sync_calls")
     graphs = "" if summary.get("cuda_graphs_used") else "CUDA graphs, "
+    compile_it = "" if summary.get("model_compiled") else "torch.compile, "
     return Verdict(
         VerdictLabel.HOST_BOUND,
         severity,
         why,
         "Give the GPU more work per launch: a larger batch, mixed precision (torch.autocast), "
-        f"torch.compile, {graphs}fewer small ops, and no .item() or other sync every step "
+        f"{compile_it}{graphs}fewer small ops, and no .item() or other sync every step "
         "(log every N steps).",
         evidence
         + [

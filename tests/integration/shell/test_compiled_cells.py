@@ -182,6 +182,9 @@ def test_a_compiled_cell_compiles_and_computes_as_without_the_magic(ip: Any, sha
     said = any(n == COMPILED_NOTE for n in result.notes)
     assert said == (shape != "a compiled model")
     assert result.steps.kind == ("optimizer" if shape == "a compiled model" else "backward")
+    # Every shape compiles: no advice tells it to try torch.compile.
+    assert result.summary["model_compiled"] is True
+    assert "torch.compile" not in result.verdict.next
 
 
 @pytest.mark.parametrize("shape", list(SHAPES)[:2])

@@ -62,3 +62,14 @@ def test_only_the_deterministic_work_is_to_be_cached() -> None:
     )
     assert item.to_try == "cache or precompute"
     assert "decode_jpeg()" in item.reason and "RandomHorizontalFlip()) must stay per epoch" in item.reason
+
+
+def test_a_host_bound_compiled_run_is_not_told_to_compile() -> None:
+    """HOST-BOUND's advice names torch.compile only for a run that did not compile (a compiled
+    model, or a torch.compile'd step function the cell calls)."""
+    from traceml_jupyter.analysis.verdict import _host_verdict
+
+    summary = summarize(step_columns([0.1] * 40, [10.0] * 40), 40)
+    assert "torch.compile" in _host_verdict(summary, "warning", []).next
+    summary["model_compiled"] = True
+    assert "torch.compile" not in _host_verdict(summary, "warning", []).next
