@@ -162,6 +162,22 @@ class Capture:
         used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", self.parts.code_of()))
         return any(read_or(False, reaches_compiled, namespace[name]) for name in used if name in namespace)
 
+    def uses_compiled_model(self) -> bool:
+        """The traced code names a torch.compile'd module (an OptimizedModule of the notebook)."""
+        namespace = user_namespace()
+        if not namespace:
+            return False
+        used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", self.parts.code_of()))
+        return any(type(namespace[name]).__name__ == "OptimizedModule" for name in used if name in namespace)
+
+    def parts_stand_aside(self) -> None:
+        """The cell calls a torch.compile'd model: Dynamo guards on the classes of its modules, so
+        no patch of ours may come and go on a module class (the parts are off; the optimizer's
+        steps are still the steps)."""
+        if not self.parts.compiled:
+            self.parts.stand_aside()
+            self.run.notes.append(COMPILED_MODEL_NOTE)
+
     def stand_aside(self) -> None:
         """The cell calls a compiled function, whose model and optimizer run in compiled code:
         no patch on a model's class and no optimizer hook (Dynamo would trace them and guard on
@@ -179,6 +195,8 @@ class Capture:
         keep_out()
         if not self.compiled and self.calls_compiled():
             self.stand_aside()
+        elif not self.compiled and self.uses_compiled_model():
+            self.parts_stand_aside()
 
     # -- the step model's listeners -----------------------------------------------------------
     def _graph_replayed(self, level: int | None, optimizer: Any) -> None:
@@ -327,6 +345,11 @@ COMPILED_NOTE = (
     "loop's iterations), and the parts of the step are not timed."
 )
 
+COMPILED_MODEL_NOTE = (
+    "The cell calls a torch.compile'd model: the parts of the step (forward, backward, optimizer) "
+    "are not timed, as patching its modules' classes would make torch compile it again."
+)
+
 # Our keys in torch's dicts of global optimizer hooks: the same in every run, so that a compiled
 # function that Dynamo traced with them (it guards on the dict's keys) is not compiled again in
 # the next traced cell (torch's own handles count up from 0).
@@ -339,6 +362,8 @@ def _optimizer_hooks(capture: Capture, stack: ExitStack, torch: Any, compiling: 
     if capture.calls_compiled():
         capture.stand_aside()
         return
+    if capture.uses_compiled_model():
+        capture.parts_stand_aside()
     thread, parts = capture.thread, capture.parts
     module = sys.modules.get("torch.optim.optimizer")  # (torch.optim deletes its name `optimizer`)
     pre_hooks = getattr(module, "_global_optimizer_pre_hooks", None)

@@ -184,5 +184,5 @@ def test_a_compiled_training_step_function_names_its_own_breaks_at_the_users_lin
     reading = read_compile(got.compiled, got.steps.columns, got.loop.wall_ms)
     lines = {b.line: b for b in reading.breaks if b.function == "train_step"}
     assert 8 in lines and "compile the model" in lines[8].fix  # loss.backward()
-    assert all(b.filename == got.loop.cell_filename for b in reading.breaks)  # never traceml's own lines
+    assert not [b for b in reading.breaks if "traceml_jupyter" in b.filename]  # never traceml's own lines (torch's may be)
     assert [(r.function, r.step) for r in reading.recompiles] == [("train_step", len(got.steps.columns["step"]) - 1)]

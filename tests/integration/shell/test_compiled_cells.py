@@ -18,7 +18,7 @@ import torch
 from helpers import run, traced
 
 import traceml_jupyter
-from traceml_jupyter.capture.session import COMPILED_NOTE
+from traceml_jupyter.capture.session import COMPILED_MODEL_NOTE, COMPILED_NOTE
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # each compiles: 2-10 s
 
@@ -236,3 +236,18 @@ def test_nothing_of_ours_is_left_where_dynamo_looks(ip: Any) -> None:
     assert dict(module._global_optimizer_post_hooks) == {}
     assert "__call__" not in type(ip.user_ns["model"]).__dict__
     assert traceml_jupyter.last() is not None
+
+
+def test_a_compiled_model_beside_another_module_of_its_layers_class_compiles_as_plainly(ip: Any) -> None:
+    """The notebook holds another module of the class the compiled model's layers have (a
+    Linear from an earlier cell): patching that class for the parts of sampled steps would
+    change what Dynamo guards on (the class's `__call__`) and compile the model again. The cell
+    stands aside from the parts, with a note, and compiles exactly as plainly."""
+    setup = COMPILED_MODEL.replace("BACKEND", "eager") + "probe = torch.nn.Linear(8, 16)\n"
+    loop = COMPILED_MODEL_LOOP.replace("compiled(x)", "compiled(x) + 0 * probe(x).sum()")
+    plain, _ = compiled_run(ip, setup, loop, magic=False)
+    with_magic, runs = compiled_run(ip, setup, loop, magic=True)
+    assert_as_plain(plain, with_magic)
+    result = runs[0].result
+    assert result.steps.kind == "optimizer" and result.steps.n_steps == STEPS
+    assert COMPILED_MODEL_NOTE in result.notes

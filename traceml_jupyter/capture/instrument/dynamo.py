@@ -68,21 +68,24 @@ def reaches_compiled(value: Any) -> bool:
     return any(compiled_function(found.get(name)) for name in names)
 
 
-_kept_modules: set[str] = set()  # the package's modules whose code Dynamo runs as written
+# The code of the package's modules read so far, by module: kept out of Dynamo again at each
+# call, since `torch._dynamo.reset()` (a cell may call it) forgets what was skipped.
+_codes_of: dict[str, list[CodeType]] = {}
 
 
 def keep_out() -> None:
     """Dynamo never compiles a frame of the package's code (its modules imported so far), if
     Dynamo is loaded; a look at `sys.modules` otherwise. Called where the capture starts and a
-    located loop starts (never per step)."""
+    located loop starts (never per step): marked again each time, as `torch._dynamo.reset()`
+    unmarks the code Dynamo has seen."""
     skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
     if skip is None:
         return
     for name, module in list(sys.modules.items()):
-        if module is None or name in _kept_modules or not (name == PACKAGE or name.startswith(PACKAGE + ".")):
-            continue
-        _kept_modules.add(name)
-        for code in _codes(vars(module), name):
+        if module is not None and name not in _codes_of and (name == PACKAGE or name.startswith(PACKAGE + ".")):
+            _codes_of[name] = list(_codes(vars(module), name))
+    for codes in _codes_of.values():
+        for code in codes:
             skip(code)
 
 
