@@ -23,10 +23,9 @@ from .capture.resources.host import usable_cpus
 from .capture.resources.machine import describe_machine
 from .capture.steps.recorder import Recorder
 from .failures import failure_text, never_raise, read_or
+from .gpu_facts import Copies, SyncStalls
 from .result import DataFeed, Gpu, Loop, Resources, RunResult, Steps
 from .result.value import (
-    Copies,
-    SyncStalls,
     frozen_as,
     frozen_facts,
     frozen_rows,
@@ -41,8 +40,6 @@ if TYPE_CHECKING:
     from .capture.compiled.compile_record import CompileRecord, CompileWatch
     from .capture.data.dataloaders import CodeSite, LoaderFacts
     from .capture.gpu.gpu_watch import GpuWatch
-    from .capture.gpu.h2d import CopiesResult
-    from .capture.gpu.syncs import SyncsResult
     from .capture.resources.gpu_memory import GpuMemoryFacts, HeldBefore, OomFacts
     from .capture.resources.host import HostFacts
     from .capture.resources.machine import MachineFacts
@@ -118,8 +115,8 @@ class Recording:
         self.extra_columns: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
         self.watch_summary: dict[str, Any] = {}
         self.gpu_watch: GpuWatch | None = None  # loop_started(device) and step_ended(t); CUDA path only
-        self.h2d: CopiesResult | None = None
-        self.sync_stalls: SyncsResult | None = None
+        self.h2d: Copies | None = None
+        self.sync_stalls: SyncStalls | None = None
         self.line_costs: LineCosts | None = None
         self.step_parts: StepFacts | None = None  # columns(cols) and facts() of the sampled steps
         self.pass_starts: list[int] = []

@@ -23,7 +23,7 @@ PACKAGE = REPO / "traceml_jupyter"
 # kernel, run or views imports them.
 ORCHESTRATION = ("ranks", "tuning", "processes", "traced_cell", "tracing", "magic", "demo", "cli")
 # Modules under every layer: any module may import them; they import nothing of the package.
-BASE = ("failures", "kernel_state")
+BASE = ("failures", "kernel_state", "gpu_facts")
 
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
@@ -198,7 +198,7 @@ def test_the_tree_reads_as_the_flow() -> None:
     assert subpackages == ["analysis", "capture", "kernel", "processes", "ranks", "result", "tuning", "views"]
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
     assert top == [
-        "__init__", "__main__", "async_cells", "cli", "demo", "failures", "history", "kernel_state", "magic",
+        "__init__", "__main__", "async_cells", "cli", "demo", "failures", "gpu_facts", "history", "kernel_state", "magic",
         "recording", "run", "run_summary", "saved", "syntax_cells", "traced_cell", "tracing",
     ]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Literal, TypedDict
 
+from ..gpu_facts import SyncTop
 from .findings import FindingRow
 from .rank_evidence import PairedEvidence
 
@@ -96,18 +97,6 @@ class Oversubscription(TypedDict, total=False):
     compute_p90_p50: float | None
     suggested_threads: int
     suggested_workers: int | None
-
-
-class SyncTop(TypedDict, total=False):
-    """The line whose waits for the GPU cost the host most (capture/gpu/gpu_watch.py)."""
-
-    line: int
-    in_cell: bool
-    call: str
-    calls_per_step: float
-    every_step: bool
-    wait_ms_per_step: float | None
-    share: float | None
 
 
 class LineCost(TypedDict, total=False):

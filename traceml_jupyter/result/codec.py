@@ -19,9 +19,9 @@ from ..analysis.findings import FindingRow
 from ..analysis.loader_inside import LoaderInside
 from ..analysis.summary_keys import LineCosts
 from ..analysis.verdict import Verdict
+from ..gpu_facts import Copies, SyncStalls
 from .value import (
     Columns,
-    Copies,
     DataFeed,
     Facts,
     Gpu,
@@ -30,7 +30,6 @@ from .value import (
     Resources,
     RunResult,
     Steps,
-    SyncStalls,
     frozen_as,
     frozen_facts,
     frozen_rows,

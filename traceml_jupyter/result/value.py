@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from types import MappingProxyType
-from typing import Any, TypedDict, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -19,6 +19,7 @@ from ..analysis.compile import CompileFacts
 from ..analysis.loader_inside import LoaderInside
 from ..analysis.summary_keys import LineCosts, Straggler, Summary
 from ..analysis.verdict import Verdict
+from ..gpu_facts import Copies, SyncStalls
 
 # One measured feature's facts, as the capture described them and the JSON holds them (its keys:
 # docs/api.md and the feature's page).
@@ -134,71 +135,6 @@ class DataFeed:
     loader_site: Facts | None = None
     dataset_site: Facts | None = None
     inside: LoaderInside | None = None
-
-
-class CopySite(TypedDict, total=False):
-    """A line that copied to the GPU (capture/gpu/h2d.py): its copies, per step their bytes, time
-    and bandwidth, how many were pinned, non_blocking, pageable non_blocking, on a side stream,
-    and what the loop's stream waited for."""
-
-    filename: str
-    line: int
-    in_cell: bool
-    copies: int
-    timed: int
-    copies_per_step: float
-    bytes_per_step: float
-    ms_per_step: float | None
-    gb_per_s: float | None
-    pinned: int
-    non_blocking: int
-    pageable_non_blocking: int
-    side_stream: int
-    waited: int
-    waited_ms_per_step: float
-
-
-class Copies(TypedDict, total=False):
-    """The copies to the GPU (`gpu.h2d`, docs/gpu.md): totals over the watched steps and the
-    copying lines, costliest first."""
-
-    copies: int
-    bytes: int
-    ms: float
-    steps: int
-    sites: list[CopySite]
-
-
-class SyncSite(TypedDict, total=False):
-    """A line whose calls waited for the GPU (capture/gpu/syncs.py): the call as written, its
-    kinds, how many calls (untimed ones apart), per step, in how many steps, the host's wait a
-    step and its share of the step."""
-
-    filename: str
-    line: int
-    in_cell: bool
-    call: str | None
-    kinds: list[str]
-    calls: int
-    untimed: int
-    calls_per_step: float
-    steps: int
-    every_step: bool
-    wait_ms_per_step: float | None
-    share: float | None
-
-
-class SyncStalls(TypedDict, total=False):
-    """The syncs that stalled the host (`gpu.sync_stalls`, docs/gpu.md): totals over the watched
-    steps, the syncing lines (longest wait first), and what the watch could not see."""
-
-    calls: int
-    untimed: int
-    steps: int
-    sites: list[SyncSite]
-    hidden: list[str]
-    counted_implicit: bool
-    all_counted: bool
 
 
 @dataclass(frozen=True, eq=False)  # arrays: compare results (RunResult.__eq__)
