@@ -22,8 +22,11 @@ from .capture.data.probes import safe_len
 from .capture.resources.host import usable_cpus
 from .capture.resources.machine import describe_machine
 from .capture.steps.recorder import Recorder
+from .facts.gpu import Copies, SyncStalls
+from .facts.loader import CodeSite, LoaderFacts
+from .facts.machine import MachineFacts
+from .facts.resources import GpuMemoryFacts, HeldBefore, HostFacts, OomFacts
 from .failures import failure_text, never_raise, read_or
-from .gpu_facts import Copies, SyncStalls
 from .result import DataFeed, Gpu, Loop, Resources, RunResult, Steps
 from .result.value import (
     frozen_as,
@@ -38,11 +41,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from .capture.compiled.compile_record import CompileRecord, CompileWatch
-    from .capture.data.dataloaders import CodeSite, LoaderFacts
     from .capture.gpu.gpu_watch import GpuWatch
-    from .capture.resources.gpu_memory import GpuMemoryFacts, HeldBefore, OomFacts
-    from .capture.resources.host import HostFacts
-    from .capture.resources.machine import MachineFacts
     from .capture.resources.watch import ResourceWatch
 
 __all__ = ["COPIES_KEPT", "REFRESH_NS", "Observer", "Recording"]
@@ -187,7 +186,7 @@ class Recording:
     def note_dataloader(self, source: Any, loader: Any) -> None:
         """A DataLoader's first iter() in the run: keep its settings (the user's object, read
         once: settings that cannot be read are none, {})."""
-        from .capture.data.dataloaders import LoaderFacts, describe_loader, loader_copy
+        from .capture.data.dataloaders import describe_loader, loader_copy
 
         self._loader_infos[source.key] = read_or(LoaderFacts(), describe_loader, loader)
         while len(self._loader_copies) >= COPIES_KEPT:
@@ -340,9 +339,9 @@ class Recording:
                 thread_cpu_ms=self.thread_cpu_ms, thread_wait_ms=self.thread_wait_ms,
             ),
             data=DataFeed(
-                loader=frozen_facts(self.loader_info), sources=frozen_rows(self.sources) or (),
-                phases=frozen_rows(self.phases) or (), loader_site=frozen_facts(self.loader_site),
-                dataset_site=frozen_facts(self.dataset_site),
+                loader=frozen_as(LoaderFacts, self.loader_info), sources=frozen_rows(self.sources) or (),
+                phases=frozen_rows(self.phases) or (), loader_site=frozen_as(CodeSite, self.loader_site),
+                dataset_site=frozen_as(CodeSite, self.dataset_site),
                 inside=frozen_as(LoaderInside, inside),
             ),
             gpu=Gpu(
@@ -352,12 +351,12 @@ class Recording:
                 cuda_graphs=frozen_facts(self.cuda_graphs),
             ),
             resources=Resources(
-                host=frozen_facts(self.host), gpu_memory=frozen_facts(self.gpu_memory),
-                held_before=frozen_facts(self.held_before), oom=frozen_facts(self.oom),
+                host=frozen_as(HostFacts, self.host), gpu_memory=frozen_as(GpuMemoryFacts, self.gpu_memory),
+                held_before=frozen_as(HeldBefore, self.held_before), oom=frozen_as(OomFacts, self.oom),
             ),
             line_costs=frozen_as(LineCosts, self.line_costs),
             compiled=frozen_as(CompileFacts, self.compiled), ranks=frozen_rows(self.ranks),
-            processes=frozen_rows(self.processes), machine=frozen_facts(self._machine()),
+            processes=frozen_rows(self.processes), machine=frozen_as(MachineFacts, self._machine()),
             notes=tuple(self.notes), error=self.error,
         )
 

@@ -19,10 +19,9 @@ from .analysis.verdict import Verdict, diagnose
 if TYPE_CHECKING:
     import numpy as np
 
-    from .capture.data.dataloaders import LoaderFacts
-    from .capture.resources.gpu_memory import GpuMemoryFacts, HeldBefore, OomFacts
-    from .capture.resources.host import HostFacts
     from .capture.steps.recorder import Recorder
+    from .facts.loader import LoaderFacts
+    from .facts.resources import GpuMemoryFacts, HeldBefore, HostFacts, OomFacts
 
 
 class StepFacts(Protocol):

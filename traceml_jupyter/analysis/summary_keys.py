@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal, TypedDict
 
-from ..gpu_facts import SyncTop
+from ..facts.gpu import SyncTop
 from .findings import FindingRow
 from .rank_evidence import PairedEvidence
 

@@ -26,9 +26,10 @@ from threading import get_ident
 from time import perf_counter_ns, process_time_ns
 from typing import TYPE_CHECKING, Any
 
+from ..facts.loader import NotedSite
 from ..failures import never_raise, read_or
 from .compiled.compile_record import compile_watched
-from .data.dataloaders import NotedSite, note_site
+from .data.dataloaders import note_site
 from .data.probes import user_namespace
 from .gpu import cuda_graphs
 from .gpu.cuda_clock import Marks, current_device

@@ -43,9 +43,8 @@ from . import startup_hook
 from .startup_hook import CHANNEL, LOOP, NOTE, PACKAGE, TOKEN
 
 if TYPE_CHECKING:
-    from ..capture.data.dataloaders import CodeSite, LoaderFacts
-    from ..capture.resources.gpu_memory import GpuMemoryFacts, OomFacts
-    from ..capture.resources.host import HostFacts
+    from ..facts.loader import CodeSite, LoaderFacts
+    from ..facts.resources import GpuMemoryFacts, HostFacts, OomFacts
     from ..recording import Recording
     from ..result import RunResult
 

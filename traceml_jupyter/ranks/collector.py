@@ -26,7 +26,7 @@ from .backward import RankParts, StepSample
 from .wire import END, HELLO, STEPS, End, end_result, read_frames
 
 if TYPE_CHECKING:
-    from ..capture.data.dataloaders import LoaderFacts
+    from ..facts.loader import LoaderFacts
     from ..recording import Recording
 
 

@@ -19,7 +19,10 @@ from ..analysis.findings import FindingRow
 from ..analysis.loader_inside import LoaderInside
 from ..analysis.summary_keys import LineCosts
 from ..analysis.verdict import Verdict
-from ..gpu_facts import Copies, SyncStalls
+from ..facts.gpu import Copies, SyncStalls
+from ..facts.loader import CodeSite, LoaderFacts
+from ..facts.machine import MachineFacts
+from ..facts.resources import GpuMemoryFacts, HeldBefore, HostFacts, OomFacts
 from .value import (
     Columns,
     DataFeed,
@@ -138,9 +141,9 @@ class ResourcesRow(TypedDict):
     """The JSON's `resources` (resources_dict): docs/resources.md says what each holds."""
 
     host: dict[str, object] | None
-    gpu_memory: Facts | None
-    held_before: Facts | None
-    oom: Facts | None
+    gpu_memory: GpuMemoryFacts | None
+    held_before: HeldBefore | None
+    oom: OomFacts | None
     findings: list[FindingRow] | None
 
 
@@ -149,9 +152,10 @@ def resources_dict(result: RunResult) -> ResourcesRow:
     GPU memory watch, what earlier cells held, an out-of-memory error, the findings; null
     where not measured. The per-step GPU memory columns are in `steps`."""
     res = result.resources
-    host = dict(res.host) if res.host is not None else None
-    if host is not None:
-        host["samples"] = {k: _list(v) for k, v in (host.get("samples") or {}).items()}
+    host: dict[str, object] | None = None
+    if res.host is not None:
+        host = dict(res.host)
+        host["samples"] = {k: _list(v) for k, v in (res.host.get("samples") or {}).items()}
     return {
         "host": host,
         "gpu_memory": res.gpu_memory,
@@ -222,11 +226,11 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
             thread_wait_ms=got.number("cpu.thread_wait_ms"),
         ),
         data=DataFeed(
-            loader=got.facts("loader"),
+            loader=frozen_as(LoaderFacts, got.facts("loader")),
             sources=got.rows("sources") or (),
             phases=got.rows("phases") or (),
-            loader_site=got.facts("loader_site"),
-            dataset_site=got.facts("dataset_site"),
+            loader_site=frozen_as(CodeSite, got.facts("loader_site")),
+            dataset_site=frozen_as(CodeSite, got.facts("dataset_site")),
             inside=frozen_as(LoaderInside, got.facts("loader_inside")),
         ),
         gpu=Gpu(
@@ -241,15 +245,15 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
         ),
         resources=Resources(
             host=host_from_json(got.value("resources.host")),
-            gpu_memory=got.facts("resources.gpu_memory"),
-            held_before=got.facts("resources.held_before"),
-            oom=got.facts("resources.oom"),
+            gpu_memory=frozen_as(GpuMemoryFacts, got.facts("resources.gpu_memory")),
+            held_before=frozen_as(HeldBefore, got.facts("resources.held_before")),
+            oom=frozen_as(OomFacts, got.facts("resources.oom")),
         ),
         line_costs=frozen_as(LineCosts, got.facts("line_costs")),
         compiled=frozen_as(CompileFacts, got.facts("compile")),
         ranks=got.rows("ranks"),
         processes=got.rows("processes"),
-        machine=got.facts("machine"),
+        machine=frozen_as(MachineFacts, got.facts("machine")),
         # the file's checklist rows as Item.to_dict wrote them (Item.from_dict reads any row)
         reading=KernelRead(cast("tuple[ItemRow, ...] | None", got.rows("checklist")), got.facts("quoted_cells")),
         notes=tuple(str(n) for n in doc.get("notes") or []),
@@ -394,11 +398,11 @@ def _float_columns(columns: Mapping[str, Any]) -> dict[str, np.ndarray]:
     }
 
 
-def host_from_json(host: Any) -> Facts | None:
+def host_from_json(host: Any) -> HostFacts | None:
     """The host's samples as the report's plots read them (numpy columns, null: NaN), from
     their JSON (a saved run's, a child process's end)."""
     if not isinstance(host, Mapping):
         return None
     out: dict[str, Any] = dict(host)
     out["samples"] = read_only(_float_columns(out.get("samples") or {}))
-    return MappingProxyType(out)
+    return cast(HostFacts, MappingProxyType(out))

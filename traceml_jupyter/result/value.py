@@ -19,7 +19,10 @@ from ..analysis.compile import CompileFacts
 from ..analysis.loader_inside import LoaderInside
 from ..analysis.summary_keys import LineCosts, Straggler, Summary
 from ..analysis.verdict import Verdict
-from ..gpu_facts import Copies, SyncStalls
+from ..facts.gpu import Copies, SyncStalls
+from ..facts.loader import CodeSite, LoaderFacts
+from ..facts.machine import MachineFacts
+from ..facts.resources import GpuMemoryFacts, HeldBefore, HostFacts, OomFacts
 
 # One measured feature's facts, as the capture described them and the JSON holds them (its keys:
 # docs/api.md and the feature's page).
@@ -129,11 +132,11 @@ class DataFeed:
     were built (file, line[, class]), what happened inside its workers (`inside`:
     docs/loader-inside.md)."""
 
-    loader: Facts | None = None
+    loader: LoaderFacts | None = None
     sources: tuple[Facts, ...] = ()
     phases: tuple[Facts, ...] = ()
-    loader_site: Facts | None = None
-    dataset_site: Facts | None = None
+    loader_site: CodeSite | None = None
+    dataset_site: CodeSite | None = None
     inside: LoaderInside | None = None
 
 
@@ -158,10 +161,10 @@ class Resources:
     """The resources (docs/resources.md): the host's CPU and memory samples and workers, the GPU
     memory watch, what earlier cells held on the GPU, an out-of-memory error's facts."""
 
-    host: Facts | None = None
-    gpu_memory: Facts | None = None
-    held_before: Facts | None = None
-    oom: Facts | None = None
+    host: HostFacts | None = None
+    gpu_memory: GpuMemoryFacts | None = None
+    held_before: HeldBefore | None = None
+    oom: OomFacts | None = None
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,7 @@ class RunResult:
     compiled: CompileFacts | None = None
     ranks: tuple[Facts, ...] | None = None
     processes: tuple[Facts, ...] | None = None
-    machine: Facts | None = None
+    machine: MachineFacts | None = None
     reading: KernelRead = field(default_factory=KernelRead)
     notes: tuple[str, ...] = ()
     error: str | None = None

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from ...gpu_facts import SyncTop
+from ...facts.gpu import SyncTop
 from ..cell_code import CodeSite, SampleCode, Transfer
 from ..data_sources import Feeder
 from ..loader_inside import LoaderInside

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+from ...facts.loader import LoaderFacts
 from ...failures import read_or
 from ..steps.step_model import LEVEL_NAMES, Source
-from .dataloaders import LoaderFacts
 from .probes import attribute, user_namespace
 
 PHASE_WORDS = (("val", "validation"), ("test", "test"), ("eval", "evaluation"), ("dev", "validation"))

@@ -45,8 +45,8 @@ from typing import Any, TypedDict
 
 import numpy as np
 
+from ...facts.gpu import Copies, SyncStalls, SyncTop
 from ...failures import failure_text, never_raise
-from ...gpu_facts import Copies, SyncStalls, SyncTop
 from ..instrument.dynamo import compile_check
 from ..steps.step_tally import StepTally
 from . import hidden_waits

@@ -22,7 +22,7 @@ from time import perf_counter_ns
 from types import FrameType
 from typing import Any, TypeVar
 
-from ... import gpu_facts
+from ...facts import gpu as gpu_facts
 from ...failures import failure_text
 from ..instrument.patches import patched
 from ..steps.step_tally import StepTally

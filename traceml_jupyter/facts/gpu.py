@@ -1,7 +1,6 @@
-"""What the GPU watch measures of a run's copies and syncs, in the one shape that the capture
-builds (capture/gpu/h2d.py, capture/gpu/syncs.py), the result keeps (`gpu.h2d`,
-`gpu.sync_stalls`) and the summary quotes (`sync_top`): declared once, under every layer, so
-mypy --strict checks the same field names from the watch to the report (docs/gpu.md)."""
+"""What the GPU watch measures of a run's copies and syncs (capture/gpu/h2d.py,
+capture/gpu/syncs.py): the result's `gpu.h2d` and `gpu.sync_stalls`, the summary's `sync_top`
+(docs/gpu.md)."""
 
 from __future__ import annotations
 
