@@ -19,8 +19,9 @@ from .analysis.verdict import Verdict, diagnose
 if TYPE_CHECKING:
     import numpy as np
 
+    from .analysis.summary_keys import RankRow
     from .capture.steps.recorder import Recorder
-    from .facts.loader import LoaderFacts
+    from .facts.loader import LoaderFacts, PhaseRow, SourceRow
     from .facts.resources import GpuMemoryFacts, HeldBefore, HostFacts, OomFacts
 
 
@@ -57,13 +58,13 @@ class Recorded(Protocol):
     def batches_per_step(self) -> float | None:
         """Batches fetched per step."""
     @property
-    def ranks(self) -> list[dict[str, Any]] | None:
+    def ranks(self) -> list[RankRow] | None:
         """One summary per rank (several ranks), else None."""
     @property
-    def sources(self) -> list[dict[str, Any]]:
+    def sources(self) -> list[SourceRow]:
         """Every data source and what it fed."""
     @property
-    def phases(self) -> list[dict[str, Any]]:
+    def phases(self) -> list[PhaseRow]:
         """The passes kept out of the steps (validation, eval)."""
     @property
     def step_kind(self) -> str:

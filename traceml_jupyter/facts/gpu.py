@@ -85,3 +85,17 @@ class SyncTop(TypedDict):
     every_step: bool
     wait_ms_per_step: float | None
     share: float | None
+
+
+class CudaGraphs(TypedDict):
+    """The cell's CUDA graphs (`gpu.cuda_graphs`, capture/gpu/cuda_graphs.py): captured,
+    invalidated, replayed (in all and a step), the training events recorded into a capture, the
+    calls skipped while capturing, and whether a graph was captured outside torch.cuda.graph."""
+
+    captures: int
+    invalidated: int
+    replays: int
+    replays_per_step: float | None
+    training_events_in_captures: int
+    calls_skipped_during_capture: int
+    capture_outside_cudagraph: bool

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, TypedDict, cast
+from typing import Any, TypedDict, TypeVar, cast
 
 import numpy as np
 
@@ -17,11 +17,12 @@ from ..analysis.checklist.facts import ItemRow
 from ..analysis.compile import CompileFacts
 from ..analysis.findings import FindingRow
 from ..analysis.loader_inside import LoaderInside
-from ..analysis.summary_keys import LineCosts
+from ..analysis.summary_keys import LineCosts, RankRow
 from ..analysis.verdict import Verdict
-from ..facts.gpu import Copies, SyncStalls
-from ..facts.loader import CodeSite, LoaderFacts
+from ..facts.gpu import Copies, CudaGraphs, SyncStalls
+from ..facts.loader import CodeSite, LoaderFacts, PhaseRow, SourceRow
 from ..facts.machine import MachineFacts
+from ..facts.processes import ProcessRow
 from ..facts.resources import GpuMemoryFacts, HeldBefore, HostFacts, OomFacts
 from .value import (
     Columns,
@@ -41,6 +42,7 @@ from .value import (
     read_only,
 )
 
+T = TypeVar("T")
 SCHEMA_VERSION = 2  # 2 added, all nullable: the cell, the machine, resources, parts, GPU graphs
 KNOWN_SCHEMAS = range(1, SCHEMA_VERSION + 1)
 REQUIRED_COLUMNS = ("step_ms", "data_wait_ms", "compute_ms")
@@ -227,8 +229,8 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
         ),
         data=DataFeed(
             loader=frozen_as(LoaderFacts, got.facts("loader")),
-            sources=got.rows("sources") or (),
-            phases=got.rows("phases") or (),
+            sources=got.rows(SourceRow, "sources") or (),
+            phases=got.rows(PhaseRow, "phases") or (),
             loader_site=frozen_as(CodeSite, got.facts("loader_site")),
             dataset_site=frozen_as(CodeSite, got.facts("dataset_site")),
             inside=frozen_as(LoaderInside, got.facts("loader_inside")),
@@ -241,7 +243,7 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
             samples=read_only(_float_columns(gpu_samples)) if gpu_samples is not None else None,
             h2d=frozen_as(Copies, got.facts("h2d")),
             sync_stalls=frozen_as(SyncStalls, got.facts("sync_stalls")),
-            cuda_graphs=got.facts("cuda_graphs"),
+            cuda_graphs=frozen_as(CudaGraphs, got.facts("cuda_graphs")),
         ),
         resources=Resources(
             host=host_from_json(got.value("resources.host")),
@@ -251,11 +253,11 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
         ),
         line_costs=frozen_as(LineCosts, got.facts("line_costs")),
         compiled=frozen_as(CompileFacts, got.facts("compile")),
-        ranks=got.rows("ranks"),
-        processes=got.rows("processes"),
+        ranks=got.rows(RankRow, "ranks"),
+        processes=got.rows(ProcessRow, "processes"),
         machine=frozen_as(MachineFacts, got.facts("machine")),
         # the file's checklist rows as Item.to_dict wrote them (Item.from_dict reads any row)
-        reading=KernelRead(cast("tuple[ItemRow, ...] | None", got.rows("checklist")), got.facts("quoted_cells")),
+        reading=KernelRead(got.rows(ItemRow, "checklist"), got.facts("quoted_cells")),
         notes=tuple(str(n) for n in doc.get("notes") or []),
         error=got.text("error"),
         schema_version=int(doc["schema_version"]),
@@ -314,11 +316,11 @@ class _Reader:
         value = self.value(dotted)
         return frozen_facts(value) if isinstance(value, Mapping) else None
 
-    def rows(self, dotted: str) -> tuple[Facts, ...] | None:
+    def rows(self, kind: type[T], dotted: str) -> tuple[T, ...] | None:
         value = self.value(dotted)
         if not isinstance(value, list):
             return None
-        return frozen_rows([row for row in value if isinstance(row, Mapping)])
+        return frozen_rows(kind, [row for row in value if isinstance(row, Mapping)])
 
 
 def _is_int(value: Any) -> bool:

@@ -17,11 +17,12 @@ import numpy as np
 from ..analysis.checklist.facts import ItemRow
 from ..analysis.compile import CompileFacts
 from ..analysis.loader_inside import LoaderInside
-from ..analysis.summary_keys import LineCosts, Straggler, Summary
+from ..analysis.summary_keys import LineCosts, RankRow, Straggler, Summary
 from ..analysis.verdict import Verdict
-from ..facts.gpu import Copies, SyncStalls
-from ..facts.loader import CodeSite, LoaderFacts
+from ..facts.gpu import Copies, CudaGraphs, SyncStalls
+from ..facts.loader import CodeSite, LoaderFacts, PhaseRow, SourceRow
 from ..facts.machine import MachineFacts
+from ..facts.processes import ProcessRow
 from ..facts.resources import GpuMemoryFacts, HeldBefore, HostFacts, OomFacts
 
 # One measured feature's facts, as the capture described them and the JSON holds them (its keys:
@@ -81,9 +82,10 @@ def frozen_as(kind: type[T], facts: Mapping[str, Any] | None) -> T | None:
     return None if facts is None else cast(T, MappingProxyType(dict(facts)))
 
 
-def frozen_rows(rows: Sequence[Mapping[str, Any]] | None) -> tuple[Facts, ...] | None:
-    """Rows (ranks, processes, sources) as a tuple of read-only views (None stays None)."""
-    return None if rows is None else tuple(MappingProxyType(dict(row)) for row in rows)
+def frozen_rows(kind: type[T], rows: Sequence[Mapping[str, Any]] | None) -> tuple[T, ...] | None:
+    """Rows (ranks, processes, sources) as a tuple of read-only views (None stays None), each
+    read as the TypedDict `kind` its builder (or the file it was read from) gives it."""
+    return None if rows is None else tuple(cast(T, MappingProxyType(dict(row))) for row in rows)
 
 
 @dataclass(frozen=True, eq=False)  # arrays: compare results (RunResult.__eq__)
@@ -133,8 +135,8 @@ class DataFeed:
     docs/loader-inside.md)."""
 
     loader: LoaderFacts | None = None
-    sources: tuple[Facts, ...] = ()
-    phases: tuple[Facts, ...] = ()
+    sources: tuple[SourceRow, ...] = ()
+    phases: tuple[PhaseRow, ...] = ()
     loader_site: CodeSite | None = None
     dataset_site: CodeSite | None = None
     inside: LoaderInside | None = None
@@ -153,7 +155,7 @@ class Gpu:
     samples: Columns | None = None
     h2d: Copies | None = None
     sync_stalls: SyncStalls | None = None
-    cuda_graphs: Facts | None = None
+    cuda_graphs: CudaGraphs | None = None
 
 
 @dataclass(frozen=True, eq=False)  # arrays: compare results (RunResult.__eq__)
@@ -206,8 +208,8 @@ class RunResult:
     resources: Resources = field(default_factory=Resources)
     line_costs: LineCosts | None = None
     compiled: CompileFacts | None = None
-    ranks: tuple[Facts, ...] | None = None
-    processes: tuple[Facts, ...] | None = None
+    ranks: tuple[RankRow, ...] | None = None
+    processes: tuple[ProcessRow, ...] | None = None
     machine: MachineFacts | None = None
     reading: KernelRead = field(default_factory=KernelRead)
     notes: tuple[str, ...] = ()

@@ -461,8 +461,11 @@ def _ranks(result: RunResult) -> str:
         style = f"background-color:{background}" if is_late else ROW
         name = f"rank {r.get('rank')}" + (" &larr; holds the others back" if is_late else "")
         cells = "".join(
-            f'<td style="{num}">{ms_fine(r.get(key))}</td>'
-            for key in ("data_wait_ms", "compute_ms", "forward_ms", "backward_ms", "optimizer_ms", "step_ms")
+            f'<td style="{num}">{ms_fine(value)}</td>'
+            for value in (
+                r.get("data_wait_ms"), r.get("compute_ms"), r.get("forward_ms"),
+                r.get("backward_ms"), r.get("optimizer_ms"), r.get("step_ms"),
+            )
         )
         rows.append(
             f'<tr class="tml-rank{" tml-straggler" if is_late else ""}" style="{style}">'
