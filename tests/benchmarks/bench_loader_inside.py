@@ -197,12 +197,13 @@ def main() -> None:
           + ", ".join(f"{n} new records {us:.0f} us ({us / n:.1f} us a record)" for n, (us, _, _) in tick_us.items())
           + f"; {marginal:.2f} us a record more past 250; window + lines {tick_us[250][2]:.0f} us (a lanes turn)")
     print(f"live lanes, points the chart draws (batches so far, x points): {tick_us[250][1]}")
-    plain_us, lanes_us = [], []
-    for _ in range(3):
-        plain_us.append(refresh_cost(False))
-        lanes_us.append(refresh_cost(True))
-    print(f"live view refresh over 250 new batches a tick: {min(plain_us):.0f} us without the lanes, {min(lanes_us):.0f} us "
-          f"with them (fastest of 3; the lanes drawn 2 refreshes in 8)")
+    for per_tick in (25, 250):
+        plain_us, lanes_us = [], []
+        for _ in range(3):
+            plain_us.append(refresh_cost(False, per_tick=per_tick))
+            lanes_us.append(refresh_cost(True, per_tick=per_tick))
+        print(f"live view refresh over {per_tick} new batches a tick (4 workers): {min(plain_us):.0f} us without the lanes, "
+              f"{min(lanes_us):.0f} us with them (fastest of 3, alternated; the lanes read 4 refreshes in 8, drawn 2 in 8)")
     print(f"end to end, {args.samples} samples of 2 ms, 2 workers: {a:.3f} s without, {b:.3f} s with the watch "
           f"(x{b / a:.3f}; target <= 1.03); rounds: without {[round(v, 3) for v in off]}, with {[round(v, 3) for v in on]}")
     sys.stdout.flush()

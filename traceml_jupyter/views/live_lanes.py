@@ -60,8 +60,8 @@ def _segments(a: np.ndarray, z: np.ndarray) -> np.ndarray:
 
 
 def bars_per_lane(y: np.ndarray) -> dict[int, int]:
-    """The bars the `__getitem__` row of `lane_lines` draws in each lane (by place): what a test
-    reads back off the chart's update messages (by worker id)."""
+    """The bars the `__getitem__` row of `lane_lines` draws in each lane, by worker id: what a
+    test reads back off the chart's update messages."""
     row = y[0][np.isfinite(y[0])]
     places, points = np.unique(row, return_counts=True)
     return {int(p): int(n) // 2 for p, n in zip(places, points, strict=True)}

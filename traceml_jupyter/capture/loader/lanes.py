@@ -58,7 +58,7 @@ class LiveLanes:
         self.unreceived: dict[int, deque[tuple[int, list[int]]]] = {}  # pid -> (ordinal, bar) not received yet
         self.received: dict[int, int] = {}  # pid -> the loop's receptions of its batches so far
         self.receptions_read = 0
-        self.waits: deque[tuple[int, int]] = deque(maxlen=WAITS_KEPT)  # (asked, received)
+        self.waits = np.zeros((0, 2), dtype=np.int64)  # the newest (asked, received), at most WAITS_KEPT
         self.records = 0  # records read in all
         self.reads = 0
         self.read_ns = 0  # the reads' time (the benchmark's figure)
@@ -101,9 +101,11 @@ class LiveLanes:
             if n <= 0:
                 self.idle[name] = idle + 1
                 return 0
-            with open(path, "rb", buffering=0) as f:
-                f.seek(offset)
-                data = f.read(n * RECORD.size)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                data = os.pread(fd, n * RECORD.size, offset)
+            finally:
+                os.close(fd)
         except OSError:
             return 0
         n = len(data) // RECORD.size
@@ -140,16 +142,17 @@ class LiveLanes:
             return
         self.receptions_read += len(new)
         got = np.array([r[:3] for r in new], dtype=np.int64)
-        self.waits.extend(map(tuple, got[-WAITS_KEPT:, 1:].tolist()))
-        for pid in np.unique(got[:, 0]).tolist():
-            times = got[got[:, 0] == pid, 2]
+        self.waits = np.concatenate([self.waits, got[-WAITS_KEPT:, 1:]])[-WAITS_KEPT:]
+        pids = got[:, 0]
+        for pid in np.unique(pids).tolist():
             first = self.received.get(pid, 0)  # the ordinal of this read's first batch of pid
-            self.received[pid] = first + len(times)
             pending = self.unreceived.get(pid)
-            while pending and pending[0][0] < first + len(times):
+            times = got[pids == pid, 2].tolist()
+            self.received[pid] = last = first + len(times)
+            while pending and pending[0][0] < last:
                 ordinal, bar = pending.popleft()
                 if ordinal >= first:
-                    bar[3] = int(times[ordinal - first])
+                    bar[3] = times[ordinal - first]
 
     # -- what the live view draws -----------------------------------------------------------
     def counts(self) -> dict[int, tuple[int, float]]:
@@ -176,6 +179,5 @@ class LiveLanes:
         bars = ns.astype(np.float64)
         bars[:, 1:] = (ns[:, 1:] - self.began_ns) / MS
         bars[ns[:, 4] < 0, 4] = np.nan
-        waits = np.array(self.waits, dtype=np.int64).reshape(-1, 2)
-        waits = waits[waits[:, 1] >= since]
+        waits = self.waits[self.waits[:, 1] >= since]
         return bars, (waits - self.began_ns) / MS
