@@ -146,3 +146,24 @@ def test_the_window_covers_the_time_every_full_lane_covers(tmp_path: Any) -> Non
     since = 10 * keep - keep  # worker 0's oldest kept batch starts here
     assert bars[0][0, 0] == since and len(bars[0]) == keep
     assert (bars[1][:, 2] >= since).all() and len(bars[1]) == keep // 10 + 1
+
+
+def test_a_file_that_stopped_growing_is_looked_at_less_often_and_still_read(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    lanes = live_lanes.LiveLanes(watched(tmp_path))
+    append(tmp_path, 0, 100, record(100, 0, 0, 0, 5, 10))
+    lanes.read()
+    for _ in range(live_lanes.STALE):  # its worker idle (or gone): nothing new
+        lanes.read()
+    looked: list[str] = []
+    real_stat = os.stat
+    monkeypatch.setattr(live_lanes.os, "stat", lambda path: looked.append(path) or real_stat(path))
+    for _ in range(live_lanes.STALE):
+        lanes.read()
+    assert len(looked) == 1  # once in STALE reads
+    append(tmp_path, 0, 100, record(100, 0, 1, 10, 15, 20))
+    reads = 0
+    while lanes.counts()[0][0] == 1:  # read again within STALE reads
+        lanes.read()
+        reads += 1
+        assert reads <= live_lanes.STALE
+    assert lanes.counts()[0][0] == 2 and lanes.idle["w0-100.bin"] == 0
