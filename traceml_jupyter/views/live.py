@@ -192,7 +192,8 @@ class WidgetChart:
                 str(self.header.value),
                 two_rows(np.asarray(self.bars.y, dtype=np.float64)),
                 np.asarray(self.overview_bars.y, dtype=np.float64),
-            ),
+            )
+            + (self.lanes.picture() if self.lanes is not None else ""),
         )
 
     def release(self, text: str) -> None:

@@ -13,8 +13,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..analysis.loader_inside import LaneBar
 from .live_svg import WAIT_COLOUR
 from .report_loader import COLLATE_COLOUR, GETITEM_COLOUR, HANDOVER_COLOUR
+from .report_loader import _lanes as report_lanes  # (the report's lane picture, drawn once)
 
 STAGES = ("__getitem__", "collate_fn", "ready, until the loop received it", "the loop waiting for a batch")
 COLOURS = [GETITEM_COLOUR, COLLATE_COLOUR, HANDOVER_COLOUR, WAIT_COLOUR]
@@ -101,6 +103,7 @@ class LanesFigure:
             animation_duration=0,
         )
         self.workers: list[int] = []
+        self.last: tuple[np.ndarray, np.ndarray] | None = None  # the bars and waits drawn last
 
     @staticmethod
     def _height(lanes: int) -> int:
@@ -109,6 +112,7 @@ class LanesFigure:
     def draw(self, bars: np.ndarray, waits: np.ndarray) -> None:
         """The lanes now: one update message (x and y together); the lanes' scale, ticks and
         height only when a worker's lane appeared."""
+        self.last = bars, waits
         x, y = lane_lines(bars, waits)
         workers = sorted(set(self.workers) | {int(w) for w in np.unique(bars[:, 0])})
         if workers and workers != self.workers:
@@ -118,6 +122,18 @@ class LanesFigure:
             self.figure.layout.height = f"{self._height(workers[-1] + 1)}px"
         with self.lines.hold_sync():
             self.lines.x, self.lines.y = x, y
+
+    def picture(self) -> str:
+        """The lanes drawn last as the report draws them (inline SVG): the static picture of a
+        released chart keeps them."""
+        if self.last is None:
+            return ""
+        bars, waits = self.last
+        lanes = [
+            LaneBar(worker=int(w), start_ms=a, collate_ms=c, end_ms=e, received_ms=None if np.isnan(r) else r)
+            for w, a, c, e, r in bars.tolist()
+        ]
+        return '<div class="traceml-live-lanes-static">' + report_lanes(lanes, waits.tolist()) + "</div>"
 
     def widgets(self) -> list[Any]:
         """Its widgets, for the chart's box."""

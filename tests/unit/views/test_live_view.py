@@ -267,10 +267,14 @@ def test_the_widget_chart_gets_lanes_only_when_workers_wrote(tmp_path: Any) -> N
             if records == 0:
                 assert chart.lanes is None and len(chart.box.children) == 3
                 assert "Inside the DataLoader" not in chart.header.value
+                assert "tml-inside-lanes" not in chart.picture("text").body
             else:
                 assert chart.lanes is not None and chart.box.children[-1] is chart.lanes.figure
                 assert bars_per_lane(np.asarray(chart.lanes.lines.y)) == {0: 5, 1: 5}
                 assert "worker 0: 5 batches, 0.9 ms a batch" in chart.header.value
+                # released to a static picture (an older run's chart), the lanes stay, as the report draws them
+                lanes = chart.picture("text").body.split('<svg class="tml-inside-lanes"')[1]
+                assert lanes.count(">worker ") == 2 and lanes.count("<rect") == 2 * 5 * 2  # __getitem__ and collate_fn bars
             for widget in live.widgets_under(chart.box):
                 widget.close()
         finally:
