@@ -228,9 +228,10 @@ class WidgetChart:
         """Draw the workers' lanes under the charts (the figure added the first time): one
         update message."""
         if self.lanes is None:
-            self.lanes = LanesFigure(vertical_axis())
+            self.lanes = LanesFigure(vertical_axis(), bars, waits)
             self.box.children = [*self.box.children, *self.lanes.widgets()]
-        self.lanes.draw(bars, waits)
+        else:
+            self.lanes.draw(bars, waits)
 
     def draw_ranks(self, feed: Mapping[str, Any]) -> None:
         """Several processes: each rank's step time (its data wait paler) in place of the bars,

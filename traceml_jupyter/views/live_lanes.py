@@ -20,8 +20,8 @@ from .report_loader import _lanes as report_lanes  # (the report's lane picture,
 
 STAGES = ("__getitem__", "collate_fn", "ready, until the loop received it", "the loop waiting for a batch")
 COLOURS = [GETITEM_COLOUR, COLLATE_COLOUR, HANDOVER_COLOUR, WAIT_COLOUR]
-LANE_PX = 18  # a lane's height
-BAR_PX = 10.0  # a bar's thickness (the lines' stroke)
+LANE_PX = 24  # a lane's height
+BAR_PX = 14.0  # a bar's thickness (the lines' stroke)
 LOOP_LANE = -1.0  # the loop's waits: the lane beneath the workers'
 
 
@@ -84,15 +84,17 @@ def lanes_line(counts: dict[int, tuple[int, float]]) -> str:
 class LanesFigure:
     """The lanes' bqplot figure: one Lines mark, x fitted in the browser, a lane per worker."""
 
-    def __init__(self, y_side: dict[str, str]) -> None:
-        """`y_side`: the y axis's side as this bqplot spells it (live.vertical_axis)."""
+    def __init__(self, y_side: dict[str, str], bars: np.ndarray, waits: np.ndarray) -> None:
+        """`y_side`: the y axis's side as this bqplot spells it (live.vertical_axis); the
+        figure made with its first lanes (bqplot's Lines fails in the browser when made empty)."""
         import ipywidgets as widgets
         from bqplot import Axis, Figure, LinearScale, Lines
 
         self.x, self.y = LinearScale(), LinearScale(min=LOOP_LANE - 0.6, max=0.6)
+        self.last: tuple[np.ndarray, np.ndarray] = bars, waits  # the bars and waits drawn last
+        x, y = lane_lines(bars, waits)
         self.lines = Lines(
-            x=np.zeros((len(STAGES), 0)), y=np.zeros((len(STAGES), 0)), scales={"x": self.x, "y": self.y},
-            colors=list(COLOURS), labels=list(STAGES), stroke_width=BAR_PX,
+            x=x, y=y, scales={"x": self.x, "y": self.y}, colors=list(COLOURS), labels=list(STAGES), stroke_width=BAR_PX,
         )  # fmt: skip
         self.y_axis = Axis(scale=self.y, label="worker", tick_values=np.zeros(0), tick_format="d", **y_side)
         self.figure = Figure(
@@ -103,7 +105,7 @@ class LanesFigure:
             animation_duration=0,
         )
         self.workers: list[int] = []
-        self.last: tuple[np.ndarray, np.ndarray] | None = None  # the bars and waits drawn last
+        self._fit(bars)
 
     @staticmethod
     def _height(lanes: int) -> int:
@@ -114,20 +116,22 @@ class LanesFigure:
         height only when a worker's lane appeared."""
         self.last = bars, waits
         x, y = lane_lines(bars, waits)
+        self._fit(bars)
+        with self.lines.hold_sync():
+            self.lines.x, self.lines.y = x, y
+
+    def _fit(self, bars: np.ndarray) -> None:
+        """The lanes' scale, ticks and height, when a worker's lane appeared."""
         workers = sorted(set(self.workers) | {int(w) for w in np.unique(bars[:, 0])})
         if workers and workers != self.workers:
             self.workers = workers
             self.y.max = workers[-1] + 0.6
             self.y_axis.tick_values = np.array(workers, dtype=np.float64)
             self.figure.layout.height = f"{self._height(workers[-1] + 1)}px"
-        with self.lines.hold_sync():
-            self.lines.x, self.lines.y = x, y
 
     def picture(self) -> str:
         """The lanes drawn last as the report draws them (inline SVG): the static picture of a
         released chart keeps them."""
-        if self.last is None:
-            return ""
         bars, waits = self.last
         lanes = [
             LaneBar(worker=int(w), start_ms=a, collate_ms=c, end_ms=e, received_ms=None if np.isnan(r) else r)

@@ -408,7 +408,9 @@ def test_a_loader_with_two_workers_gets_a_lane_each_growing_to_the_batches_each_
     (view,) = views
     assert isinstance(view.chart, live.WidgetChart) and view.chart.lanes is not None
     (lines_id,) = recording.comm_ids("LinesModel")
-    drawn = [m for m in recording.updates("LinesModel") if m[0] == lines_id and "y" in m[2]["state"]]
+    # made with its first lanes (comm_open), then redrawn (one update message each)
+    drawn = [m for m in recording.messages if m[0] == lines_id and m[1] in ("comm_open", "comm_msg") and "y" in m[2].get("state", {})]
+    assert drawn[0][1] == "comm_open"
     final = bars_per_lane(array(drawn[-1], "y"))
     assert final == own  # a lane per worker, a bar per batch it made
     # the lanes grew as the run went: drawn while it ran, then once more at its end
