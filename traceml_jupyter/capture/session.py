@@ -255,9 +255,11 @@ class Capture:
 
 
 def _inside_read(run: Recording, inside: LoaderInside) -> None:
-    if run.loader_lanes is not None:  # the live lanes' last read, before the directory goes
-        run.loader_lanes.close()
-    run.inside_watched(inside.close(run.notes))
+    try:
+        if run.loader_lanes is not None:  # the live lanes' last read, before the directory goes
+            run.loader_lanes.close()
+    finally:  # (the directory removed whatever happened)
+        run.inside_watched(inside.close(run.notes))
 
 
 def _graphs_read(run: Recording, capture: Capture) -> None:

@@ -167,3 +167,25 @@ def test_a_file_that_stopped_growing_is_looked_at_less_often_and_still_read(tmp_
         reads += 1
         assert reads <= live_lanes.STALE
     assert lanes.counts()[0][0] == 2 and lanes.idle["w0-100.bin"] == 0
+
+
+def test_the_watchs_directory_goes_even_when_the_lanes_last_read_fails(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from traceml_jupyter.capture import session
+    from traceml_jupyter.capture.loader.watch import LoaderInside
+
+    inside = LoaderInside(object())
+    directory = str(tmp_path / "ours")
+    os.mkdir(directory)
+    inside.directory = directory
+    lanes = live_lanes.LiveLanes(inside)
+    lanes.read()  # a live view read them
+
+    def broken() -> int:
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(lanes, "read", broken)
+    watched_as: list[Any] = []
+    run = types.SimpleNamespace(loader_lanes=lanes, notes=[], inside_watched=watched_as.append)
+    with pytest.raises(RuntimeError):  # (to the capture's edge, which notes it)
+        session._inside_read(run, inside)  # type: ignore[arg-type]
+    assert not os.path.exists(directory) and watched_as == [None]
