@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
     from .capture.compiled.compile_record import CompileRecord, CompileWatch
     from .capture.gpu.gpu_watch import GpuWatch
+    from .capture.loader.lanes import LiveLanes
     from .capture.resources.watch import ResourceWatch
 
 __all__ = ["COPIES_KEPT", "REFRESH_NS", "Observer", "Recording"]
@@ -138,6 +139,7 @@ class Recording:
         self.dataset_site: CodeSite | None = None
         # Inside the DataLoader's workers (capture/loader/watch.py, summarised: inside_watched)
         self.loader_inside: LoaderInside | None = None
+        self.loader_lanes: LiveLanes | None = None  # its lanes while the cell runs (the live chart's)
         # NVML samples of the run's GPU (time_s, gpu_util_pct, gpu_mem_used_mib), left by the
         # resource watch when it stops, before the run finishes.
         self.gpu_samples: dict[str, np.ndarray] | None = None
