@@ -15,8 +15,7 @@ import numpy as np
 
 from ..analysis.loader_inside import LaneBar
 from .live_svg import WAIT_COLOUR
-from .report_loader import COLLATE_COLOUR, GETITEM_COLOUR, HANDOVER_COLOUR
-from .report_loader import _lanes as report_lanes  # (the report's lane picture, drawn once)
+from .report_loader import COLLATE_COLOUR, GETITEM_COLOUR, HANDOVER_COLOUR, lanes_svg
 
 STAGES = ("__getitem__", "collate_fn", "ready, until the loop received it", "the loop waiting for a batch")
 COLOURS = [GETITEM_COLOUR, COLLATE_COLOUR, HANDOVER_COLOUR, WAIT_COLOUR]
@@ -137,7 +136,7 @@ class LanesFigure:
             LaneBar(worker=int(w), start_ms=a, collate_ms=c, end_ms=e, received_ms=None if np.isnan(r) else r)
             for w, a, c, e, r in bars.tolist()
         ]
-        return '<div class="traceml-live-lanes-static">' + report_lanes(lanes, waits.tolist()) + "</div>"
+        return '<div class="traceml-live-lanes-static">' + lanes_svg(lanes, waits.tolist()) + "</div>"
 
     def widgets(self) -> list[Any]:
         """Its widgets, for the chart's box."""

@@ -45,7 +45,7 @@ def loader_inside_html(result: RunResult) -> str:
     split = wait_split(inside)
     if split:
         out += f'<div class="tml-inside-wait" style="margin-top:6px">{esc(split[:1].upper() + split[1:])}.</div>'
-    out += _worker_table(inside) + _lanes(inside.get("lanes") or [], inside.get("waits") or [])
+    out += _worker_table(inside) + lanes_svg(inside.get("lanes") or [], inside.get("waits") or [])
     return f'<div class="tml-inside">{out}</div>'
 
 
@@ -66,7 +66,7 @@ def _worker_table(inside: LoaderInside) -> str:
     return f'<table class="tml-inside-workers" style="{TABLE};margin-top:6px">{"".join(rows)}</table>{note}'
 
 
-def _lanes(bars: list[LaneBar], waits: list[list[float]]) -> str:
+def lanes_svg(bars: list[LaneBar], waits: list[list[float]]) -> str:
     """One lane per worker, each batch a bar: __getitem__, collate, then until received; the
     loop's waits for its batches beneath."""
     if not bars:
