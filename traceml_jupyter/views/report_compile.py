@@ -63,10 +63,10 @@ def compile_section(result: RunResult) -> str:
     counted = f" — graph breaks (torch's counter): {breaks}" if breaks else ""
     eager = facts.get("eager")
     said = ""
-    if eager is not None:  # next to the breaks: how much of a step they leave to run eagerly
-        told = f"graph breaks: {breaks} — " if breaks is not None else ""
+    if eager is not None:  # under the breaks' count: how much of a step they leave to run eagerly
         colour = "inherit" if eager["share"] is not None else MUTED
-        said = f'<div class="tml-eager" style="margin:0 0 6px 0;color:{colour}">{esc(told + eager_words(eager))}</div>'
+        words = eager_words(eager)
+        said = f'<div class="tml-eager" style="margin:0 0 6px 0;color:{colour}">{esc(words[0].upper() + words[1:])}</div>'
     return (
         section_title(f"Compile (torch {facts['torch'] or '?'}){counted}")
         + said

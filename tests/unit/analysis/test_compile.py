@@ -220,9 +220,11 @@ def test_the_report_says_the_eager_share_next_to_the_graph_breaks() -> None:
     from traceml_jupyter.views.report import render_html
 
     html = render_html(eager_run(EAGER))
-    assert "graph breaks: 2 — 35 % of a step runs eagerly between the compiled graphs (host time, sampled over steps 12–15)" in html
+    under = "graph breaks (torch&#x27;s counter): 2</div><div class=\"tml-eager\""
+    assert under in html
+    assert "35 % of a step runs eagerly between the compiled graphs (host time, sampled over steps 12–15)</div>" in html
     why = render_html(eager_run({**EAGER, "share": None, "note": "the backend marks no graph call"}))
-    assert "was not measured: the backend marks no graph call" in why
+    assert "The share of a step run eagerly between graphs was not measured: the backend marks no graph call" in why
 
 
 def test_the_eager_share_goes_to_the_json_and_back_and_older_files_have_none() -> None:

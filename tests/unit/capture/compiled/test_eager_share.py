@@ -149,3 +149,30 @@ def test_on_a_cuda_torch_the_sampler_waits_for_the_cells_own_cuda(monkeypatch: p
     assert not sampler.running and "CUDA is not initialised" in (sampler.read(0) or {}).get("note", "")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert not cuda_untouched()
+
+
+def test_the_raw_events_are_the_profilers_own_events() -> None:
+    """Kineto's raw events (read fast) and the profiler's public FunctionEvents (a torch without
+    the raw ones) give the same events, the same lengths, the same sequence numbers."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from traceml_jupyter.capture.compiled.eager_share import MARK, profiled_events
+
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        with record_function(MARK):
+            pass
+        a = torch.ones(3, requires_grad=True)
+        (a * 2).sum().backward()
+
+    class Public:  # the profile without its raw results
+        def events(self) -> Any:
+            return p.events()
+
+    raw, public = profiled_events(p), profiled_events(Public())
+    assert [e.name for e in raw] == [e.name for e in public] and any(e.name == MARK for e in raw)
+    assert [e.sequence_nr for e in raw] == [e.sequence_nr for e in public]
+    assert [round(e.end - e.start, 1) for e in raw] == pytest.approx([round(e.end - e.start, 1) for e in public], abs=0.2)
+    backward = [e for e in raw if e.name.startswith(BACKWARD_NODE) and e.sequence_nr >= 0]
+    forward = {(e.thread, e.sequence_nr) for e in raw if not e.name.startswith(BACKWARD_NODE) and e.sequence_nr >= 0}
+    assert backward and all((e.fwd_thread, e.sequence_nr) in forward for e in backward)
