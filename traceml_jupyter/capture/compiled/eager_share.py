@@ -257,6 +257,21 @@ def profiled_events(profile: Any) -> list[Event]:
     return out
 
 
+def dynamo_aside(call: Callable[[Any], None], arg: Any) -> None:
+    """`call(arg)` with Dynamo's frame callback off, as `torch.compiler.disable` runs a function:
+    a tick can come inside a compiled function (after its graph break at `backward()`), where
+    Dynamo would look at every frame of the profiler's start and stop (its frame count)."""
+    set_eval_frame = getattr(sys.modules.get("torch._dynamo.eval_frame"), "set_eval_frame", None)
+    if set_eval_frame is None:
+        call(arg)
+        return
+    prior = set_eval_frame(None)
+    try:
+        call(arg)
+    finally:
+        set_eval_frame(prior)
+
+
 def cuda_untouched() -> bool:
     """This torch was built for CUDA (or ROCm) and the cell has not initialised it: the
     profiler's library (Kineto, with CUPTI) could initialise the driver, which a later
@@ -292,8 +307,10 @@ class EagerSampler:
 
     def __call__(self, recording: Any, /) -> None:
         """A tick of the run's observers: start the sample when it is due, stop it when done."""
-        if self.done or getattr(recording, "finished", False):
-            return
+        if not (self.done or getattr(recording, "finished", False)):
+            dynamo_aside(self._tick, recording)
+
+    def _tick(self, recording: Any) -> None:
         n = int(recording.recorder.n_steps)
         compiles = self.compile_count()
         if not self.running:
