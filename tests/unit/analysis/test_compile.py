@@ -244,3 +244,21 @@ def test_compare_shows_the_eager_share_of_both_runs() -> None:
     rows = compile_rows(eager_run(EAGER).summary, eager_run({**EAGER, "share": 0.05}).summary)
     assert rows[1] == ("Eager between graphs (torch.compile)", "35.0 %", "5.0 %", "-30 points")
     assert len(compile_rows(CANNED["compiled"]().summary, CANNED["compiled"]().summary)) == 1
+
+
+def test_the_compile_facts_the_capture_writes_are_those_the_analysis_reads_and_the_docs_name() -> None:
+    """capture/compiled's TypedDicts (what it writes), analysis/compile.py's (what the result
+    holds and the JSON's `compile` is), and docs/compile.md's "In the JSON": the same keys."""
+    import re
+    from pathlib import Path
+
+    from traceml_jupyter.analysis import compile as facts_of
+    from traceml_jupyter.capture.compiled import compile_record, eager_share
+
+    assert set(compile_record.CompileRecord.__annotations__) == set(facts_of.CompileFacts.__annotations__)
+    assert set(eager_share.EagerShare.__annotations__) == set(facts_of.EagerShare.__annotations__)
+    assert set(compile_record.FrameCompiled.__annotations__) == set(facts_of.FrameCompiled.__annotations__)
+    docs = (Path(__file__).parents[3] / "docs" / "compile.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`(\w+)`", docs.split("## In the JSON", 1)[1]))
+    for kind in (facts_of.CompileFacts, facts_of.EagerShare, facts_of.FrameCompiled):
+        assert set(kind.__annotations__) <= named, set(kind.__annotations__) - named
