@@ -11,12 +11,17 @@ What runs eagerly because of the graph breaks is the time inside the regions and
 graphs (the breaking call, the code Dynamo hands back to Python: a `print`, an `.item()`, a call
 it cannot trace, a `backward()` inside a compiled step function), plus the backward of the
 operations run there (the autograd nodes whose sequence number is that of an operation in that
-time). Its share is over the whole steps that lie inside the regions the sample saw complete
-(a region the profiler's start or stop cut is not seen whole), against their step time.
+time). A region's start up to its first graph, where Dynamo's "Pregraph bytecode" lies in it,
+is the compiled code's own preparation (the user's code before a graph is in the graph), not
+eager code. Its share is over the whole steps that lie inside the regions the sample saw
+complete (a region the profiler's start or stop cut is not seen whole), against their step time.
 
 On CUDA the figure is host time (when the CPU ran eager code between graphs); the GPU's work
-runs asynchronously and is not read. A backend that marks no graph call (`backend="eager"`: its
+runs asynchronously and is not read, and on a torch built for CUDA no profiler starts before
+the cell initialised CUDA itself. A backend that marks no graph call (`backend="eager"`: its
 graphs run as plain Python) gives no figure, nor does a cell whose own code runs a profiler.
+The sampler's ticks run with Dynamo's frame callback off; Kineto's start and stop lines are kept
+off the process's stderr.
 
 The sample starts at a tick of the run's observers (at most four a second, time kept out of the
 steps) once MIN_STEPS steps ran and no compile happened since the last tick, and stops at the
