@@ -97,5 +97,5 @@ def test_a_model_without_a_graph_break_runs_next_to_nothing_eagerly(shell: Any) 
 def test_the_eager_backend_marks_no_graph_and_gets_no_figure(shell: Any) -> None:
     got = compiled_run(shell, "eager", breaks=True)
     eager = got.compiled["eager"]
-    assert eager is not None and eager["share"] is None and "marks no graph" in (eager["note"] or "")
+    assert eager is not None and eager["share"] is None and "no call of a compiled graph was marked" in (eager["note"] or "")
     assert got.summary["eager_share"] is None

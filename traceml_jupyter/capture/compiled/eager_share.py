@@ -19,7 +19,7 @@ complete (a region the profiler's start or stop cut is not seen whole), against 
 On CUDA the figure is host time (when the CPU ran eager code between graphs); the GPU's work
 runs asynchronously and is not read, and on a torch built for CUDA no profiler starts before
 the cell initialised CUDA itself. A backend that marks no graph call (`backend="eager"`: its
-graphs run as plain Python) gives no figure, nor does a cell whose own code runs a profiler.
+graphs run as plain Python; `aot_eager` without grad) gives no figure, nor does a cell whose own code runs a profiler.
 The sampler's ticks run with Dynamo's frame callback off; Kineto's start and stop lines are kept
 off the process's stderr.
 
@@ -391,7 +391,9 @@ class EagerSampler:
         stop_us = mark + (self.stop_ns - at_ns) / 1e3
         read = graph_time(events, stop_us)
         if not read.marked:
-            return not_measured("the backend marks no graph call (backend=\"eager\")", self.profiled)
+            return not_measured(
+                "no call of a compiled graph was marked (backend=\"eager\", or aot_eager without grad)", self.profiled
+            )
         measured = share_of_steps(read, to_run_s, self.columns)
         if measured is None:
             return not_measured("no whole step ran inside the compiled calls the sample saw", self.profiled)
