@@ -267,6 +267,7 @@ class Summary(TypedDict, total=False):
     compile_s: float | None
     compile_share: float | None
     compiling_steps: list[int]
+    eager_share: float | None
     forward_ms: float | None
     backward_ms: float | None
     optimizer_ms: float | None
