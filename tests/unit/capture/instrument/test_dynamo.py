@@ -64,3 +64,51 @@ def test_a_function_that_calls_a_compiled_one_by_its_name_reaches_compiled_code(
     assert dynamo.reaches_compiled(calls_the_compiled_step)
     assert not dynamo.reaches_compiled(calls_nothing_compiled)
     assert not dynamo.reaches_compiled(torch.nn.Linear(2, 2))
+
+
+class Holder:
+    def __init__(self, held: object) -> None:
+        self.held = held
+
+
+def test_compiled_code_held_by_an_object_is_found_without_reading_its_attributes() -> None:
+    """A trainer's `self.step_fn`, a LightningModule's `self.net = torch.compile(...)` (in its
+    `_modules`): found one level down; two levels down, or in a list, they are not (torch's
+    compile start tells then: the next test)."""
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    compiled = torch.compile(step, backend="eager")
+    assert dynamo.holds(Holder(compiled), dynamo.compiled_function)
+    assert not dynamo.holds(Holder(step), dynamo.compiled_function)
+    assert not dynamo.holds(Holder(Holder(compiled)), dynamo.compiled_function)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    parent = torch.nn.Module()
+    parent.net = torch.compile(net, backend="eager")
+    assert dynamo.holds(parent, dynamo.compiled_model)
+    assert not dynamo.holds(torch.nn.Sequential(net), dynamo.compiled_model)
+    assert not dynamo.holds([compiled], dynamo.compiled_function)  # (builtins are not looked into)
+    assert not dynamo.holds(Holder, dynamo.compiled_function)  # (nor classes)
+
+
+def test_torch_starting_to_compile_is_heard_before_it_traces_and_not_after_removal() -> None:
+    """The compile start callback runs before Dynamo traces the frame: what the listener does
+    there (the parts take their patch off a class) is what Dynamo sees."""
+    import torch._dynamo
+
+    seen: list[bool] = []
+    marker = torch.nn.Linear(2, 2)
+    starts = dynamo.CompileStarts(lambda: seen.append(hasattr(marker, "traced")))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    torch._dynamo.reset()
+    starts.register()
+    starts.register()  # (once only)
+    torch.compile(step, backend="eager")(torch.ones(2))
+    assert seen == [False]
+    starts.remove()
+    torch.compile(lambda x: x - 1, backend="eager")(torch.ones(2))
+    assert seen == [False]
