@@ -339,3 +339,26 @@ def test_compiled_code_the_cell_does_not_name_compiles_as_plainly(ip: Any, shape
         assert got.result.summary["parts_sampled_steps"] == 0
     assert note in runs[0].result.notes
     assert "__call__" not in type(ip.user_ns["model"]).__dict__
+
+
+def test_an_error_of_ours_when_torch_starts_compiling_turns_the_parts_off_and_nothing_else(
+    ip: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compile start callback runs inside torch's compile: an error of ours there turns
+    the parts off with a note (their patch leaves all the same), and the cell compiles and
+    computes as plainly."""
+    from traceml_jupyter.capture.inside.step_parts import StepParts
+
+    setup = COMPILED_INSIDE.replace("BACKEND", "eager")
+    plain, _ = compiled_run(ip, setup, COMPILED_INSIDE_LOOP, magic=False)
+
+    def broken(self: StepParts, *, forget: bool = False) -> None:
+        raise RuntimeError("standing aside broke")
+
+    monkeypatch.setattr(StepParts, "stand_aside", broken)
+    with_magic, runs = compiled_run(ip, setup, COMPILED_INSIDE_LOOP.replace("loss =", "loss  ="), magic=True)
+    assert_as_plain(plain, with_magic)
+    result = runs[0].result
+    assert result.steps.n_steps == STEPS
+    assert any("RuntimeError: standing aside broke" in n for n in result.notes)
+    assert "__call__" not in type(ip.user_ns["probe"]).__dict__
