@@ -139,11 +139,13 @@ def test_a_lightning_module_with_a_compiled_model_trains_as_without_the_magic(ip
     # configure_model: torch's compile start during fit() tells. No parts, and the note says why.
     assert (COMPILED_MODEL_NOTE if where == "__init__" else COMPILING_NOTE) in result.notes
     assert result.summary["parts_sampled_steps"] == 0
-    # The compile time is the first step's extra time by the module's own stopwatch.
+    # The compile time lies inside the first step by the module's own stopwatch, and is most of
+    # its extra time: the rest (50 ms of 300 here) is Dynamo's first-run work outside torch's
+    # compile callbacks; an eager module's first step is 1 ms longer than the others.
     hand = ip.user_ns["lit"].hand
     first = hand[0] - statistics.median(hand[2:])
     reading = read_compile(result.compiled, result.steps.columns, result.loop.wall_ms)
-    assert reading is not None and abs(reading.per_step[0] - first) <= 0.3 * first, (reading.per_step[:2], hand[:3])
+    assert reading is not None and 0.5 * first <= reading.per_step[0] <= hand[0], (reading.per_step, hand[:3])
 
 
 def test_the_hugging_face_trainer_with_torch_compile_trains_as_without_the_magic(ip: Any) -> None:
