@@ -168,11 +168,12 @@ class Capture:
 
     # -- torch.compile (instrument/dynamo.py) ------------------------------------------------------
     def _named(self) -> list[Any]:
-        """The notebook's values that the traced code names."""
+        """The notebook's values that the traced code names (not an attribute's name after a
+        dot: `trainer.train()` does not call the notebook's `train`)."""
         namespace = user_namespace()
         if not namespace:
             return []
-        used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", self.parts.code_of()))
+        used = set(re.findall(r"(?<![.\w])[A-Za-z_][A-Za-z0-9_]*", self.parts.code_of()))
         return [namespace[name] for name in used if name in namespace]
 
     def calls_compiled(self) -> bool:

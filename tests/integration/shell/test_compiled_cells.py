@@ -362,3 +362,24 @@ def test_an_error_of_ours_when_torch_starts_compiling_turns_the_parts_off_and_no
     assert result.steps.n_steps == STEPS
     assert any("RuntimeError: standing aside broke" in n for n in result.notes)
     assert "__call__" not in type(ip.user_ns["probe"]).__dict__
+
+
+def test_a_method_named_like_a_function_that_calls_compiled_code_is_not_that_function(ip: Any) -> None:
+    """The notebook's `train()` calls a compiled step; the traced cell calls another object's
+    `train()` method, eagerly (as `Trainer(...).train()` does): no compiled call is assumed, the
+    optimizer's steps are the steps and their parts are timed."""
+    setup = THROUGH_A_FUNCTION.replace("BACKEND", "eager") + """
+class Eager:
+    def train(self, x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+eager = Eager()
+"""
+    loop = THROUGH_A_FUNCTION_LOOP.replace("train(x, y)", "eager.train(x, y)")
+    _, runs = compiled_run(ip, setup, loop, magic=True)
+    result = runs[0].result
+    assert result.steps.kind == "optimizer" and result.steps.n_steps == STEPS
+    assert COMPILED_NOTE not in result.notes and result.summary["parts_sampled_steps"] > 0
