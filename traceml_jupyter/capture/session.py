@@ -37,7 +37,15 @@ from .gpu.cuda_state import cuda_initialized
 from .inside.line_costs import LineClock
 from .inside.step_parts import StepParts
 from .instrument import hooks
-from .instrument.dynamo import compile_check, keep_out, reaches_compiled
+from .instrument.dynamo import (
+    CompileStarts,
+    compile_check,
+    compiled_function,
+    compiled_model,
+    holds,
+    keep_out,
+    reaches_compiled,
+)
 from .instrument.patches import patched
 from .loader.lanes import LiveLanes
 from .loader.watch import LoaderInside
@@ -52,6 +60,9 @@ if TYPE_CHECKING:
     from ..recording import Recording
 
 _tokens = iter(range(1, 1 << 62))
+
+# The traced cells (their text) during which torch started compiling on the capture's thread.
+_compiling_cells: set[str] = set()
 
 
 def new_token() -> int:
@@ -90,6 +101,9 @@ class Capture:
         # out when the cell turns out to call a compiled function; whether it does.
         self.optimizer_hooks: list[tuple[dict[int, Any], int]] = []
         self.compiled = False
+        # Dynamo starting to compile on the capture's thread: compiled code the cell reaches
+        # without naming it (through an attribute, inside a library): the parts stand aside.
+        self.compile_starts = CompileStarts(self._compile_started)
         step_hooks.loop_starts = self._loop_starts
 
     def listen(self) -> None:
@@ -155,22 +169,27 @@ class Capture:
         return self.step_hooks.pass_starts
 
     # -- torch.compile (instrument/dynamo.py) ------------------------------------------------------
-    def calls_compiled(self) -> bool:
-        """The traced code uses the name of a torch.compile'd function of the notebook, or of a
-        function that calls one by its name."""
+    def _named(self) -> list[Any]:
+        """The notebook's values that the traced code names (not an attribute's name after a
+        dot: `trainer.train()` does not call the notebook's `train`)."""
         namespace = user_namespace()
         if not namespace:
-            return False
-        used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", self.parts.code_of()))
-        return any(read_or(False, reaches_compiled, namespace[name]) for name in used if name in namespace)
+            return []
+        used = set(re.findall(r"(?<![.\w])[A-Za-z_][A-Za-z0-9_]*", self.parts.code_of()))
+        return [namespace[name] for name in used if name in namespace]
+
+    def calls_compiled(self) -> bool:
+        """The traced code uses the name of a torch.compile'd function of the notebook, of a
+        function that calls one by its name, or of an object that holds one (`self.step_fn`)."""
+        return any(
+            read_or(False, reaches_compiled, v) or (not compiled_model(v) and read_or(False, holds, v, compiled_function))
+            for v in self._named()
+        )  # (a compiled model holds its compiled `forward`: it is `uses_compiled_model`)
 
     def uses_compiled_model(self) -> bool:
-        """The traced code names a torch.compile'd module (an OptimizedModule of the notebook)."""
-        namespace = user_namespace()
-        if not namespace:
-            return False
-        used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", self.parts.code_of()))
-        return any(type(namespace[name]).__name__ == "OptimizedModule" for name in used if name in namespace)
+        """The traced code names a torch.compile'd module (an OptimizedModule of the notebook),
+        or an object that holds one (a LightningModule's `self.net`, a trainer's model)."""
+        return any(compiled_model(v) or read_or(False, holds, v, compiled_model) for v in self._named())
 
     def parts_stand_aside(self) -> None:
         """The cell calls a torch.compile'd model: Dynamo guards on the classes of its modules, so
@@ -192,9 +211,34 @@ class Capture:
             hooks_dict.pop(key, None)
         self.optimizer_hooks.clear()
 
+    def _compile_started(self) -> None:
+        """Dynamo starts compiling a frame on the capture's thread, before it traces anything
+        (torch's compile start callback): compiled code that the cell reaches without naming it
+        (`self.step_fn`, a library's `torch.compile`). The parts leave now, with their patch on
+        the model's class and their optimizer hooks, so Dynamo guards on neither."""
+        if not self.parts.compiled and get_ident() == self.thread and hooks.active is self:
+            self.parts.guarded(self._parts_leave)  # (runs inside torch's compile: never raises)
+
+    def _parts_leave(self) -> None:
+        self.parts_leave_compiling()
+        if self.run.cell_source:
+            _compiling_cells.add(self.run.cell_source)
+
+    def parts_leave_compiling(self) -> None:
+        """Torch compiles code the cell reaches: the parts are off, what they sampled dropped."""
+        self.parts.stand_aside(forget=True)
+        self.run.notes.append(COMPILING_NOTE)
+
+    def compiled_last_time(self) -> bool:
+        """This cell's text compiled code in an earlier traced run: its parts stand aside from
+        the start (compiled code is in Dynamo's cache now: a patch would fail its guards
+        before any compile starts)."""
+        return bool(self.run.cell_source) and self.run.cell_source in _compiling_cells
+
     def _loop_starts(self) -> None:
         """The located loop starts: a function the cell compiled before it is seen now."""
         keep_out()
+        self.compile_starts.register()  # (again: the cell may have loaded Dynamo, or reset it)
         if not self.compiled and self.calls_compiled():
             self.stand_aside()
         elif not self.compiled and self.uses_compiled_model():
@@ -351,6 +395,12 @@ COMPILED_NOTE = (
     "loop's iterations), and the parts of the step are not timed."
 )
 
+COMPILING_NOTE = (
+    "torch.compile compiles code that the cell reaches through an object or a library: the parts "
+    "of the step (forward, backward, optimizer) are not timed, as patching the model's class "
+    "would make torch compile it again."
+)
+
 COMPILED_MODEL_NOTE = (
     "The cell calls a torch.compile'd model: the parts of the step (forward, backward, optimizer) "
     "are not timed, as patching its modules' classes would make torch compile it again."
@@ -370,6 +420,8 @@ def _optimizer_hooks(capture: Capture, stack: ExitStack, torch: Any, compiling: 
         return
     if capture.uses_compiled_model():
         capture.parts_stand_aside()
+    elif capture.compiled_last_time():
+        capture.parts_leave_compiling()
     thread, parts = capture.thread, capture.parts
     module = sys.modules.get("torch.optim.optimizer")  # (torch.optim deletes its name `optimizer`)
     pre_hooks = getattr(module, "_global_optimizer_pre_hooks", None)
@@ -441,6 +493,8 @@ def capture_session(run: Recording, capture: Capture | None = None) -> Iterator[
         _training_patches(capture, stack)
         stack.enter_context(resources_watched(run, capture))
         stack.callback(_guarded, run, "reading torch.compile's record", compile_watched(run))
+        stack.callback(_guarded, run, "no longer listening to torch.compile", capture.compile_starts.remove)
+        _guarded(run, "listening to torch.compile", capture.compile_starts.register)
         stack.enter_context(cuda_graphs.graphs_watched(capture.graphs))
         inside = LoaderInside(capture)
         run.loader_lanes = LiveLanes(inside)  # (read by the live chart's ticks only)

@@ -8,6 +8,7 @@ of the notebook) and `model = torch.compile(model)`."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch
 from helpers import run, traced
 
 import traceml_jupyter
-from traceml_jupyter.capture.session import COMPILED_MODEL_NOTE, COMPILED_NOTE
+from traceml_jupyter.capture.session import COMPILED_MODEL_NOTE, COMPILED_NOTE, COMPILING_NOTE
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # each compiles: 2-10 s
 
@@ -295,3 +296,129 @@ def test_the_eager_shares_profiled_steps_compile_and_compute_as_without_the_magi
     assert_as_plain(plain, with_magic)
     eager = runs[0].result.compiled["eager"]
     assert eager is not None and eager["profiled"], eager  # the profiler ran
+
+# Compiled code the cell does not name: a step function an object holds (`self.step_fn`, as a
+# library's trainer holds it), and a model that a runner compiles in the traced cell itself (as a
+# trainer compiles its model in `fit()`: only torch's compile start says so), beside a Linear of
+# the notebook's that the step calls (the parts would patch `Linear`, which Dynamo guards on).
+HELD_STEP = STEP_FUNCTION.replace("train_step", "compiled_step") + """
+class Stepper:
+    def __init__(self, step_fn):
+        self.step_fn = step_fn
+    def step(self, x, y):
+        return self.step_fn(x, y)
+stepper = Stepper(compiled_step)
+"""
+HELD_STEP_LOOP = """
+for x, y in data:
+    loss = stepper.step(x, y)
+    losses.append(loss.detach().clone())
+"""
+COMPILED_INSIDE = """
+class Part:
+    def __init__(self, net):
+        self.net = net
+class Runner:
+    def __init__(self, net):
+        self.part = Part(net)
+    def step(self, x, y):
+        if not hasattr(self, "fast"):
+            self.fast = torch.compile(self.part.net, backend="BACKEND")
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(self.fast(x), y) + 0 * probe(x).sum()
+        loss.backward()
+        opt.step()
+        return loss
+runner = Runner(model)
+probe = torch.nn.Linear(8, 16)  # a Linear of the notebook's, called eagerly in the step
+"""
+COMPILED_INSIDE_LOOP = """
+for x, y in data:
+    loss = runner.step(x, y)
+    losses.append(loss.detach().clone())
+"""
+# Two objects down, a whole step (its `opt.step()` inside): only torch's compile start tells.
+STEP_TWO_OBJECTS_DOWN = HELD_STEP + """
+class Outer:
+    def __init__(self, stepper):
+        self.inner = stepper
+    def step(self, x, y):
+        return self.inner.step(x, y)
+outer = Outer(stepper)
+del stepper
+"""
+STEP_TWO_OBJECTS_DOWN_LOOP = HELD_STEP_LOOP.replace("stepper.step", "outer.step")
+DEEPER = {
+    "a compiled step held by an object": (HELD_STEP, HELD_STEP_LOOP, COMPILED_NOTE),
+    "a model compiled inside a runner's method": (COMPILED_INSIDE, COMPILED_INSIDE_LOOP, COMPILING_NOTE),
+    "a compiled step two objects down": (STEP_TWO_OBJECTS_DOWN, STEP_TWO_OBJECTS_DOWN_LOOP, COMPILING_NOTE),
+}
+
+
+@pytest.mark.parametrize("shape", list(DEEPER))
+def test_compiled_code_the_cell_does_not_name_compiles_as_plainly(ip: Any, shape: str) -> None:
+    """The cell names neither the compiled function nor the compiled model: one is an
+    attribute of an object it names, the other is compiled inside a method, where only torch's
+    compile start tells. Run twice under the magic (the second run finds the code compiled):
+    the same compilations, recompilations, graph breaks and frames as two plain runs, the same
+    losses and weights, one step per iteration, and a note that says why the parts are missing."""
+    setup, loop, note = DEEPER[shape]
+    setup = setup.replace("BACKEND", "eager")
+    plain, _ = compiled_run(ip, setup, loop, magic=False, times=2)
+    assert plain.compiles >= 1
+    with_magic, runs = compiled_run(ip, setup, loop, magic=True, times=2)
+    if shape == "a compiled step two objects down":
+        # Our global optimizer hooks stay (they count the steps) and Dynamo traces them in
+        # Optimizer.step: it looks at one no-op frame fewer (docs/step-parts.md#torchcompile).
+        assert with_magic.frames == plain.frames - 1
+        plain = dataclasses.replace(plain, frames=with_magic.frames)
+    assert_as_plain(plain, with_magic)
+    for got in runs:
+        assert got.result.steps.n_steps == STEPS
+        assert got.result.summary["parts_sampled_steps"] == 0
+    assert note in runs[0].result.notes
+    assert "__call__" not in type(ip.user_ns["model"]).__dict__
+
+
+def test_an_error_of_ours_when_torch_starts_compiling_turns_the_parts_off_and_nothing_else(
+    ip: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compile start callback runs inside torch's compile: an error of ours there turns
+    the parts off with a note (their patch leaves all the same), and the cell compiles and
+    computes as plainly."""
+    from traceml_jupyter.capture.inside.step_parts import StepParts
+
+    setup = COMPILED_INSIDE.replace("BACKEND", "eager")
+    plain, _ = compiled_run(ip, setup, COMPILED_INSIDE_LOOP, magic=False)
+
+    def broken(self: StepParts, *, forget: bool = False) -> None:
+        raise RuntimeError("standing aside broke")
+
+    monkeypatch.setattr(StepParts, "stand_aside", broken)
+    with_magic, runs = compiled_run(ip, setup, COMPILED_INSIDE_LOOP.replace("loss =", "loss  ="), magic=True)
+    assert_as_plain(plain, with_magic)
+    result = runs[0].result
+    assert result.steps.n_steps == STEPS
+    assert any("RuntimeError: standing aside broke" in n for n in result.notes)
+    assert "__call__" not in type(ip.user_ns["probe"]).__dict__
+
+
+def test_a_method_named_like_a_function_that_calls_compiled_code_is_not_that_function(ip: Any) -> None:
+    """The notebook's `train()` calls a compiled step; the traced cell calls another object's
+    `train()` method, eagerly (as `Trainer(...).train()` does): no compiled call is assumed, the
+    optimizer's steps are the steps and their parts are timed."""
+    setup = THROUGH_A_FUNCTION.replace("BACKEND", "eager") + """
+class Eager:
+    def train(self, x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+eager = Eager()
+"""
+    loop = THROUGH_A_FUNCTION_LOOP.replace("train(x, y)", "eager.train(x, y)")
+    _, runs = compiled_run(ip, setup, loop, magic=True)
+    result = runs[0].result
+    assert result.steps.kind == "optimizer" and result.steps.n_steps == STEPS
+    assert COMPILED_NOTE not in result.notes and result.summary["parts_sampled_steps"] > 0

@@ -205,15 +205,21 @@ class StepParts:
             self.failed(exc)
             return None
 
-    def stand_aside(self) -> None:
-        """The cell calls a torch.compile'd function (found when its loop starts): the parts are
-        off for the run, before Dynamo saw any patch or hook of theirs."""
+    def stand_aside(self, *, forget: bool = False) -> None:
+        """The cell calls a torch.compile'd function (found when its loop starts), or Dynamo
+        starts compiling (`forget`: what was sampled before is dropped, so the run has no parts
+        rather than those of a few eager steps): the parts are off for the run, before Dynamo
+        saw any patch or hook of theirs."""
         self.compiled = True
         if self.active:
             self.active = False
             self.model.sample_in = NEVER
             self._disarm()
             self.calls.forget()
+        if forget and self.sampled:
+            self.sampled = 0
+            self.store = PartStore()
+            self._kind, self._t0, self._own = self.store.kind, self.store.t0, self.store.own
 
     def failed(self, exc: BaseException) -> None:
         """Any error in our bookkeeping: the parts are off for the rest of the run, with a note."""

@@ -21,9 +21,10 @@ out once torch's Dynamo is imported (by the user's first `torch.compile`).
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable, Iterator
-from types import CodeType, FunctionType
+from types import CodeType, FunctionType, ModuleType
 from typing import Any
 
 PACKAGE = __name__.split(".")[0]
@@ -66,6 +67,34 @@ def reaches_compiled(value: Any) -> bool:
         codes += [c for c in code.co_consts if isinstance(c, CodeType)]
     found = value.__globals__
     return any(compiled_function(found.get(name)) for name in names)
+
+
+def compiled_model(value: Any) -> bool:
+    """`value` is a `torch.compile`d module (an OptimizedModule)."""
+    return type(value).__name__ == "OptimizedModule"
+
+
+MAX_INSIDE = 1000  # the values looked at inside one object
+
+
+def holds(value: Any, test: Callable[[Any], bool]) -> bool:
+    """One of the values `value` holds passes `test`: its attributes, and the values of the
+    dicts among them (a trainer's `__dict__`, a module's `_modules` in it), as the garbage collector's
+    traversal sees them: no attribute is read, no code of the user's runs, no `__dict__` is made
+    (which would slow every later attribute access on the object). Objects of the builtins,
+    modules, classes and functions are not looked into."""
+    if type(value).__module__ == "builtins" or isinstance(value, (type, ModuleType, FunctionType)):
+        return False
+    found = [(v, 0) for v in gc.get_referents(value)]
+    seen = 0
+    while found and seen < MAX_INSIDE:
+        v, depth = found.pop()
+        seen += 1
+        if type(v) is dict and depth < 2:  # its `__dict__`, and a dict in it (`_modules`)
+            found += [(inner, depth + 1) for inner in gc.get_referents(v)]
+        elif test(v):
+            return True
+    return False
 
 
 # The code of the package's modules read so far, by module: kept out of Dynamo again at each
@@ -111,3 +140,34 @@ def _nested(code: CodeType) -> Iterator[CodeType]:
     for const in code.co_consts:
         if isinstance(const, CodeType):
             yield from _nested(const)
+
+
+class CompileStarts:
+    """`heard()` is called when Dynamo starts compiling a frame, before it traces anything
+    (torch's compile start callback, `torch._dynamo.callback.callback_handler`, torch >= 2.5;
+    outermost compiles only), on the thread that compiles, while registered. Whatever compiled
+    code the cell reaches (a compiled function two calls down, a library's `torch.compile`) is
+    heard of here, in time for our patches to leave before Dynamo guards on them."""
+
+    def __init__(self, heard: Callable[[], None]) -> None:
+        self.heard = heard
+        self.handler: Any = None
+
+    def _started(self, args: object) -> None:
+        self.heard()
+
+    def register(self) -> None:
+        """Listen, if Dynamo is loaded (again after `torch._dynamo.reset()`, which removes every
+        callback: called where the capture starts and where a located loop starts)."""
+        handler = getattr(getattr(sys.modules.get("torch._dynamo"), "callback", None), "callback_handler", None)
+        if handler is None or not hasattr(handler, "register_start_callback"):
+            return
+        if self._started not in getattr(handler, "start_callbacks", ()):
+            handler.register_start_callback(self._started)
+        self.handler = handler
+
+    def remove(self) -> None:
+        """Listen no more (the capture ends)."""
+        handler, self.handler = self.handler, None
+        if handler is not None and self._started in getattr(handler, "start_callbacks", ()):
+            handler.remove_start_callback(self._started)

@@ -3,6 +3,7 @@ compiled function told from a plain one without calling it, our frames kept out 
 
 from __future__ import annotations
 
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -64,3 +65,56 @@ def test_a_function_that_calls_a_compiled_one_by_its_name_reaches_compiled_code(
     assert dynamo.reaches_compiled(calls_the_compiled_step)
     assert not dynamo.reaches_compiled(calls_nothing_compiled)
     assert not dynamo.reaches_compiled(torch.nn.Linear(2, 2))
+
+
+class Holder:
+    def __init__(self, held: object) -> None:
+        self.held = held
+
+
+def test_compiled_code_held_by_an_object_is_found_without_reading_its_attributes() -> None:
+    """A trainer's `self.step_fn`, a LightningModule's `self.net = torch.compile(...)` (in its
+    `_modules`): found one level down; two levels down, or in a list, they are not (torch's
+    compile start tells then: the next test)."""
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    compiled = torch.compile(step, backend="eager")
+    holder = Holder(compiled)
+    had_a_dict = any(type(r) is dict for r in gc.get_referents(holder))  # (3.11+: inline values)
+    assert dynamo.holds(holder, dynamo.compiled_function)
+    # CPython keeps the holder's attributes as they were: reading `holder.__dict__` would have
+    # made it a dict (on 3.11 and later), and every later attribute access slower.
+    assert any(type(r) is dict for r in gc.get_referents(holder)) == had_a_dict
+    assert not dynamo.holds(Holder(step), dynamo.compiled_function)
+    assert not dynamo.holds(Holder(Holder(compiled)), dynamo.compiled_function)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    parent = torch.nn.Module()
+    parent.net = torch.compile(net, backend="eager")
+    assert dynamo.holds(parent, dynamo.compiled_model)
+    assert not dynamo.holds(torch.nn.Sequential(net), dynamo.compiled_model)
+    assert not dynamo.holds([compiled], dynamo.compiled_function)  # (builtins are not looked into)
+    assert not dynamo.holds(Holder, dynamo.compiled_function)  # (nor classes)
+
+
+def test_torch_starting_to_compile_is_heard_before_it_traces_and_not_after_removal() -> None:
+    """The compile start callback runs before Dynamo traces the frame: what the listener does
+    there (the parts take their patch off a class) is what Dynamo sees."""
+    import torch._dynamo
+
+    seen: list[bool] = []
+    marker = torch.nn.Linear(2, 2)
+    starts = dynamo.CompileStarts(lambda: seen.append(hasattr(marker, "traced")))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    torch._dynamo.reset()
+    starts.register()
+    starts.register()  # (once only)
+    torch.compile(step, backend="eager")(torch.ones(2))
+    assert seen == [False]
+    starts.remove()
+    torch.compile(lambda x: x - 1, backend="eager")(torch.ones(2))
+    assert seen == [False]
