@@ -18,7 +18,6 @@ listeners, the patches that call the hooks, and the capture's lifetime.
 from __future__ import annotations
 
 import functools
-import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -37,6 +36,7 @@ from .gpu.cuda_state import cuda_initialized
 from .inside.line_costs import LineClock
 from .inside.step_parts import StepParts
 from .instrument import hooks
+from .instrument.cell_functions import names_in
 from .instrument.dynamo import (
     CompileStarts,
     compile_check,
@@ -170,12 +170,13 @@ class Capture:
 
     # -- torch.compile (instrument/dynamo.py) ------------------------------------------------------
     def _named(self) -> list[Any]:
-        """The notebook's values that the traced code names (not an attribute's name after a
-        dot: `trainer.train()` does not call the notebook's `train`)."""
+        """The notebook's values that the traced code names (not an attribute's name after a dot,
+        nor a keyword argument's: `Trainer(model=lm).train()` names neither the notebook's
+        `model` nor its `train`)."""
         namespace = user_namespace()
         if not namespace:
             return []
-        used = set(re.findall(r"(?<![.\w])[A-Za-z_][A-Za-z0-9_]*", self.parts.code_of()))
+        used = names_in(self.parts.code_of())
         return [namespace[name] for name in used if name in namespace]
 
     def calls_compiled(self) -> bool:

@@ -41,7 +41,6 @@ time (only) off. What is read of the user's objects goes through `failures.read_
 from __future__ import annotations
 
 import random
-import re
 import sys
 import weakref
 from collections.abc import Callable, Mapping
@@ -53,6 +52,7 @@ import numpy as np
 
 from ...failures import failure_text, never_raise, read_or
 from ..data.probes import attribute, type_name, user_namespace
+from ..instrument.cell_functions import names_in
 from ..instrument.dynamo import compile_check
 from ..steps.step_model import ITERATION, MERGE_MAX, NEVER, StepModel
 from ..steps.step_model import OPTIMIZER as OPTIMIZER_LEVEL
@@ -178,7 +178,7 @@ class StepParts:
         self._first = self.model.recorder.n_steps
         namespace = user_namespace()
         if namespace:
-            named = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", self.code_of()))
+            named = names_in(self.code_of())
             items = sorted(list(namespace.items()), key=lambda kv: kv[0] not in named)  # the cell's names first
             self._namespace_seen = dict(items[:MAX_SCAN])
             self.calls.add(self._modules_and_optimizers_in([v for _, v in items], cls), from_namespace=True)

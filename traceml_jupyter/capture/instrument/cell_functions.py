@@ -10,6 +10,7 @@ import functools
 import inspect
 import linecache
 import os
+import re
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -19,6 +20,19 @@ from typing import Any
 from .locate import SCOPES, LoopChoice
 
 MAX_DEPTH = 2
+
+
+def names_in(code: str) -> set[str]:
+    """The names `code` reads or binds (`model` in `loss = model(x)`), not attribute names
+    (`trainer.train`) nor keyword arguments (`Trainer(model=lm)`). IPython's `%` and `!` lines
+    (the `%%traceml` line) are left out; code that still does not parse gives every identifier
+    that does not follow a dot."""
+    python = "\n".join(line for line in code.splitlines() if not line.lstrip().startswith(("%", "!")))
+    try:
+        tree = ast.parse(python)
+    except (SyntaxError, ValueError):
+        return set(re.findall(r"(?<![.\w])[A-Za-z_][A-Za-z0-9_]*", code))
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
 
 
 def is_cell_file(filename: str) -> bool:

@@ -20,6 +20,7 @@ from traceml_jupyter.capture.instrument.cell_functions import (
     called_cell_functions,
     class_of,
     function_loop,
+    names_in,
     returned_class,
 )
 from traceml_jupyter.capture.instrument.locate import find_training_loop
@@ -196,3 +197,14 @@ def test_the_loop_is_located_in_the_method_found(cells: dict[str, Any]) -> None:
     assert found is not None and found.func is cells["Trainer"].__dict__["epoch"]
     assert "the subclass's own loop" in found.lines[found.choice.lineno - 1]
     assert found.where == "function Trainer.epoch"
+
+
+def test_the_names_a_cell_uses_are_its_names_not_keywords_or_attributes() -> None:
+    # A notebook's `model` (an earlier cell's, maybe a compiled one) is not what
+    # `Trainer(model=lm)` calls, nor is its `train` what `.train()` calls.
+    cell = "out = Trainer(model=lm, args=hf_args, train_dataset=tokens).train()\n"
+    assert names_in(cell) == {"out", "Trainer", "lm", "hf_args", "tokens"}
+    # the magic's own line is no code of the cell's
+    assert names_in("%%traceml --no-live\n" + cell) == names_in(cell)
+    # code that does not parse: every identifier that follows no dot
+    assert names_in("for x in loader: $\n    step(x.cuda())") == {"for", "x", "in", "loader", "step"}
