@@ -373,11 +373,17 @@ def findings(inside: LoaderInside) -> list[Finding]:
     return [f for f in (slow_worker(inside), slow_samples(inside), dominant_stage(inside)) if f is not None]
 
 
+def stop_lines(inside: LoaderInside | None) -> list[str]:
+    """The workers that stopped the loop, a line each with its fix (also under the one line of a
+    cell that stopped before its first step)."""
+    return [f"inside the loader, {f['label']}: {f['text']} - {f['fix']}" for f in stop_findings(inside)] if inside else []
+
+
 def inside_lines(inside: LoaderInside | None) -> list[str]:
     """The text box's Also lines: each finding with its fix, then the wait's split."""
     if not inside:
         return []
-    lines = [f"inside the loader, {f['label']}: {f['text']} - {f['fix']}" for f in stop_findings(inside) + findings(inside)]
+    lines = stop_lines(inside) + [f"inside the loader, {f['label']}: {f['text']} - {f['fix']}" for f in findings(inside)]
     split = wait_split(inside)
     if split:
         lines.append(f"inside the loader, {split}")

@@ -8,6 +8,7 @@ private directory, the patches, the threads: conftest's guard)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -45,12 +46,10 @@ def failed(shell: Any, build: str, magic: str) -> tuple[BaseException, str, floa
     # The loader's iterator is held by the error's frames (IPython keeps it as sys.last_value)
     # until a garbage collection, in a later test, shuts its workers down (slowly there): its
     # workers are stopped now, as helpers.stop_loader_workers does for persistent ones.
-    tb = error.__traceback__
-    while tb is not None:
-        it = tb.tb_frame.f_locals.get("self")
-        if isinstance(it, _MultiProcessingDataLoaderIter):
+    dataset = shell.user_ns["data"].dataset
+    for it in gc.get_objects():
+        if type(it) is _MultiProcessingDataLoaderIter and it._dataset is dataset:
             it._shutdown_workers()
-        tb = tb.tb_next
     return error, result.shown, took
 
 
@@ -136,3 +135,24 @@ def test_a_worker_late_past_the_loaders_timeout_is_named(shell: Any, tmp_path: A
     assert (stop["worker"], stop["pid"], stop["how"], stop["samples"][0]) == (worker, pid, "late", 16)
     assert f"WORKER LATE: DataLoader worker {worker} (pid {pid}) was still loading samples 16-23" in shown
     assert ours(our_directories) and not any(os.path.exists(d) for d in ours(our_directories))
+
+
+@pytest.mark.parametrize("at", [3, 21])
+def test_a_worker_killed_while_the_loop_is_elsewhere_is_named_too(shell: Any, tmp_path: Any, our_directories: list[str], at: int) -> None:
+    # No delay: the worker is killed while the loop may be anywhere (its own code, torch's, ours);
+    # torch's SIGCHLD handler raises there, and the error reaches the cell as torch's. Killed in
+    # the first batch (sample 3), before the first step: named under the cell's one line.
+    shell.user_ns["log"] = str(tmp_path)
+    build = f"loader(Dying(48, {at}, 'kill', log, delay_s=0.0), batch_size=8, num_workers=2, multiprocessing_context='fork')"
+    traced, shown, took = failed(shell, build, "%%traceml --no-live\n")
+    pid, worker, _ = who_failed(tmp_path)
+    if at == 3:
+        assert "traceml: no step ran" in shown and f"traceml: inside the loader, WORKER DIED: DataLoader worker {worker}" in shown
+    assert took < BOUND_S
+    assert type(traced) is RuntimeError and str(traced).startswith("DataLoader worker (pid") and str(pid) in str(traced)
+    got = traceml_jupyter.last()
+    assert got is not None and got.result.data.inside is not None
+    (stop,) = got.result.data.inside["stopped"]
+    assert (stop["worker"], stop["pid"], stop["how"], stop["code"]) == (worker, pid, "died", -9)
+    assert f"WORKER DIED: DataLoader worker {worker} (pid {pid}) died (killed by signal 9" in shown
+    assert not any(os.path.exists(d) for d in ours(our_directories))
