@@ -1,7 +1,9 @@
 """The training process's side of the inside-the-loader watch (docs/loader-inside.md): for the
 traced cell, `iter(loader)` on a loader with workers starts them with worker_side.WorkerInit
 chained before the user's `worker_init_fn` (put back as soon as the workers started), and each
-`next()` on that iterator notes when the loop asked and when it received which worker's batch.
+`next()` on that iterator notes when the loop asked and when it received which worker's batch
+(torch's task in that pass), or, when it raised, which batch it awaited and the workers' exit
+codes (a worker that died, raised or was late is named: analysis/loader_inside.py).
 At the cell's end the workers' records are read from the run's private directory, which is
 then removed (a persistent worker stops timing at its next batch).
 
@@ -172,8 +174,10 @@ class LoaderInside:
 
     def close(self, notes: list[str]) -> Watched | None:
         """The cell ended: the workers' records, the loop's receptions, the start (monotonic
-        ns) and the pin-memory thread's batches, or None when no worker was watched; the
-        directory removed. What could not be watched: a note."""
+        ns), the pin-memory thread's batches, the loop's failed next() and the workers that
+        ended with a code other than 0, or None when no worker was watched; the directory
+        removed (a plain read of files: nothing waits on a dead worker). What could not be
+        watched: a note."""
         directory, self.directory = self.directory, None
         iterators = list(self.iterators.values())
         self.iterators.clear()
