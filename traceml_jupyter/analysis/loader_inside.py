@@ -104,8 +104,8 @@ class WorkerStop(TypedDict):
     """A worker that stopped the loop (died, raised, or was late past the loader's timeout):
     who, how (`died`: `code` is its exit code, or -N for signal N; `raised`; `late`), the
     error the loop got, the batch it was making (its first sample indices, how many, whether
-    they run on from the first: "samples 40-47"; [] and None when not known) and the batches
-    it had made before."""
+    they run on from the first: "samples 40-47", whether they are an IterableDataset's places in
+    the worker's stream; [] and None when not known) and the batches it had made before."""
 
     worker: int
     pid: int
@@ -115,6 +115,7 @@ class WorkerStop(TypedDict):
     samples: list[int]
     in_batch: int | None
     consecutive: bool
+    stream: bool
     batches: int
 
 
@@ -227,7 +228,8 @@ def _stop(records: Sequence[Sequence[int]], worker: int, pid: int, how: str, cod
     return WorkerStop(
         worker=worker, pid=pid, how=how, code=code, error=error,
         samples=[i for i in last[INDICES:] if i >= 0] if last else [], in_batch=last[IN_BATCH] if last else None,
-        consecutive=bool(last[CONSECUTIVE]) if last else False, batches=len(done),
+        consecutive=bool(last[CONSECUTIVE]) if last else False, stream=bool(last and last[CONSECUTIVE] == 2),
+        batches=len(done),
     )  # fmt: skip
 
 
@@ -360,6 +362,8 @@ def _samples(stop: WorkerStop) -> str:
     samples, n = stop["samples"], stop["in_batch"]
     if not samples or not n:
         return ""
+    if stop["stream"]:  # (an IterableDataset: no index, the items' places in the worker's stream)
+        return f"item {samples[0]} of its stream" if n == 1 else f"items {samples[0]}-{samples[0] + n - 1} of its stream"
     if n == 1:
         return f"sample {samples[0]}"
     if stop["consecutive"]:

@@ -20,10 +20,11 @@ def record(pid: int, worker: int, k: int, start_ms: float, getitem_ms: float, co
 
 
 def started(pid: int, worker: int, k: int, task: int, samples: list[int], n: int | None = None, passes: int = 0,
-            consecutive: bool = True) -> tuple[int, ...]:  # fmt: skip
-    """A worker's STARTED record (worker_side.STARTED_RECORD): its k-th fetch begun."""
+            consecutive: bool = True, stream: bool = False) -> tuple[int, ...]:  # fmt: skip
+    """A worker's STARTED record (worker_side.STARTED_RECORD): its k-th fetch begun (`stream`:
+    an IterableDataset's, its places in the worker's stream)."""
     shown = samples[:11] + [-1] * (11 - len(samples[:11]))
-    return (1, pid, worker, passes, k, task, 0, len(samples) if n is None else n, int(consecutive), *shown)
+    return (1, pid, worker, passes, k, task, 0, len(samples) if n is None else n, 2 if stream else int(consecutive), *shown)
 
 
 def made(pid: int, worker: int, batches: int) -> list[tuple[int, ...]]:
@@ -59,6 +60,9 @@ def test_how_a_worker_ended_chooses_the_fix() -> None:
     exited = stop_findings(summarise(records, [], 0, [], [], [(0, 100, 3)]))[0]
     assert "exited with code 3" in exited["text"] and "num_workers=0" in exited["fix"]
     assert "shared memory" in stop_findings(summarise(records, [], 0, [], [], [(0, 100, -7)]))[0]["fix"]
+    # An IterableDataset's worker: its items' places in its stream, not indices.
+    stream = made(100, 0, 1) + [started(100, 0, 1, 2, list(range(8, 16)), stream=True)]
+    assert "while loading items 8-15 of its stream" in stop_findings(summarise(stream, [], 0, [], [], [(0, 100, -9)]))[0]["text"]
     # Died between two fetches (its last record a batch done): no samples named.
     idle = stop_findings(summarise(made(100, 0, 2), [], 0, [], [], [(0, 100, -9)]))[0]
     assert idle["text"].endswith("SIGKILL: out of memory?), after 2 batches")

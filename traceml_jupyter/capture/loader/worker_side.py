@@ -33,7 +33,8 @@ BATCH, STARTED = 0, 1  # the record's kind (its first field)
 # Both kinds begin with: kind, pid, worker id, pass (the fetchers the worker made: one a pass
 # over the loader), ordinal, task (torch's index of the batch in its pass, -1 unknown). Then
 # BATCH: start, collate start, end, getitem ns, items, bytes, SLOWEST (index, ns);
-# STARTED: start, items, consecutive (1: the indices run on from the first), SHOWN indices.
+# STARTED: start, items, consecutive (1: the indices run on from the first; 2: an
+# IterableDataset's places in this worker's stream, from the first), SHOWN indices.
 RECORD = struct.Struct("<iiiiqq" + "qqqqqq" + "qq" * SLOWEST)
 STARTED_RECORD = struct.Struct("<iiiiqq" + "qqq" + "q" * SHOWN)
 MAX_RECORDS = 100_000  # per worker file, of both kinds (14.4 MB): bounded
@@ -100,11 +101,11 @@ class _Timing:
         many = isinstance(index, (list, tuple))
         n = len(index) if many else 1
         if stream is not None:
-            indices, run = list(range(stream, stream + min(n, SHOWN))), True
+            indices, run = list(range(stream, stream + min(n, SHOWN))), 2
         else:
             indices = [i for i in index[:SHOWN] if type(i) is int and 0 <= i < INDEX_LIMIT] if many else [index] if type(index) is int else []
-            run = len(indices) == min(n, SHOWN) > 0 and list(index) == list(range(indices[0], indices[0] + n))
-        self._write(STARTED_RECORD, STARTED, task, start, n, int(run), *indices, *[-1] * (SHOWN - len(indices)))
+            run = int(len(indices) == min(n, SHOWN) > 0 and list(index) == list(range(indices[0], indices[0] + n)))
+        self._write(STARTED_RECORD, STARTED, task, start, n, run, *indices, *[-1] * (SHOWN - len(indices)))
 
     def write(self, task: int, start: int, collate: int, end: int, getitem: int, items: int, nbytes: int, slow: list[tuple[int, int]]) -> None:
         """One batch's record, the fetch done (the BATCH record)."""

@@ -108,3 +108,18 @@ def test_a_fetch_that_raises_is_left_started_and_its_traceback_shows_no_frame_of
     assert any(name.endswith("fetch.py") for name in frames)  # torch's own frames kept
     kinds = [(r[0], r[4]) for r in worker_side.read_records(str(tmp_path))]
     assert kinds == [(worker_side.STARTED, 0), (worker_side.BATCH, 0), (worker_side.STARTED, 1)]  # the second: begun, not done
+
+
+def test_an_iterable_datasets_fetch_is_started_with_its_places_in_the_stream(tmp_path: Any) -> None:
+    from torch.utils.data._utils.fetch import _IterableDatasetFetcher
+
+    worker_side.WorkerInit(str(tmp_path), None)(1)
+    try:
+        fetcher = _IterableDatasetFetcher(iter(range(100, 110)), True, list, False)
+        assert fetcher.fetch([None] * 4) == [100, 101, 102, 103] and fetcher.fetch([None] * 4) == [104, 105, 106, 107]
+    finally:
+        assert worker_side._Timing.active is not None
+        worker_side._Timing.active.stop()
+    started = [r for r in worker_side.read_records(str(tmp_path)) if r[0] == worker_side.STARTED]
+    # items, 2 (places in the stream), the places: 0-3, then 4-7
+    assert [r[7:13] for r in started] == [(4, 2, 0, 1, 2, 3), (4, 2, 4, 5, 6, 7)]
