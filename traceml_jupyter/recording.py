@@ -17,18 +17,20 @@ from .analysis.compile import CompileFacts
 from .analysis.loader_inside import LoaderInside, Watched, inside_next
 from .analysis.loader_inside import summarise as summarise_inside
 from .analysis.phases import step_definition
-from .analysis.summary_keys import LineCosts
+from .analysis.summary_keys import LineCosts, RankRow
 from .capture.data.probes import safe_len
 from .capture.resources.host import usable_cpus
 from .capture.resources.machine import describe_machine
 from .capture.steps.recorder import Recorder
+from .facts.gpu import Copies, CudaGraphs, SyncStalls
+from .facts.loader import CodeSite, LoaderFacts, PhaseRow, SourceRow
+from .facts.machine import MachineFacts
+from .facts.processes import ProcessRow
+from .facts.resources import GpuMemoryFacts, HeldBefore, HostFacts, OomFacts
 from .failures import failure_text, never_raise, read_or
 from .result import DataFeed, Gpu, Loop, Resources, RunResult, Steps
 from .result.value import (
-    Copies,
-    SyncStalls,
     frozen_as,
-    frozen_facts,
     frozen_rows,
     frozen_summary,
     read_only,
@@ -39,13 +41,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from .capture.compiled.compile_record import CompileRecord, CompileWatch
-    from .capture.data.dataloaders import CodeSite, LoaderFacts
     from .capture.gpu.gpu_watch import GpuWatch
-    from .capture.gpu.h2d import CopiesResult
-    from .capture.gpu.syncs import SyncsResult
-    from .capture.resources.gpu_memory import GpuMemoryFacts, HeldBefore, OomFacts
-    from .capture.resources.host import HostFacts
-    from .capture.resources.machine import MachineFacts
+    from .capture.loader.lanes import LiveLanes
     from .capture.resources.watch import ResourceWatch
 
 __all__ = ["COPIES_KEPT", "REFRESH_NS", "Observer", "Recording"]
@@ -104,8 +101,8 @@ class Recording:
         self.expected_steps: int | None = None
         self.step_kind = "none"
         self.step_definition = "no step ran"
-        self.sources: list[dict[str, Any]] = []
-        self.phases: list[dict[str, Any]] = []
+        self.sources: list[SourceRow] = []
+        self.phases: list[PhaseRow] = []
         self.wall_ms: float | None = None
         self.process_cpu_ms: float | None = None
         self.thread_cpu_ms: float | None = None
@@ -118,12 +115,12 @@ class Recording:
         self.extra_columns: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
         self.watch_summary: dict[str, Any] = {}
         self.gpu_watch: GpuWatch | None = None  # loop_started(device) and step_ended(t); CUDA path only
-        self.h2d: CopiesResult | None = None
-        self.sync_stalls: SyncsResult | None = None
+        self.h2d: Copies | None = None
+        self.sync_stalls: SyncStalls | None = None
         self.line_costs: LineCosts | None = None
         self.step_parts: StepFacts | None = None  # columns(cols) and facts() of the sampled steps
         self.pass_starts: list[int] = []
-        self.cuda_graphs: dict[str, Any] | None = None
+        self.cuda_graphs: CudaGraphs | None = None
         self.gpu_note: str | None = None
         self.gpu_device: str | None = None
         self.resource_watch: ResourceWatch | None = None  # while recording
@@ -133,15 +130,16 @@ class Recording:
         self.gpu_memory: GpuMemoryFacts | None = None
         self.held_before: HeldBefore | None = None
         self.oom: OomFacts | None = None
-        self.ranks: list[dict[str, Any]] | None = None
+        self.ranks: list[RankRow] | None = None
         # ranks.Collector or ranks.LocalRank, which check what they are given (isinstance): the
         # recording names no type of the ranks above it.
         self.rank_collector: object = None
-        self.processes: list[dict[str, Any]] | None = None
+        self.processes: list[ProcessRow] | None = None
         self.loader_site: CodeSite | None = None
         self.dataset_site: CodeSite | None = None
         # Inside the DataLoader's workers (capture/loader/watch.py, summarised: inside_watched)
         self.loader_inside: LoaderInside | None = None
+        self.loader_lanes: LiveLanes | None = None  # its lanes while the cell runs (the live chart's)
         # NVML samples of the run's GPU (time_s, gpu_util_pct, gpu_mem_used_mib), left by the
         # resource watch when it stops, before the run finishes.
         self.gpu_samples: dict[str, np.ndarray] | None = None
@@ -190,7 +188,7 @@ class Recording:
     def note_dataloader(self, source: Any, loader: Any) -> None:
         """A DataLoader's first iter() in the run: keep its settings (the user's object, read
         once: settings that cannot be read are none, {})."""
-        from .capture.data.dataloaders import LoaderFacts, describe_loader, loader_copy
+        from .capture.data.dataloaders import describe_loader, loader_copy
 
         self._loader_infos[source.key] = read_or(LoaderFacts(), describe_loader, loader)
         while len(self._loader_copies) >= COPIES_KEPT:
@@ -344,24 +342,24 @@ class Recording:
                 thread_cpu_ms=self.thread_cpu_ms, thread_wait_ms=self.thread_wait_ms,
             ),
             data=DataFeed(
-                loader=frozen_facts(self.loader_info), sources=frozen_rows(self.sources) or (),
-                phases=frozen_rows(self.phases) or (), loader_site=frozen_facts(self.loader_site),
-                dataset_site=frozen_facts(self.dataset_site),
+                loader=frozen_as(LoaderFacts, self.loader_info), sources=frozen_rows(SourceRow, self.sources) or (),
+                phases=frozen_rows(PhaseRow, self.phases) or (), loader_site=frozen_as(CodeSite, self.loader_site),
+                dataset_site=frozen_as(CodeSite, self.dataset_site),
                 inside=frozen_as(LoaderInside, inside),
             ),
             gpu=Gpu(
                 used=self.gpu_used, cuda_device=self.cuda_device, device=self.gpu_device,
                 note=self.gpu_note, samples=read_only(samples) if samples is not None else None,
                 h2d=frozen_as(Copies, self.h2d), sync_stalls=frozen_as(SyncStalls, self.sync_stalls),
-                cuda_graphs=frozen_facts(self.cuda_graphs),
+                cuda_graphs=frozen_as(CudaGraphs, self.cuda_graphs),
             ),
             resources=Resources(
-                host=frozen_facts(self.host), gpu_memory=frozen_facts(self.gpu_memory),
-                held_before=frozen_facts(self.held_before), oom=frozen_facts(self.oom),
+                host=frozen_as(HostFacts, self.host), gpu_memory=frozen_as(GpuMemoryFacts, self.gpu_memory),
+                held_before=frozen_as(HeldBefore, self.held_before), oom=frozen_as(OomFacts, self.oom),
             ),
             line_costs=frozen_as(LineCosts, self.line_costs),
-            compiled=frozen_as(CompileFacts, self.compiled), ranks=frozen_rows(self.ranks),
-            processes=frozen_rows(self.processes), machine=frozen_facts(self._machine()),
+            compiled=frozen_as(CompileFacts, self.compiled), ranks=frozen_rows(RankRow, self.ranks),
+            processes=frozen_rows(ProcessRow, self.processes), machine=frozen_as(MachineFacts, self._machine()),
             notes=tuple(self.notes), error=self.error,
         )
 

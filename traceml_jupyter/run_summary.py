@@ -19,10 +19,10 @@ from .analysis.verdict import Verdict, diagnose
 if TYPE_CHECKING:
     import numpy as np
 
-    from .capture.data.dataloaders import LoaderFacts
-    from .capture.resources.gpu_memory import GpuMemoryFacts, HeldBefore, OomFacts
-    from .capture.resources.host import HostFacts
+    from .analysis.summary_keys import RankRow
     from .capture.steps.recorder import Recorder
+    from .facts.loader import LoaderFacts, PhaseRow, SourceRow
+    from .facts.resources import GpuMemoryFacts, HeldBefore, HostFacts, OomFacts
 
 
 class StepFacts(Protocol):
@@ -58,13 +58,13 @@ class Recorded(Protocol):
     def batches_per_step(self) -> float | None:
         """Batches fetched per step."""
     @property
-    def ranks(self) -> list[dict[str, Any]] | None:
+    def ranks(self) -> list[RankRow] | None:
         """One summary per rank (several ranks), else None."""
     @property
-    def sources(self) -> list[dict[str, Any]]:
+    def sources(self) -> list[SourceRow]:
         """Every data source and what it fed."""
     @property
-    def phases(self) -> list[dict[str, Any]]:
+    def phases(self) -> list[PhaseRow]:
         """The passes kept out of the steps (validation, eval)."""
     @property
     def step_kind(self) -> str:
@@ -125,8 +125,8 @@ def analyse(run: Recorded, cols: dict[str, np.ndarray]) -> tuple[Summary, Verdic
     compiled = _compiled(run, cols)
     summary = summarize(_steady(cols, compiled), rec.n_steps, _warmup(run, compiled), run.gpu_used, rec.totals())
     summary.update(_compile_summary(compiled))
-    late = [s for s in summary["compiling_steps"] if s >= int(summary["warmup_steps"])]
-    summary["n_analysed"] = max(0, int(summary["n_analysed"]) - len(late))  # compiling: not analysed
+    late = [s for s in (compiled.kept_out if compiled else ()) if s >= int(summary["warmup_steps"])]
+    summary["n_analysed"] = max(0, int(summary["n_analysed"]) - len(late))  # compiling, profiled: not analysed
     summary.update(cast(Summary, run.watch_summary))  # the GPU watch's keys (capture/gpu)
     summary.update(_source_summary(run))
     summary.update(_inside_the_step(run, cols, summary))
@@ -162,22 +162,23 @@ def _warmup(run: Recorded, compiled: CompileReading | None) -> int | None:
 
 def _steady(cols: dict[str, np.ndarray], compiled: CompileReading | None) -> dict[str, np.ndarray]:
     """The columns without the steps that compiled (the steady state's figures: a recompile at
-    the last batch is no step of the training's pace)."""
-    if compiled is None or not compiled.compiling_steps:
+    the last batch is no step of the training's pace), nor those the eager share's profiler ran in."""
+    if compiled is None or not compiled.kept_out:
         return cols
     import numpy as np
 
-    keep = ~np.isin(cols["step"], compiled.compiling_steps)
+    keep = ~np.isin(cols["step"], compiled.kept_out)
     return {name: column[keep] for name, column in cols.items()}
 
 
 def _compile_summary(compiled: CompileReading | None) -> Summary:
     if compiled is None:
-        return {"compile_s": None, "compile_share": None, "compiling_steps": []}
+        return {"compile_s": None, "compile_share": None, "compiling_steps": [], "eager_share": None}
     return {
         "compile_s": compiled.seconds,
         "compile_share": compiled.share_of_cell,
         "compiling_steps": list(compiled.compiling_steps),
+        "eager_share": compiled.eager["share"] if compiled.eager is not None else None,
     }
 
 

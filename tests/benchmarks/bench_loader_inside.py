@@ -97,6 +97,86 @@ def _no_patches(self: Any) -> Any:
     return nullcontext()
 
 
+def lanes_read_cost(total: int, per_tick: int, workers: int = 4) -> tuple[float, list[tuple[int, int]], float]:
+    """`total` batches of `workers` workers, `per_tick` new records a tick (and as many
+    receptions), read at each tick: (the median tick's µs, [(batches so far, points the
+    lanes' chart draws)], the µs of the window and its lines, median)."""
+    import types
+
+    from traceml_jupyter.capture.loader.lanes import LiveLanes
+    from traceml_jupyter.views.live_lanes import lane_lines
+
+    directory = tempfile.mkdtemp(prefix="traceml-bench-")
+    watch = types.SimpleNamespace(directory=directory, receptions=[], began_ns=0)
+    lanes = LiveLanes(watch)
+    files = [open(os.path.join(directory, f"w{w}-{1000 + w}.bin"), "ab", buffering=0) for w in range(workers)]  # noqa: SIM115
+    made = [0] * workers
+    points: list[tuple[int, int]] = []
+    ticks, draws = [], []
+    try:
+        for tick in range(total // per_tick):
+            for i in range(per_tick):
+                w = i % workers
+                k, t = made[w], (tick * per_tick + i) * 1_000_000
+                files[w].write(worker_side.RECORD.pack(0, 1000 + w, w, 0, k, k, t, t + 600_000, t + 900_000, 1, 8, 64, *([-1, 0] * 4)))
+                watch.receptions.append((1000 + w, 0, k, t + 800_000, t + 1_000_000))
+                made[w] += 1
+            t0 = time.perf_counter_ns()
+            lanes.read()
+            ticks.append(time.perf_counter_ns() - t0)
+            done = (tick + 1) * per_tick
+            if done in (1_000, 10_000) or done % 20_000 == 0:
+                t0 = time.perf_counter_ns()
+                x, _ = lane_lines(*lanes.window())
+                draws.append(time.perf_counter_ns() - t0)
+                points.append((done, int(x.size)))
+    finally:
+        for f in files:
+            f.close()
+        shutil.rmtree(directory)
+    return statistics.median(ticks) / 1e3, points, statistics.median(draws) / 1e3
+
+
+def refresh_cost(with_lanes: bool, refreshes: int = 200, per_tick: int = 250) -> float:
+    """µs a live-view refresh (bqplot chart, no front-end) over a run of 4 workers' batches."""
+    import types
+
+    from traceml_jupyter import kernel_state
+    from traceml_jupyter.capture.loader.lanes import LiveLanes
+    from traceml_jupyter.run import Run
+    from traceml_jupyter.views import live
+
+    directory = tempfile.mkdtemp(prefix="traceml-bench-")
+    handle = Run("bench-lanes")
+    run = handle.recording
+    run.recorder.origin_ns = (run.recorder.origin_ns or 0) - 3600 * 10**9  # (no update skipped)
+    watch = types.SimpleNamespace(directory=directory, receptions=[], began_ns=0)
+    run.loader_lanes = LiveLanes(watch) if with_lanes else None
+    chart = live.WidgetChart(run.name)
+    view = live.LiveView(run, chart)
+    files = [open(os.path.join(directory, f"w{w}-{1000 + w}.bin"), "ab", buffering=0) for w in range(4)]  # noqa: SIM115
+    made, step = [0] * 4, 0
+    try:
+        for tick in range(refreshes):
+            for i in range(per_tick):
+                w, t = i % 4, (tick * per_tick + i) * 1_000_000
+                files[w].write(worker_side.RECORD.pack(0, 1000 + w, w, 0, made[w], made[w], t, t + 600_000, t + 900_000, 1, 8, 64, *([-1, 0] * 4)))
+                watch.receptions.append((1000 + w, 0, made[w], t + 800_000, t + 1_000_000))
+                made[w] += 1
+                o = run.recorder.origin_ns + step * 1_000_000
+                run.recorder.add(o, o + 100_000, o + 1_000_000)
+                step += 1
+            view.refresh(run)
+        return view.refresh_ns / 1e3 / view.refreshes
+    finally:
+        for f in files:
+            f.close()
+        shutil.rmtree(directory)
+        for widget in live.widgets_under(chart.box):
+            widget.close()
+        kernel_state.RUNS.remove(handle)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
@@ -111,6 +191,19 @@ def main() -> None:
         off.append(loop_wall(False, args.samples))
         on.append(loop_wall(True, args.samples))
     a, b = statistics.median(off), statistics.median(on)
+    tick_us = {n: lanes_read_cost(100_000 if n >= 250 else 20_000, n) for n in (25, 250, 2500)}
+    marginal = (tick_us[2500][0] - tick_us[250][0]) / 2250
+    print("live lanes, 4 workers' files read at each tick, the median tick: "
+          + ", ".join(f"{n} new records {us:.0f} us ({us / n:.1f} us a record)" for n, (us, _, _) in tick_us.items())
+          + f"; {marginal:.2f} us a record more past 250; window + lines {tick_us[250][2]:.0f} us (a lanes turn)")
+    print(f"live lanes, points the chart draws (batches so far, x points): {tick_us[250][1]}")
+    for per_tick in (25, 250):
+        plain_us, lanes_us = [], []
+        for _ in range(3):
+            plain_us.append(refresh_cost(False, per_tick=per_tick))
+            lanes_us.append(refresh_cost(True, per_tick=per_tick))
+        print(f"live view refresh over {per_tick} new batches a tick (4 workers): {min(plain_us):.0f} us without the lanes, "
+              f"{min(lanes_us):.0f} us with them (fastest of 3, alternated; the lanes read 4 refreshes in 8, drawn 2 in 8)")
     print(f"end to end, {args.samples} samples of 2 ms, 2 workers: {a:.3f} s without, {b:.3f} s with the watch "
           f"(x{b / a:.3f}; target <= 1.03); rounds: without {[round(v, 3) for v in off]}, with {[round(v, 3) for v in on]}")
     sys.stdout.flush()

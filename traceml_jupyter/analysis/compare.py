@@ -299,7 +299,12 @@ def compile_rows(summary_a: Summary, summary_b: Summary) -> list[tuple[str, str,
     if a is None and b is None:
         return []
     change = f"{b - a:+.1f} s" if a is not None and b is not None else ""
-    return [("Compiling (torch.compile)", _compiling(summary_a), _compiling(summary_b), change)]
+    rows = [("Compiling (torch.compile)", _compiling(summary_a), _compiling(summary_b), change)]
+    eager_a, eager_b = summary_a.get("eager_share"), summary_b.get("eager_share")
+    if eager_a is not None or eager_b is not None:
+        moved = f"{100 * (eager_b - eager_a):+.0f} points" if eager_a is not None and eager_b is not None else ""
+        rows.append(("Eager between graphs (torch.compile)", _pct(eager_a), _pct(eager_b), moved))
+    return rows
 
 
 def _conclusion(

@@ -26,6 +26,9 @@ COMPILING_SHARE = 0.25
 MOSTLY_COMPILING = 0.5
 # traceml's own code (its hooks) that Dynamo traced into: kept apart from the user's findings.
 OWN_CODE = re.compile(r"[/\\]traceml_jupyter[/\\]")
+# The share of a step run eagerly between graphs that makes an Also line (below it, the
+# Compile section alone says it).
+EAGER_LARGE = 0.10
 RESUME = re.compile(r"torch_dynamo_resume_in_(?P<function>\w+?)_at_(?P<line>\d+)$")
 
 
@@ -43,8 +46,23 @@ class FrameCompiled(TypedDict):
     failed: str | None
 
 
+class EagerShare(TypedDict):
+    """The share of a step run eagerly between compiled graphs, over a few sampled steps
+    (docs/compile.md, "eager"; capture/compiled/eager_share.py)."""
+
+    share: float | None  # None: not measured (`note` says why)
+    eager_s: float | None
+    graphs_s: float | None
+    steps_s: float | None
+    steps: list[int]  # the measured steps [first, last], from 0
+    profiled: list[int]  # the steps the profiler ran in [first, last]: kept out of the steady state
+    clock: str  # "cpu": host time
+    note: str | None
+
+
 class CompileFacts(TypedDict):
-    """What torch recorded of torch.compile during the cell (the JSON's `compile`)."""
+    """What torch recorded of torch.compile during the cell (the JSON's `compile`; `eager` is
+    absent from files written before it was measured)."""
 
     torch: str | None
     spans: list[list[float]]
@@ -52,6 +70,7 @@ class CompileFacts(TypedDict):
     graph_breaks: int | None
     graph_break_reasons: dict[str, int]
     recompile_limit: int | None
+    eager: EagerShare | None
 
 
 @dataclass(frozen=True)
@@ -90,11 +109,25 @@ class CompileReading:
     graph_breaks: int | None  # torch's counter
     own_frames: int  # compiles of traceml's own hooks (Dynamo traced into them)
     limit_hit: str | None  # the function whose compiled code was abandoned at the recompile limit
+    eager: EagerShare | None = None  # the share of a step run eagerly between graphs (sampled)
+
+    @property
+    def kept_out(self) -> tuple[int, ...]:
+        """The steps kept out of the steady state: those that compiled, and those the eager
+        share's profiler ran in (they pay its overhead)."""
+        return tuple(sorted({*self.compiling_steps, *profiled_steps(self.eager)}))
 
     @property
     def mostly_compiling(self) -> bool:
         """Compiling took most of the cell (MOSTLY_COMPILING)."""
         return self.share_of_cell is not None and self.share_of_cell >= MOSTLY_COMPILING
+
+
+def profiled_steps(eager: EagerShare | None) -> range:
+    """The steps the eager share's profiler ran in (none: an empty range)."""
+    if eager is None or len(eager["profiled"]) != 2:
+        return range(0)
+    return range(eager["profiled"][0], eager["profiled"][1] + 1)
 
 
 def spans(facts: CompileFacts) -> list[tuple[float, float]]:
@@ -227,6 +260,7 @@ def read_compile(
         compiling_steps=compiling, recompiles=tuple(recompiles), breaks=tuple(graph_breaks(facts)),
         graph_breaks=facts["graph_breaks"], limit_hit=limit,
         own_frames=sum(1 for f in facts["frames"] if OWN_CODE.search(f["filename"])),
+        eager=facts.get("eager"),
     )
 
 
@@ -248,7 +282,7 @@ def step_list(steps: Sequence[int]) -> str:
 def compile_lines(reading: CompileReading, cell_filename: str | None = None) -> list[str]:
     """The compile findings as lines (the text box's Also lines, the report's Compile section):
     the time compiling, the recompile limit (loudly), each recompilation's cause and fix, each
-    graph break's line and fix."""
+    graph break's line and fix; the share of a step run eagerly between graphs, when large."""
     lines = []
     where = [s for s in sorted(reading.per_step) if s >= 0]
     if reading.seconds > 0:
@@ -271,10 +305,24 @@ def compile_lines(reading: CompileReading, cell_filename: str | None = None) -> 
             f"Dynamo compiled traceml's own hooks {reading.own_frames} time(s): they run inside your "
             "compiled code and add graph breaks and compiles of their own (see docs/compile.md)"
         )
+    eager = reading.eager
+    if eager is not None and eager["share"] is not None and eager["share"] >= EAGER_LARGE:
+        fix = "fix the graph breaks below" if reading.breaks else "compile more of the step"
+        lines.append(f"eager between graphs: {eager_words(eager)} — {fix}")
     for b in reading.breaks:
         place = f"line {b.line}" if b.filename == cell_filename else f"{_short(b.filename)}:{b.line}"
         lines.append(f"graph break in {b.function}() at {place}: {b.reason} — {b.fix}")
     return lines
+
+
+def eager_words(eager: EagerShare) -> str:
+    """The eager share in words: "35 % of a step runs eagerly between the compiled graphs
+    (host time, sampled over steps 41–43)"; why it was not measured, where it was not."""
+    if eager["share"] is None:
+        return f"the share of a step run eagerly between graphs was not measured: {eager['note'] or 'no sample'}"
+    first, last = (s + 1 for s in eager["steps"])
+    over = f"step {first}" if first == last else f"steps {first}–{last}"
+    return f"{pct(eager['share'], 0)} of a step runs eagerly between the compiled graphs (host time, sampled over {over})"
 
 
 def function_name(name: str) -> str:

@@ -22,7 +22,7 @@ import numpy as np
 from .number_text import ms as _ms
 from .number_text import pct as _pct
 from .rank_evidence import ALPHA, PairedEvidence, evidence_text, p_text, proven
-from .summary_keys import RankComparison, Straggler, Summary
+from .summary_keys import RankComparison, RankRow, Straggler, Summary
 from .verdict import MIN_ANALYSED, WARN_SHARE, Verdict, VerdictLabel, diagnose, severity_for
 
 CAUSE_SHARE = 0.5  # a phase is the cause when its excess explains at least half of the gap
@@ -80,7 +80,7 @@ def rank_summary(
     summary: Mapping[str, Any],
     backward_ms: float | None,
     **facts: Any,
-) -> dict[str, Any]:
+) -> RankRow:
     """One rank's numbers, from its own summary (summary.summarize) and its median backward;
     `facts`: pid, status ("finished", "failed", "stopped", "running"), error, loader."""
     out: dict[str, Any] = {"rank": int(rank)}
@@ -95,7 +95,7 @@ def rank_summary(
     for key in ("num_workers", "batch_size"):
         if loader.get(key) is not None:
             out[key] = loader[key]
-    return out
+    return cast(RankRow, out)
 
 
 def _value(rank: Mapping[str, Any], key: str) -> float | None:

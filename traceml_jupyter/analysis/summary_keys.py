@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Literal, TypedDict
 
+from ..facts.gpu import SyncTop
+from ..facts.loader import PhaseRow, RankLoader
 from .findings import FindingRow
 from .rank_evidence import PairedEvidence
 
@@ -98,18 +100,6 @@ class Oversubscription(TypedDict, total=False):
     suggested_workers: int | None
 
 
-class SyncTop(TypedDict, total=False):
-    """The line whose waits for the GPU cost the host most (capture/gpu/gpu_watch.py)."""
-
-    line: int
-    in_cell: bool
-    call: str
-    calls_per_step: float
-    every_step: bool
-    wait_ms_per_step: float | None
-    share: float | None
-
-
 class LineCost(TypedDict, total=False):
     """A line of the loop body and what it cost (a statement of `line_costs`; `host_top_line`)."""
 
@@ -164,6 +154,40 @@ class Straggler(TypedDict, total=False):
     gap_ms: float
     gap_low_ms: float
     gap_high_ms: float
+
+
+class RankRow(TypedDict, total=False):
+    """One rank of a job (`run.ranks`, rank_verdict.rank_summary): its numbers (RANK_NUMBERS;
+    None where not measured), its median backward, its clock, how it ended (finished, failed,
+    stopped, running) with its error, its training loader, and its per-step evidence against
+    the others (`paired`)."""
+
+    rank: int
+    pid: int | None
+    n_steps: int | None
+    n_analysed: int | None
+    warmup_steps: int | None
+    data_wait_ms: float | None
+    compute_ms: float | None
+    step_ms: float | None
+    backward_ms: float | None
+    h2d_ms: float | None
+    data_wait_share: float | None
+    compute_share: float | None
+    straggler_share: float | None
+    steps_per_s: float | None
+    host_ms: float | None
+    h2d_share: float | None
+    num_workers: int | None
+    batch_size: int | None
+    forward_ms: float | None
+    optimizer_ms: float | None
+    rest_ms: float | None
+    clock: str
+    status: str
+    error: str | None
+    loader: RankLoader | None
+    paired: PairedEvidence
 
 
 class RankComparison(TypedDict, total=False):
@@ -237,12 +261,13 @@ class Summary(TypedDict, total=False):
     data_source_kind: str | None
     data_source_type: str | None
     data_source_line: int | None
-    phases: list[dict[str, object]]
+    phases: list[PhaseRow]
     wall_ms: float | None
     model_compiled: bool
     compile_s: float | None
     compile_share: float | None
     compiling_steps: list[int]
+    eager_share: float | None
     forward_ms: float | None
     backward_ms: float | None
     optimizer_ms: float | None

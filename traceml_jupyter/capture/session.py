@@ -26,9 +26,10 @@ from threading import get_ident
 from time import perf_counter_ns, process_time_ns
 from typing import TYPE_CHECKING, Any
 
+from ..facts.loader import NotedSite
 from ..failures import never_raise, read_or
 from .compiled.compile_record import compile_watched
-from .data.dataloaders import NotedSite, note_site
+from .data.dataloaders import note_site
 from .data.probes import user_namespace
 from .gpu import cuda_graphs
 from .gpu.cuda_clock import Marks, current_device
@@ -38,6 +39,7 @@ from .inside.step_parts import StepParts
 from .instrument import hooks
 from .instrument.dynamo import compile_check, keep_out, reaches_compiled
 from .instrument.patches import patched
+from .loader.lanes import LiveLanes
 from .loader.watch import LoaderInside
 from .loop_gpu import LoopGpu, StepMemory
 from .resources.thread_time import thread_schedstat
@@ -254,7 +256,11 @@ class Capture:
 
 
 def _inside_read(run: Recording, inside: LoaderInside) -> None:
-    run.inside_watched(inside.close(run.notes))
+    try:
+        if run.loader_lanes is not None:  # the live lanes' last read, before the directory goes
+            run.loader_lanes.close()
+    finally:  # (the directory removed whatever happened)
+        run.inside_watched(inside.close(run.notes))
 
 
 def _graphs_read(run: Recording, capture: Capture) -> None:
@@ -437,6 +443,7 @@ def capture_session(run: Recording, capture: Capture | None = None) -> Iterator[
         stack.callback(_guarded, run, "reading torch.compile's record", compile_watched(run))
         stack.enter_context(cuda_graphs.graphs_watched(capture.graphs))
         inside = LoaderInside(capture)
+        run.loader_lanes = LiveLanes(inside)  # (read by the live chart's ticks only)
         _guarded(run, "watching inside the DataLoader", lambda: stack.enter_context(inside.patches()))
         capture.open()
         run.step_parts = capture.parts

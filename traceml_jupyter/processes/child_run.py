@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import ranks
-from ..capture.data.dataloaders import LoaderFacts, NotedSite, split_site
+from ..capture.data.dataloaders import split_site
 from ..capture.data.sources import training_source
 from ..capture.instrument import hooks
 from ..capture.instrument.locate import loop_at_line
 from ..capture.instrument.patches import patched
 from ..capture.instrument.rewrite import instrument_loop
 from ..capture.session import Capture, capture_session, new_token
+from ..facts.loader import LoaderFacts, NotedSite
 from ..ranks.wire import End, Hello, Who
 from ..recording import Recording
 from .startup_hook import command_line

@@ -31,21 +31,22 @@ from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from .. import ranks
 from ..analysis.rank_verdict import compare_ranks, holds_back
+from ..analysis.summary_keys import RankRow
 from ..capture.data.probes import plain_count
+from ..facts.processes import ProcessRow
 from ..result import RunResult
 from . import startup_hook
 from .startup_hook import CHANNEL, LOOP, NOTE, PACKAGE, TOKEN
 
 if TYPE_CHECKING:
-    from ..capture.data.dataloaders import CodeSite, LoaderFacts
-    from ..capture.resources.gpu_memory import GpuMemoryFacts, OomFacts
-    from ..capture.resources.host import HostFacts
+    from ..facts.loader import CodeSite, LoaderFacts
+    from ..facts.resources import GpuMemoryFacts, HostFacts, OomFacts
     from ..recording import Recording
     from ..result import RunResult
 
@@ -168,22 +169,6 @@ class Knock:
 
     sock: socket.socket
     buf: bytes = b""
-
-
-class ProcessRow(TypedDict):
-    """A process the cell started, as `run.processes` keeps it (docs/api.md): its pid, command
-    line, rank (None: not one of a job), the steps it sent, how it ended (finished, failed,
-    stopped: closed without an end, not traced, running), its exit status and error, and why it
-    was not traced."""
-
-    pid: int | None
-    command: str
-    rank: int | None
-    n_steps: int
-    status: str
-    exit_status: int | None
-    error: str | None
-    note: str | None
 
 
 class ChildStream(ranks.Stream):
@@ -345,13 +330,13 @@ def adopt_children(run: Recording, collector: ChildCollector, drain_s: float) ->
     children = [s for s in collector.streams if isinstance(s, ChildStream)]
     if len(children) < len(collector.streams):  # ranks forked from the cell: theirs is the run
         ranks.adopt(run, collector, drain_s)
-        run.processes = [dict(s.record()) for s in children] or None
+        run.processes = [s.record() for s in children] or None
         return
     collector.stop(drain_s)
     run.notes.extend(collector.notes)
     if not children:
         return
-    run.processes = [dict(s.record()) for s in children]
+    run.processes = [s.record() for s in children]
     for stream in children:
         line = no_step_line(collector.describe(stream), stream)
         if line is not None:
@@ -368,10 +353,10 @@ def adopt_children(run: Recording, collector: ChildCollector, drain_s: float) ->
     job = sorted((s for s in trained if s.distributed), key=lambda s: s.label)
     gathered = next((g for g in (job_ranks(s) for s in job) if g), None)  # a job over several nodes
     if len(job) >= 2 or gathered:
-        run.ranks = gathered or ranks.rank_summaries(list(job), run.warmup)
+        run.ranks = job_rows = gathered or ranks.rank_summaries(list(job), run.warmup)
         if gathered:
             run.notes.append(f"Every node's ranks were gathered over the process group at its end ({len(job)} of {len(gathered)} run on this node).")
-        found = compare_ranks(run.ranks)
+        found = compare_ranks(job_rows)
         late = next((s for s in job if holds_back(found) and s.label == found["rank"]), None)  # type: ignore[index]
         main = late or job[0]
         whose = f"rank {main.label}'s" + (" (the rank that holds the others back)" if late else "")
@@ -385,10 +370,10 @@ def adopt_children(run: Recording, collector: ChildCollector, drain_s: float) ->
     become(run, main, ranked=bool(run.ranks))
 
 
-def job_ranks(stream: ChildStream) -> list[dict[str, Any]] | None:
+def job_ranks(stream: ChildStream) -> list[RankRow] | None:
     """Every rank's summary of a job over several nodes, as one of its ranks gathered them."""
     found = stream.result.ranks if stream.result is not None else None
-    return [dict(r) for r in found] if found is not None and len(found) >= 2 else None
+    return [r.copy() for r in found] if found is not None and len(found) >= 2 else None
 
 
 def steps(stream: ranks.Stream) -> str:
@@ -425,8 +410,8 @@ def shows_result(run: Recording, child: RunResult, ranked: bool) -> None:
     run.batch_size, run.batches_per_step, run.batch_kind = steps.batch_size, steps.batches_per_step, steps.batch_kind
     run.loader_info = cast("LoaderFacts", dict(data.loader)) if data.loader is not None else None
     run.expected_steps = plain_count((run.loader_info or {}).get("len"))
-    run.sources = [dict(s) for s in data.sources]
-    run.phases = [dict(p) for p in data.phases]
+    run.sources = [s.copy() for s in data.sources]
+    run.phases = [p.copy() for p in data.phases]
     run.loader_site = cast("CodeSite", dict(data.loader_site)) if data.loader_site is not None else None
     run.dataset_site = cast("CodeSite", dict(data.dataset_site)) if data.dataset_site is not None else None
     run.loader_inside = data.inside  # (docs/loader-inside.md)

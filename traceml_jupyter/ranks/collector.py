@@ -18,6 +18,7 @@ import numpy as np
 from ..analysis.rank_evidence import paired_evidence
 from ..analysis.rank_verdict import compare_ranks, holds_back, rank_summary
 from ..analysis.summary import summarize
+from ..analysis.summary_keys import RankRow
 from ..capture.data.probes import plain_count
 from ..capture.steps.recorder import Recorder
 from ..failures import failure_text, never_raise
@@ -26,7 +27,7 @@ from .backward import RankParts, StepSample
 from .wire import END, HELLO, STEPS, End, end_result, read_frames
 
 if TYPE_CHECKING:
-    from ..capture.data.dataloaders import LoaderFacts
+    from ..facts.loader import LoaderFacts
     from ..recording import Recording
 
 
@@ -148,7 +149,7 @@ class Stream:
         self.backward.add(rows[0], rows[5])
         self.parts.add(rows)
 
-    def summary(self, warmup: int | None) -> dict[str, Any]:
+    def summary(self, warmup: int | None) -> RankRow:
         """The rank's summary for the per-rank table (`warmup`: the run's)."""
         rec = self.recorder
         s = summarize(rec.columns(), rec.n_steps, warmup, False, rec.totals())
@@ -419,7 +420,7 @@ class Collector:
 running: list[Collector] = []  # the kernel's running collectors
 
 
-def rank_summaries(streams: list[Stream], warmup: int | None) -> list[dict[str, Any]]:
+def rank_summaries(streams: list[Stream], warmup: int | None) -> list[RankRow]:
     """Each rank's summary with its per-step evidence against the others (`paired`: the steps
     after the latest warm-up among them, paired by step index)."""
     summaries = [s.summary(warmup) for s in streams]

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from ..analysis.rank_evidence import COLUMNS, paired_evidence
 from ..analysis.rank_verdict import RANK_NUMBERS, compare_ranks, holds_back, rank_summary
+from ..analysis.summary_keys import RankRow
 from ..failures import never_raise
 from .backward import LocalRank
 from .identity import dist_rank, distributed_env, loader_facts, process_group
@@ -33,7 +34,7 @@ def encode(summary: Mapping[str, Any]) -> list[float]:
     return values
 
 
-def decode(values: Any) -> dict[str, Any]:
+def decode(values: Any) -> RankRow:
     """A rank's summary back from the vector `encode` made (NaN: None)."""
     numbers = [float(v) for v in values]
     out: dict[str, Any] = {}
@@ -44,7 +45,7 @@ def decode(values: Any) -> dict[str, Any]:
             out[key] = int(value) if key in INTEGERS else value
     out["clock"] = "gpu" if numbers[len(RANK_NUMBERS)] else "cpu"
     out.update(status="finished", error=None, loader=None)
-    return out
+    return cast(RankRow, out)
 
 
 def encode_steps(columns: Mapping[str, Any], n: int = GATHERED_STEPS) -> np.ndarray:
@@ -81,7 +82,7 @@ def local_steps(run: Recording) -> dict[str, np.ndarray]:
     return {"step": steps, "sync_ms": sync, "data_wait_ms": cols["data_wait_ms"], "compute_ms": cols["compute_ms"], "step_ms": cols["step_ms"]}
 
 
-def with_evidence(summaries: list[dict[str, Any]], steps: list[dict[str, np.ndarray]]) -> None:
+def with_evidence(summaries: list[RankRow], steps: list[dict[str, np.ndarray]]) -> None:
     """Each gathered rank's per-step evidence against the others (`paired`), after the latest
     warm-up among them."""
     first = max((int(x.get("warmup_steps") or 0) for x in summaries), default=0)
@@ -91,7 +92,7 @@ def with_evidence(summaries: list[dict[str, Any]], steps: list[dict[str, np.ndar
             entry["paired"] = evidence[entry["rank"]]
 
 
-def local_summary(run: Recording, rank: int) -> dict[str, Any]:
+def local_summary(run: Recording, rank: int) -> RankRow:
     """This rank's summary (its own steps, before any other rank's is known)."""
     summary = run.result.summary
     feed = run.rank_collector

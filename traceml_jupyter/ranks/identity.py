@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..capture.data.probes import attribute, plain_count, safe_len, type_name
-from .wire import RankLoader
+from ..facts.loader import RankLoader
 
 
 def process_group() -> Any:

@@ -11,6 +11,7 @@ from typing import Any, TypedDict
 import numpy as np
 
 from ..capture.inside.step_parts import PartsFacts
+from ..facts.loader import RankLoader
 from ..processes.startup_hook import KIND, LENGTH, pack
 from ..result import RunResult, from_dict, to_dict
 from ..result.codec import REQUIRED_COLUMNS
@@ -42,15 +43,6 @@ class Hello(TypedDict, total=False):
     origin_ns: int | None
     rank: int | None
     world: int | None
-
-
-class RankLoader(TypedDict):
-    """What the per-rank table compares of a rank's training loader (identity.loader_facts)."""
-
-    num_workers: int | None
-    batch_size: int | None
-    sampler: str | None
-    samples: int | None
 
 
 class End(TypedDict, total=False):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, TypedDict, cast
+from typing import Any, TypedDict, TypeVar, cast
 
 import numpy as np
 
@@ -17,11 +17,15 @@ from ..analysis.checklist.facts import ItemRow
 from ..analysis.compile import CompileFacts
 from ..analysis.findings import FindingRow
 from ..analysis.loader_inside import LoaderInside
-from ..analysis.summary_keys import LineCosts
+from ..analysis.summary_keys import LineCosts, RankRow
 from ..analysis.verdict import Verdict
+from ..facts.gpu import Copies, CudaGraphs, SyncStalls
+from ..facts.loader import CodeSite, LoaderFacts, PhaseRow, SourceRow
+from ..facts.machine import MachineFacts
+from ..facts.processes import ProcessRow
+from ..facts.resources import GpuMemoryFacts, HeldBefore, HostFacts, OomFacts
 from .value import (
     Columns,
-    Copies,
     DataFeed,
     Facts,
     Gpu,
@@ -30,7 +34,6 @@ from .value import (
     Resources,
     RunResult,
     Steps,
-    SyncStalls,
     frozen_as,
     frozen_facts,
     frozen_rows,
@@ -39,6 +42,7 @@ from .value import (
     read_only,
 )
 
+T = TypeVar("T")
 SCHEMA_VERSION = 2  # 2 added, all nullable: the cell, the machine, resources, parts, GPU graphs
 KNOWN_SCHEMAS = range(1, SCHEMA_VERSION + 1)
 REQUIRED_COLUMNS = ("step_ms", "data_wait_ms", "compute_ms")
@@ -139,9 +143,9 @@ class ResourcesRow(TypedDict):
     """The JSON's `resources` (resources_dict): docs/resources.md says what each holds."""
 
     host: dict[str, object] | None
-    gpu_memory: Facts | None
-    held_before: Facts | None
-    oom: Facts | None
+    gpu_memory: GpuMemoryFacts | None
+    held_before: HeldBefore | None
+    oom: OomFacts | None
     findings: list[FindingRow] | None
 
 
@@ -150,9 +154,10 @@ def resources_dict(result: RunResult) -> ResourcesRow:
     GPU memory watch, what earlier cells held, an out-of-memory error, the findings; null
     where not measured. The per-step GPU memory columns are in `steps`."""
     res = result.resources
-    host = dict(res.host) if res.host is not None else None
-    if host is not None:
-        host["samples"] = {k: _list(v) for k, v in (host.get("samples") or {}).items()}
+    host: dict[str, object] | None = None
+    if res.host is not None:
+        host = dict(res.host)
+        host["samples"] = {k: _list(v) for k, v in (res.host.get("samples") or {}).items()}
     return {
         "host": host,
         "gpu_memory": res.gpu_memory,
@@ -223,11 +228,11 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
             thread_wait_ms=got.number("cpu.thread_wait_ms"),
         ),
         data=DataFeed(
-            loader=got.facts("loader"),
-            sources=got.rows("sources") or (),
-            phases=got.rows("phases") or (),
-            loader_site=got.facts("loader_site"),
-            dataset_site=got.facts("dataset_site"),
+            loader=frozen_as(LoaderFacts, got.facts("loader")),
+            sources=got.rows(SourceRow, "sources") or (),
+            phases=got.rows(PhaseRow, "phases") or (),
+            loader_site=frozen_as(CodeSite, got.facts("loader_site")),
+            dataset_site=frozen_as(CodeSite, got.facts("dataset_site")),
             inside=frozen_as(LoaderInside, got.facts("loader_inside")),
         ),
         gpu=Gpu(
@@ -238,21 +243,21 @@ def from_dict(document: Mapping[str, Any], shown: str = "the document") -> RunRe
             samples=read_only(_float_columns(gpu_samples)) if gpu_samples is not None else None,
             h2d=frozen_as(Copies, got.facts("h2d")),
             sync_stalls=frozen_as(SyncStalls, got.facts("sync_stalls")),
-            cuda_graphs=got.facts("cuda_graphs"),
+            cuda_graphs=frozen_as(CudaGraphs, got.facts("cuda_graphs")),
         ),
         resources=Resources(
             host=host_from_json(got.value("resources.host")),
-            gpu_memory=got.facts("resources.gpu_memory"),
-            held_before=got.facts("resources.held_before"),
-            oom=got.facts("resources.oom"),
+            gpu_memory=frozen_as(GpuMemoryFacts, got.facts("resources.gpu_memory")),
+            held_before=frozen_as(HeldBefore, got.facts("resources.held_before")),
+            oom=frozen_as(OomFacts, got.facts("resources.oom")),
         ),
         line_costs=frozen_as(LineCosts, got.facts("line_costs")),
         compiled=frozen_as(CompileFacts, got.facts("compile")),
-        ranks=got.rows("ranks"),
-        processes=got.rows("processes"),
-        machine=got.facts("machine"),
+        ranks=got.rows(RankRow, "ranks"),
+        processes=got.rows(ProcessRow, "processes"),
+        machine=frozen_as(MachineFacts, got.facts("machine")),
         # the file's checklist rows as Item.to_dict wrote them (Item.from_dict reads any row)
-        reading=KernelRead(cast("tuple[ItemRow, ...] | None", got.rows("checklist")), got.facts("quoted_cells")),
+        reading=KernelRead(got.rows(ItemRow, "checklist"), got.facts("quoted_cells")),
         notes=tuple(str(n) for n in doc.get("notes") or []),
         error=got.text("error"),
         schema_version=int(doc["schema_version"]),
@@ -311,11 +316,11 @@ class _Reader:
         value = self.value(dotted)
         return frozen_facts(value) if isinstance(value, Mapping) else None
 
-    def rows(self, dotted: str) -> tuple[Facts, ...] | None:
+    def rows(self, kind: type[T], dotted: str) -> tuple[T, ...] | None:
         value = self.value(dotted)
         if not isinstance(value, list):
             return None
-        return frozen_rows([row for row in value if isinstance(row, Mapping)])
+        return frozen_rows(kind, [row for row in value if isinstance(row, Mapping)])
 
 
 def _is_int(value: Any) -> bool:
@@ -395,11 +400,11 @@ def _float_columns(columns: Mapping[str, Any]) -> dict[str, np.ndarray]:
     }
 
 
-def host_from_json(host: Any) -> Facts | None:
+def host_from_json(host: Any) -> HostFacts | None:
     """The host's samples as the report's plots read them (numpy columns, null: NaN), from
     their JSON (a saved run's, a child process's end)."""
     if not isinstance(host, Mapping):
         return None
     out: dict[str, Any] = dict(host)
     out["samples"] = read_only(_float_columns(out.get("samples") or {}))
-    return MappingProxyType(out)
+    return cast(HostFacts, MappingProxyType(out))

@@ -10,15 +10,20 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from types import MappingProxyType
-from typing import Any, TypedDict, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
 from ..analysis.checklist.facts import ItemRow
 from ..analysis.compile import CompileFacts
 from ..analysis.loader_inside import LoaderInside
-from ..analysis.summary_keys import LineCosts, Straggler, Summary
+from ..analysis.summary_keys import LineCosts, RankRow, Straggler, Summary
 from ..analysis.verdict import Verdict
+from ..facts.gpu import Copies, CudaGraphs, SyncStalls
+from ..facts.loader import CodeSite, LoaderFacts, PhaseRow, SourceRow
+from ..facts.machine import MachineFacts
+from ..facts.processes import ProcessRow
+from ..facts.resources import GpuMemoryFacts, HeldBefore, HostFacts, OomFacts
 
 # One measured feature's facts, as the capture described them and the JSON holds them (its keys:
 # docs/api.md and the feature's page).
@@ -77,9 +82,10 @@ def frozen_as(kind: type[T], facts: Mapping[str, Any] | None) -> T | None:
     return None if facts is None else cast(T, MappingProxyType(dict(facts)))
 
 
-def frozen_rows(rows: Sequence[Mapping[str, Any]] | None) -> tuple[Facts, ...] | None:
-    """Rows (ranks, processes, sources) as a tuple of read-only views (None stays None)."""
-    return None if rows is None else tuple(MappingProxyType(dict(row)) for row in rows)
+def frozen_rows(kind: type[T], rows: Sequence[Mapping[str, Any]] | None) -> tuple[T, ...] | None:
+    """Rows (ranks, processes, sources) as a tuple of read-only views (None stays None), each
+    read as the TypedDict `kind` its builder (or the file it was read from) gives it."""
+    return None if rows is None else tuple(cast(T, MappingProxyType(dict(row))) for row in rows)
 
 
 @dataclass(frozen=True, eq=False)  # arrays: compare results (RunResult.__eq__)
@@ -128,77 +134,12 @@ class DataFeed:
     were built (file, line[, class]), what happened inside its workers (`inside`:
     docs/loader-inside.md)."""
 
-    loader: Facts | None = None
-    sources: tuple[Facts, ...] = ()
-    phases: tuple[Facts, ...] = ()
-    loader_site: Facts | None = None
-    dataset_site: Facts | None = None
+    loader: LoaderFacts | None = None
+    sources: tuple[SourceRow, ...] = ()
+    phases: tuple[PhaseRow, ...] = ()
+    loader_site: CodeSite | None = None
+    dataset_site: CodeSite | None = None
     inside: LoaderInside | None = None
-
-
-class CopySite(TypedDict, total=False):
-    """A line that copied to the GPU (capture/gpu/h2d.py): its copies, per step their bytes, time
-    and bandwidth, how many were pinned, non_blocking, pageable non_blocking, on a side stream,
-    and what the loop's stream waited for."""
-
-    filename: str
-    line: int
-    in_cell: bool
-    copies: int
-    timed: int
-    copies_per_step: float
-    bytes_per_step: float
-    ms_per_step: float | None
-    gb_per_s: float | None
-    pinned: int
-    non_blocking: int
-    pageable_non_blocking: int
-    side_stream: int
-    waited: int
-    waited_ms_per_step: float
-
-
-class Copies(TypedDict, total=False):
-    """The copies to the GPU (`gpu.h2d`, docs/gpu.md): totals over the watched steps and the
-    copying lines, costliest first."""
-
-    copies: int
-    bytes: int
-    ms: float
-    steps: int
-    sites: list[CopySite]
-
-
-class SyncSite(TypedDict, total=False):
-    """A line whose calls waited for the GPU (capture/gpu/syncs.py): the call as written, its
-    kinds, how many calls (untimed ones apart), per step, in how many steps, the host's wait a
-    step and its share of the step."""
-
-    filename: str
-    line: int
-    in_cell: bool
-    call: str | None
-    kinds: list[str]
-    calls: int
-    untimed: int
-    calls_per_step: float
-    steps: int
-    every_step: bool
-    wait_ms_per_step: float | None
-    share: float | None
-
-
-class SyncStalls(TypedDict, total=False):
-    """The syncs that stalled the host (`gpu.sync_stalls`, docs/gpu.md): totals over the watched
-    steps, the syncing lines (longest wait first), and what the watch could not see."""
-
-    calls: int
-    untimed: int
-    steps: int
-    sites: list[SyncSite]
-    hidden: list[str]
-    counted_implicit: bool
-    all_counted: bool
 
 
 @dataclass(frozen=True, eq=False)  # arrays: compare results (RunResult.__eq__)
@@ -214,7 +155,7 @@ class Gpu:
     samples: Columns | None = None
     h2d: Copies | None = None
     sync_stalls: SyncStalls | None = None
-    cuda_graphs: Facts | None = None
+    cuda_graphs: CudaGraphs | None = None
 
 
 @dataclass(frozen=True, eq=False)  # arrays: compare results (RunResult.__eq__)
@@ -222,10 +163,10 @@ class Resources:
     """The resources (docs/resources.md): the host's CPU and memory samples and workers, the GPU
     memory watch, what earlier cells held on the GPU, an out-of-memory error's facts."""
 
-    host: Facts | None = None
-    gpu_memory: Facts | None = None
-    held_before: Facts | None = None
-    oom: Facts | None = None
+    host: HostFacts | None = None
+    gpu_memory: GpuMemoryFacts | None = None
+    held_before: HeldBefore | None = None
+    oom: OomFacts | None = None
 
 
 @dataclass(frozen=True)
@@ -267,9 +208,9 @@ class RunResult:
     resources: Resources = field(default_factory=Resources)
     line_costs: LineCosts | None = None
     compiled: CompileFacts | None = None
-    ranks: tuple[Facts, ...] | None = None
-    processes: tuple[Facts, ...] | None = None
-    machine: Facts | None = None
+    ranks: tuple[RankRow, ...] | None = None
+    processes: tuple[ProcessRow, ...] | None = None
+    machine: MachineFacts | None = None
     reading: KernelRead = field(default_factory=KernelRead)
     notes: tuple[str, ...] = ()
     error: str | None = None

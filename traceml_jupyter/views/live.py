@@ -35,6 +35,7 @@ from .live_header import (
     resources_text,
     with_ranks_live,
 )
+from .live_lanes import LanesFigure, lanes_line
 from .live_svg import (
     COMPUTE_COLOUR,
     PART_COLOURS,
@@ -55,12 +56,15 @@ from .loop_passes import loops_around, passes_of
 
 if TYPE_CHECKING:
     from .live_header import LiveRecording
+    from .live_lanes import LaneFeed
 
 
 # Each refresh (at most 4 a second) redraws one widget, so the view sends at most one comm
 # message per refresh and 4 a second: the bars twice a second, the header 1.5 times, the
 # overview strip every 2 s. The final refresh redraws all three.
 ROTATION = ("header", "bars", "header", "bars", "header", "bars", "overview", "bars")
+# With the lanes inside the DataLoader (a loader with workers): they take two of the turns.
+LANES_ROTATION = ("header", "bars", "lanes", "bars", "header", "bars", "overview", "lanes")
 MESSAGES_PER_S = 4.0  # chart updates a second of run, the final three included
 FINAL_MESSAGES = 3
 OVERVIEW_READ_CAP = 1 << 17  # most new steps read in one refresh for the overview
@@ -171,6 +175,7 @@ class WidgetChart:
         self.handle: Any = None  # the display of the box, updated when the chart is released
         self.rank_lines: Any = None  # several processes: one line per rank in place of the bars
         self.rank_series: Mapping[str, Any] | None = None
+        self.lanes: LanesFigure | None = None  # inside the DataLoader, once its workers wrote
 
     def show(self, text: str) -> Any:
         """What to display for the chart: its widgets, with `text` for front-ends without them."""
@@ -187,7 +192,8 @@ class WidgetChart:
                 str(self.header.value),
                 two_rows(np.asarray(self.bars.y, dtype=np.float64)),
                 np.asarray(self.overview_bars.y, dtype=np.float64),
-            ),
+            )
+            + (self.lanes.picture() if self.lanes is not None else ""),
         )
 
     def release(self, text: str) -> None:
@@ -217,6 +223,15 @@ class WidgetChart:
         with self.overview_bars.hold_sync():
             self.overview_bars.x = centre
             self.overview_bars.y = np.vstack([wait, compute])
+
+    def draw_lanes(self, bars: np.ndarray, waits: np.ndarray) -> None:
+        """Draw the workers' lanes under the charts (the figure added the first time): one
+        update message."""
+        if self.lanes is None:
+            self.lanes = LanesFigure(vertical_axis(), bars, waits)
+            self.box.children = [*self.box.children, *self.lanes.widgets()]
+        else:
+            self.lanes.draw(bars, waits)
 
     def draw_ranks(self, feed: Mapping[str, Any]) -> None:
         """Several processes: each rank's step time (its data wait paler) in place of the bars,
@@ -314,6 +329,7 @@ class LiveView:
         self._loops: list[ast.For] | None = None
         self._loops_parsed = False
         self._passes: int | None = None
+        self.lane_counts: dict[int, tuple[int, float]] = {}  # the lanes' batches so far, per worker
 
     def display(self) -> None:
         """Show the chart under the cell (nothing without a front-end)."""
@@ -392,7 +408,19 @@ class LiveView:
         the final refresh (so the first update comes about a second into the run)."""
         origin = self.run.recorder.origin_ns or now_ns
         allowed = MESSAGES_PER_S * (now_ns - origin) / 1e9
-        return self.refreshes + 1 + FINAL_MESSAGES <= allowed
+        return self.refreshes + 1 + FINAL_MESSAGES + bool(self.lane_counts) <= allowed
+
+    def _lanes(self, final: bool) -> LaneFeed | None:
+        """The lanes inside the DataLoader to draw (None: no widget chart, or no worker of a
+        watched loader wrote yet: nothing changes), read up to now on the turns that show them
+        (the lanes, the header's counts) and until the first worker wrote."""
+        feed: LaneFeed | None = self.run.loader_lanes
+        if feed is None or not isinstance(self.chart, WidgetChart):
+            return None
+        if final or not self.lane_counts or LANES_ROTATION[self.refreshes % len(LANES_ROTATION)] in ("lanes", "header"):
+            feed.read()
+            self.lane_counts = feed.counts()
+        return feed if self.lane_counts else None
 
     def _draw(self, final: bool) -> None:
         chart, run = self.chart, self.run
@@ -414,14 +442,15 @@ class LiveView:
         tail = {name: column[-WINDOW:] for name, column in fresh.items()}
         if not len(tail["step"]) and not final:
             return
-        turn = ROTATION[self.refreshes % len(ROTATION)]
+        lanes = self._lanes(final)
+        turn = (ROTATION if lanes is None else LANES_ROTATION)[self.refreshes % len(ROTATION)]
         total, pass_info = self._total()
         numbers = live_numbers(run, tail, total, pass_info)
         if ranks is not None:
             with_ranks_live(numbers, ranks)
         gpu = self._gpu_text()
         if final or turn == "header":
-            chart.draw_header(header_html(numbers, gpu))
+            chart.draw_header(header_html(numbers, gpu) + lanes_line(self.lane_counts if lanes else {}))
         if (final or turn == "bars") and ranks is not None:
             chart.draw_ranks(ranks)
         elif (final or turn == "bars") and len(tail["step"]) >= 2:
@@ -438,6 +467,8 @@ class LiveView:
             centre, wait, compute = self.overview.means()
             if len(centre) >= 2:
                 chart.draw_overview(centre, wait, compute)
+        if lanes is not None and (final or turn == "lanes") and isinstance(chart, WidgetChart):
+            chart.draw_lanes(*lanes.window())
         if isinstance(chart, HtmlChart):
             chart.publish(header_text(numbers, gpu))
 

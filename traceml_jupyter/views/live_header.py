@@ -18,6 +18,7 @@ from .live_svg import LEGEND_HTML, WINDOW
 
 if TYPE_CHECKING:
     from ..result import RunResult
+    from .live_lanes import LaneFeed
 
 
 class StepsSoFar(Protocol):
@@ -92,6 +93,9 @@ class LiveRecording(Protocol):
     @property
     def rank_collector(self) -> object:
         """ranks.Collector while ranks stream (its live(window))."""
+    @property
+    def loader_lanes(self) -> LaneFeed | None:
+        """The lanes inside the DataLoader's workers while the cell runs (capture/loader/lanes.py)."""
     @property
     def resource_watch(self) -> Any:
         """The capture's ResourceWatch while it samples."""

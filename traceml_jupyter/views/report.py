@@ -371,7 +371,8 @@ def _resource_figures(result: RunResult) -> str:
 
 
 def _worker_rows(result: RunResult) -> str:
-    workers = (result.resources.host or {}).get("workers") or []
+    host = result.resources.host
+    workers = (host.get("workers") or []) if host else []
     if not workers:
         return ""
     num = CELL + ";text-align:right;white-space:nowrap"
@@ -418,11 +419,11 @@ def _resources(result: RunResult) -> str:
     from .resource_plots import cpu_svg, gpu_memory_svg, host_memory_svg
 
     s = result.summary
-    host = result.resources.host or {}
-    samples = host.get("samples") or {}
+    host = result.resources.host
+    samples = (host.get("samples") or {}) if host else {}
     plots = [
         gpu_memory_svg(result.columns, s.get("gpu_mem_capacity_mib")),
-        cpu_svg(samples, host.get("usable_cores")),
+        cpu_svg(samples, host.get("usable_cores") if host else None),
         host_memory_svg(samples),
     ]
     plots = [p for p in plots if p]
@@ -460,8 +461,11 @@ def _ranks(result: RunResult) -> str:
         style = f"background-color:{background}" if is_late else ROW
         name = f"rank {r.get('rank')}" + (" &larr; holds the others back" if is_late else "")
         cells = "".join(
-            f'<td style="{num}">{ms_fine(r.get(key))}</td>'
-            for key in ("data_wait_ms", "compute_ms", "forward_ms", "backward_ms", "optimizer_ms", "step_ms")
+            f'<td style="{num}">{ms_fine(value)}</td>'
+            for value in (
+                r.get("data_wait_ms"), r.get("compute_ms"), r.get("forward_ms"),
+                r.get("backward_ms"), r.get("optimizer_ms"), r.get("step_ms"),
+            )
         )
         rows.append(
             f'<tr class="tml-rank{" tml-straggler" if is_late else ""}" style="{style}">'

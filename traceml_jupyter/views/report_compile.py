@@ -1,13 +1,14 @@
 """The report's "Compile" section: what torch.compile compiled during the run, one row per
 frame compiled (the step it fell in, the function, the seconds, why: the first compile, the
-guard that failed, the graph break, the limit hit). The findings themselves (compile time
+guard that failed, the graph break, the limit hit), and above them the graph breaks with the
+share of a step they leave to run eagerly (sampled steps). The findings themselves (compile time
 apart, each recompile's and break's fix) are the Also lines above it (docs/compile.md)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..analysis.compile import RESUME, FrameCompiled, function_name, step_at
+from ..analysis.compile import RESUME, FrameCompiled, eager_words, function_name, step_at
 from ..result.value import RunResult
 from .report_style import CELL, MUTED, ROW, TABLE, esc, section_title, with_code
 
@@ -60,7 +61,14 @@ def compile_section(result: RunResult) -> str:
     tail = f'<div style="font-size:11px;color:{MUTED}">and {more} more</div>' if more > 0 else ""
     breaks = facts["graph_breaks"]
     counted = f" — graph breaks (torch's counter): {breaks}" if breaks else ""
+    eager = facts.get("eager")
+    said = ""
+    if eager is not None:  # under the breaks' count: how much of a step they leave to run eagerly
+        colour = "inherit" if eager["share"] is not None else MUTED
+        words = eager_words(eager)
+        said = f'<div class="tml-eager" style="margin:0 0 6px 0;color:{colour}">{esc(words[0].upper() + words[1:])}</div>'
     return (
         section_title(f"Compile (torch {facts['torch'] or '?'}){counted}")
+        + said
         + f'<table class="tml-compile" style="{TABLE}">{"".join(rows)}</table>{tail}'
     )

@@ -66,7 +66,7 @@ def copy_rows(result: RunResult, code: CodeContext) -> list[tuple[str, str]]:
     line (where `code` says it is) with bytes per step, bandwidth, pinned or not and
     non_blocking or not."""
     h2d = result.gpu.h2d
-    sites = (h2d or {}).get("sites") or []
+    sites = (h2d.get("sites") or []) if h2d else []
     if not sites:
         return []
     s = result.summary

@@ -7,6 +7,7 @@ the run's result, as the report is; `run.save` reads the kernel for it once (`ht
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from html import escape
 from typing import TYPE_CHECKING
 
@@ -61,7 +62,7 @@ def chart_html(result: RunResult) -> str:
 
 
 def _footer(result: RunResult) -> str:
-    machine = result.machine or {}
+    machine: Mapping[str, object] = result.machine or {}
     bits = []
     if result.started_at == result.started_at:  # NaN: the file did not say
         bits.append("run started " + time.strftime("%Y-%m-%d %H:%M", time.localtime(result.started_at)))

@@ -48,7 +48,7 @@ def loader_inside_html(result: RunResult) -> str:
         out += f'<div class="tml-inside-wait" style="margin-top:6px">{esc(split[:1].upper() + split[1:])}.</div>'
     if inside.get("workers"):
         out += _worker_table(inside)
-    out += _lanes(inside.get("lanes") or [], inside.get("waits") or [])
+    out += lanes_svg(inside.get("lanes") or [], inside.get("waits") or [])
     return f'<div class="tml-inside">{out}</div>'
 
 
@@ -79,7 +79,7 @@ def _worker_table(inside: LoaderInside) -> str:
     return f'<table class="tml-inside-workers" style="{TABLE};margin-top:6px">{"".join(rows)}</table>{note}'
 
 
-def _lanes(bars: list[LaneBar], waits: list[list[float]]) -> str:
+def lanes_svg(bars: list[LaneBar], waits: list[list[float]]) -> str:
     """One lane per worker, each batch a bar: __getitem__, collate, then until received; the
     loop's waits for its batches beneath."""
     if not bars:

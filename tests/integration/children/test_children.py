@@ -453,7 +453,9 @@ def test_a_child_that_outlives_its_cell_stops_reporting_cleanly(
         "%%traceml --no-live\n"
         "import subprocess, sys, time, traceml_jupyter\n"
         f"child = subprocess.Popen([sys.executable, {str(TRAIN)!r}, '--steps', '40', '--sleep-ms', '1', '--linger', '1', '--done', {str(done)!r}], stderr=subprocess.PIPE)\n"
+        "deadline = time.monotonic() + 120\n"  # a child that never reports fails the test, not hangs it
         "while not any(s.recorder.n_steps for s in traceml_jupyter.last().recording.rank_collector.streams):\n"
+        "    assert time.monotonic() < deadline, 'the child never reported a step'\n"
         "    time.sleep(0.02)\n"
     )
     result, run, out = cell(ip, source)

@@ -254,3 +254,44 @@ def test_a_compiled_model_beside_another_module_of_its_layers_class_compiles_as_
     result = runs[0].result
     assert result.steps.kind == "optimizer" and result.steps.n_steps == STEPS
     assert COMPILED_MODEL_NOTE in result.notes
+
+
+PAUSE = """
+import time
+@torch.compiler.disable
+def pause(h=None):  # a graph break, and 2 ms a step so that the run lasts long enough to sample
+    time.sleep(0.002)
+    return h
+data = data * 5
+"""
+EAGER_SHAPES = {
+    # the sample starts and stops at an optimizer step, outside compiled code
+    "a compiled model": (PAUSE + """
+class Broken(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+    def forward(self, x):
+        return pause(self.inner(x))
+compiled = torch.compile(Broken(model), backend="aot_eager")
+""", COMPILED_MODEL_LOOP),
+    # ... at a backward(), inside the compiled function (after its graph break)
+    "a compiled training-step function": (
+        PAUSE + STEP_FUNCTION.replace("BACKEND", "aot_eager").replace("    loss.backward()", "    pause()\n    loss.backward()"),
+        STEP_FUNCTION_LOOP,
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", list(EAGER_SHAPES))
+def test_the_eager_shares_profiled_steps_compile_and_compute_as_without_the_magic(ip: Any, shape: str) -> None:
+    """The eager share's sample (capture/compiled/eager_share.py) runs torch's profiler over a
+    few steps of compiled code that breaks its graph (AOTAutograd marks its graphs): the same
+    compilations, graphs, breaks and frames as plainly, bit for bit the same losses."""
+    setup, loop = EAGER_SHAPES[shape]
+    plain, _ = compiled_run(ip, setup, loop, magic=False)
+    assert plain.graph_breaks >= 1
+    with_magic, runs = compiled_run(ip, setup, loop, magic=True)
+    assert_as_plain(plain, with_magic)
+    eager = runs[0].result.compiled["eager"]
+    assert eager is not None and eager["profiled"], eager  # the profiler ran

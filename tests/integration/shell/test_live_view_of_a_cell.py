@@ -367,3 +367,59 @@ def test_no_live_shows_no_view_but_still_samples_the_gpu(
     assert recording.models == {} or not recording.updates("BarsModel")
     assert not any("application/vnd.jupyter.widget-view+json" in o.data for o in out.outputs)
     assert view.run.gpu_note  # why there are no GPU figures, for the report
+
+
+# -- the lanes inside the DataLoader (docs/loader-inside.md#live-lanes) ----------------------
+@pytest.mark.slow
+def test_a_loader_with_two_workers_gets_a_lane_each_growing_to_the_batches_each_made(
+    ip: Any, recording: Recording, views: list[live.LiveView], widget_mode: None, tmp_path: Any
+) -> None:
+    import os
+    import tempfile
+
+    from traceml_jupyter.views.live_lanes import bars_per_lane
+
+    # 48 batches of 4 samples of 25 ms, 2 forked workers: about 2.4 s, the chart's widgets
+    # come about a second in. The dataset times its own samples in the workers (per pid), and
+    # the user's worker_init_fn notes which worker each pid is.
+    ip.user_ns["log"] = str(tmp_path)
+    ip.run_cell(
+        "from loader_cases import CountInits, Samples, loader\n"
+        "data = loader(Samples(192, 25.0, log_dir=log), batch_size=4, num_workers=2, "
+        "worker_init_fn=CountInits(log), multiprocessing_context='fork')"
+    )
+    before = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("traceml-loader-")}
+    with capture_output():
+        result = traceml(ip, "for x, y in data:\n    x.sum()\n")
+    assert result.error_in_exec is None
+    # the test's own count of the batches each worker made: its samples / 4, by worker id
+    worker_of = {}
+    for name in os.listdir(tmp_path):
+        if name.startswith("init-"):
+            with open(tmp_path / name) as f:
+                worker_of[int(name[5:-4])] = int(f.read().split()[0])
+    samples: dict[int, int] = {}
+    for name in os.listdir(tmp_path):
+        if name.startswith("getitem-"):
+            with open(tmp_path / name) as f:
+                samples[worker_of[int(name[8:-4])]] = sum(1 for line in f if line.strip())
+    own = {worker: n // 4 for worker, n in samples.items()}
+    assert sorted(own) == [0, 1] and sum(own.values()) == 48
+    (view,) = views
+    assert isinstance(view.chart, live.WidgetChart) and view.chart.lanes is not None
+    (lines_id,) = recording.comm_ids("LinesModel")
+    # made with its first lanes (comm_open), then redrawn (one update message each)
+    drawn = [m for m in recording.messages if m[0] == lines_id and m[1] in ("comm_open", "comm_msg") and "y" in m[2].get("state", {})]
+    assert drawn[0][1] == "comm_open"
+    assert array(drawn[0], "y").shape[1] >= 1  # (a Lines opened with no column fails in the browser)
+    final = bars_per_lane(array(drawn[-1], "y"))
+    assert final == own  # a lane per worker, a bar per batch it made
+    # the lanes grew as the run went: drawn while it ran, then once more at its end
+    assert len(drawn) >= 2
+    assert sum(bars_per_lane(array(drawn[0], "y")).values()) < sum(final.values())
+    header = recording.updates("HTMLModel")[-1][2]["state"]["value"]
+    assert all(f"worker {w}: {n} batches" in header for w, n in own.items())
+    # after the cell: no thread of ours, the watch's directory gone, the lanes read no more
+    assert no_traceml_thread()
+    assert {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("traceml-loader-")} <= before
+    assert view.run.loader_lanes is not None and view.run.loader_lanes.watch is None

@@ -179,3 +179,86 @@ def test_a_forward_and_its_resume_recompiled_for_one_cause_are_one_line() -> Non
     ]
     assert "value read into Python" in recompile_cause("1/0: ___stack0 == 4.71  # if y.sum().item() > 1e9:")[0]
     assert "value read into Python" in recompile_cause("1/1: ___stack0 <= 1000000000.0  # if y.sum().item() > 1e9:")[0]
+
+
+# The eager share as the capture samples it (capture/compiled/eager_share.py): steps 11-16 ran
+# under the profiler, 12-15 measured whole, 35 % of their time eager between graphs.
+EAGER = {"share": 0.35, "eager_s": 0.014, "graphs_s": 0.02, "steps_s": 0.04, "steps": [11, 14], "profiled": [10, 15],
+         "clock": "cpu", "note": None}  # fmt: skip
+
+
+def eager_run(eager: dict[str, Any] | None, profiled_ms: float = 10.0) -> Any:
+    step_ms = [2000.0] + [profiled_ms if 10 <= k <= 15 else 10.0 for k in range(1, 39)] + [300.0]
+    return result_of(
+        "eager", [0.2] * 40, step_ms, cell_source="%%traceml\nfor x in loader:\n    model(x)\n",
+        cell_filename="<cell>", compiled=facts(eager=eager),
+    )
+
+
+def test_a_large_eager_share_is_an_also_line_beside_the_graph_breaks() -> None:
+    from traceml_jupyter.result import lines_after_verdict
+
+    lines = lines_after_verdict(eager_run(EAGER))
+    said = [line for _, line in lines if line.startswith("eager between graphs: ")]
+    assert said == [
+        "eager between graphs: 35 % of a step runs eagerly between the compiled graphs (host time, sampled over "
+        "steps 12–15) — fix the graph breaks below"
+    ]
+    small = lines_after_verdict(eager_run({**EAGER, "share": 0.03}))
+    unmeasured = lines_after_verdict(eager_run({**EAGER, "share": None, "note": "a profiler was running"}))
+    assert not [line for _, line in small + unmeasured if line.startswith("eager between graphs")]
+
+
+def test_the_steps_the_profiler_ran_in_are_kept_out_of_the_steady_state() -> None:
+    slowed = eager_run(EAGER, profiled_ms=14.0)  # the profiler's overhead on the sampled steps
+    assert slowed.summary["stats"]["step_ms"]["max"] < 14.0
+    assert slowed.summary["n_analysed"] == eager_run(None).summary["n_analysed"] - 6
+    assert slowed.summary["eager_share"] == 0.35 and eager_run(None).summary["eager_share"] is None
+
+
+def test_the_report_says_the_eager_share_next_to_the_graph_breaks() -> None:
+    from traceml_jupyter.views.report import render_html
+
+    html = render_html(eager_run(EAGER))
+    under = "graph breaks (torch&#x27;s counter): 2</div><div class=\"tml-eager\""
+    assert under in html
+    assert "35 % of a step runs eagerly between the compiled graphs (host time, sampled over steps 12–15)</div>" in html
+    why = render_html(eager_run({**EAGER, "share": None, "note": "the backend marks no graph call"}))
+    assert "The share of a step run eagerly between graphs was not measured: the backend marks no graph call" in why
+
+
+def test_the_eager_share_goes_to_the_json_and_back_and_older_files_have_none() -> None:
+    result = eager_run(EAGER)
+    doc = to_dict(result)
+    assert doc["compile"]["eager"]["steps"] == [11, 14]
+    assert from_dict(doc) == result
+    older = to_dict(CANNED["compiled"]())  # facts as written before the eager share was measured
+    assert "eager" not in older["compile"]
+    loaded = from_dict(older)
+    assert read_compile(loaded.compiled, loaded.steps.columns, loaded.loop.wall_ms).eager is None
+
+
+def test_compare_shows_the_eager_share_of_both_runs() -> None:
+    from traceml_jupyter.analysis.compare import compile_rows
+
+    rows = compile_rows(eager_run(EAGER).summary, eager_run({**EAGER, "share": 0.05}).summary)
+    assert rows[1] == ("Eager between graphs (torch.compile)", "35.0 %", "5.0 %", "-30 points")
+    assert len(compile_rows(CANNED["compiled"]().summary, CANNED["compiled"]().summary)) == 1
+
+
+def test_the_compile_facts_the_capture_writes_are_those_the_analysis_reads_and_the_docs_name() -> None:
+    """capture/compiled's TypedDicts (what it writes), analysis/compile.py's (what the result
+    holds and the JSON's `compile` is), and docs/compile.md's "In the JSON": the same keys."""
+    import re
+    from pathlib import Path
+
+    from traceml_jupyter.analysis import compile as facts_of
+    from traceml_jupyter.capture.compiled import compile_record, eager_share
+
+    assert set(compile_record.CompileRecord.__annotations__) == set(facts_of.CompileFacts.__annotations__)
+    assert set(eager_share.EagerShare.__annotations__) == set(facts_of.EagerShare.__annotations__)
+    assert set(compile_record.FrameCompiled.__annotations__) == set(facts_of.FrameCompiled.__annotations__)
+    docs = (Path(__file__).parents[3] / "docs" / "compile.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`(\w+)`", docs.split("## In the JSON", 1)[1]))
+    for kind in (facts_of.CompileFacts, facts_of.EagerShare, facts_of.FrameCompiled):
+        assert set(kind.__annotations__) <= named, set(kind.__annotations__) - named

@@ -210,3 +210,72 @@ def test_the_html_fallback_chart_is_a_small_svg() -> None:
     svg = live_svg.svg_chart(np.array([1.0, 2.0, 0.5]), np.array([3.0, 3.0, 3.0]))
     assert svg.startswith("<svg") and svg.count("<polygon") == 2 and "nan" not in svg
     assert live_svg.svg_chart(np.array([1.0]), np.array([1.0])) == ""
+
+
+# -- the lanes inside the DataLoader (docs/loader-inside.md#live-lanes) ----------------------
+def _run_with_lanes(tmp_path: Any, records: int) -> Any:
+    """A minute-long run of 100 steps whose watch inside the loader has `records` batches of
+    worker 0 and of worker 1 written (the records the test writes itself)."""
+    from traceml_jupyter.capture.loader.lanes import LiveLanes
+    from traceml_jupyter.capture.loader.worker_side import RECORD
+    from traceml_jupyter.run import Run
+
+    handle = Run("lanes")
+    run = handle.recording
+    run.recorder.origin_ns = (run.recorder.origin_ns or 0) - 60 * 10**9
+    origin = run.recorder.origin_ns
+    for i in range(100):
+        t = origin + i * 1_000_000
+        run.recorder.add(t, t + 100_000, t + 1_000_000)
+    for worker in (0, 1):
+        with open(tmp_path / f"w{worker}-{100 + worker}.bin", "wb") as f:
+            for k in range(records):
+                f.write(RECORD.pack(0, 100 + worker, worker, 0, k, k, k * 10**6, k * 10**6 + 500_000, k * 10**6 + 900_000, 1, 1, 1, *([-1, 0] * 4)))
+    run.loader_lanes = LiveLanes(types.SimpleNamespace(directory=str(tmp_path), receptions=[], began_ns=0))
+    return handle
+
+
+def test_the_html_fallback_never_reads_the_lanes(tmp_path: Any) -> None:
+    from traceml_jupyter import kernel_state
+
+    handle = _run_with_lanes(tmp_path, 5)
+    run = handle.recording
+    try:
+        chart = FakeChart()
+        view = live.LiveView(run, chart)
+        for _ in range(8):
+            view.refresh(run)
+        assert run.loader_lanes.reads == 0 and "Inside the DataLoader" not in chart._header
+    finally:
+        kernel_state.RUNS.remove(handle)
+
+
+def test_the_widget_chart_gets_lanes_only_when_workers_wrote(tmp_path: Any) -> None:
+    pytest.importorskip("bqplot")
+    from traceml_jupyter import kernel_state
+    from traceml_jupyter.views.live_lanes import bars_per_lane
+
+    for records in (0, 5):  # no worker wrote (num_workers=0 writes nothing), then 5 batches each
+        (tmp_path / str(records)).mkdir()
+        handle = _run_with_lanes(tmp_path / str(records), records)
+        run = handle.recording
+        try:
+            chart = live.WidgetChart(run.name)
+            view = live.LiveView(run, chart)
+            for _ in range(8):  # a whole rotation
+                view.refresh(run)
+            if records == 0:
+                assert chart.lanes is None and len(chart.box.children) == 3
+                assert "Inside the DataLoader" not in chart.header.value
+                assert "tml-inside-lanes" not in chart.picture("text").body
+            else:
+                assert chart.lanes is not None and chart.box.children[-1] is chart.lanes.figure
+                assert bars_per_lane(np.asarray(chart.lanes.lines.y)) == {0: 5, 1: 5}
+                assert "worker 0: 5 batches, 0.9 ms a batch" in chart.header.value
+                # released to a static picture (an older run's chart), the lanes stay, as the report draws them
+                lanes = chart.picture("text").body.split('<svg class="tml-inside-lanes"')[1]
+                assert lanes.count(">worker ") == 2 and lanes.count("<rect") == 2 * 5 * 2  # __getitem__ and collate_fn bars
+            for widget in live.widgets_under(chart.box):
+                widget.close()
+        finally:
+            kernel_state.RUNS.remove(handle)

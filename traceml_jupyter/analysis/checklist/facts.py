@@ -6,10 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from ...facts.gpu import SyncTop
 from ..cell_code import CodeSite, SampleCode, Transfer
 from ..data_sources import Feeder
 from ..loader_inside import LoaderInside
-from ..summary_keys import EpochStartup, Oversubscription, SyncTop
+from ..summary_keys import EpochStartup, Oversubscription
 from ..verdict import VerdictLabel
 
 OK, FIX, CHECK = "ok", "fix", "check"

@@ -6,7 +6,9 @@
 - the compilation metrics (`torch._dynamo.utils.get_compilation_metrics()`, one record per frame
   compiled): which function, why it was compiled again (`recompile_reason`), why its graph broke
   (`restart_reasons`), a failure (the recompile limit hit), its start and duration;
-- the counters (`torch._dynamo.utils.counters`): graph breaks by reason, taken as a difference.
+- the counters (`torch._dynamo.utils.counters`): graph breaks by reason, taken as a difference;
+- a few steady steps under torch's profiler (eager_share.py): the share of a step that runs
+  eagerly between the compiled graphs.
 
 Nothing here imports torch: a cell that never imported torch._dynamo compiled nothing. A
 callback runs inside torch's compile: it appends a timestamp, nothing that can raise."""
@@ -18,6 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypedDict
+
+from .eager_share import EagerSampler, EagerShare
 
 
 class FrameCompiled(TypedDict):
@@ -44,6 +48,7 @@ class CompileRecord(TypedDict):
     graph_breaks: int | None  # counters["graph_break"], summed, during the cell
     graph_break_reasons: dict[str, int]  # first line of each reason: its count
     recompile_limit: int | None  # torch._dynamo.config.recompile_limit
+    eager: EagerShare | None  # the share of a step run eagerly between graphs (sampled steps)
 
 
 REASON_CHARS = 240
@@ -70,6 +75,7 @@ class CompileWatch:
         self.spans: list[list[int]] = []
         self.open_ns: int | None = None  # a compile in progress since (perf_counter_ns)
         self.breaks_before: dict[str, int] = {}
+        self.graphs_before = 0
         self.registered: Any = None
 
     @property
@@ -96,6 +102,7 @@ class CompileWatch:
         if dynamo is None:  # nothing compiled before: every record the cell leaves is its own
             return
         self.breaks_before = _break_counts()
+        self.graphs_before = _graphs()
         handler = getattr(getattr(dynamo, "callback", None), "callback_handler", None)
         if handler is not None and hasattr(handler, "register_start_callback"):
             handler.register_start_callback(self._started)
@@ -118,6 +125,14 @@ class CompileWatch:
         if self._ended in ends:
             handler.remove_end_callback(self._ended)
 
+    def compiled_here(self) -> bool:
+        """Dynamo compiled during the cell (its callbacks ran, or its graph count changed)."""
+        return bool(self.spans) or self.open_ns is not None or _graphs() != self.graphs_before
+
+    def compiles(self) -> int:
+        """A count that changes with every compile (the callbacks' and Dynamo's graph count)."""
+        return len(self.spans) + _graphs()
+
     def record(self) -> CompileRecord | None:
         """What torch recorded during the cell (None: torch._dynamo never loaded, or nothing compiled)."""
         if sys.modules.get("torch._dynamo") is None:
@@ -137,6 +152,7 @@ class CompileWatch:
             "graph_breaks": sum(new_breaks.values()) if _counters() is not None else None,
             "graph_break_reasons": {first_line(k): n for k, n in new_breaks.items()},
             "recompile_limit": limit if isinstance(limit, int) else None,
+            "eager": None,
         }
 
     def _s(self, perf_ns: int) -> float:
@@ -173,6 +189,13 @@ def _counters() -> Any:
     return getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
 
 
+def _graphs() -> int:
+    counters = _counters()
+    stats: Any = counters.get("stats") if hasattr(counters, "get") else None
+    found = stats.get("unique_graphs", 0) if hasattr(stats, "get") else 0
+    return int(found)
+
+
 def _break_counts() -> dict[str, int]:
     counters = _counters()
     found: Any = counters.get("graph_break") if hasattr(counters, "get") else None
@@ -182,7 +205,8 @@ def _break_counts() -> dict[str, int]:
 def compile_watched(run: Any) -> Callable[[], None]:
     """Watch torch.compile for the capture of `run`: the callbacks are registered now; the
     function returned (which the capture's close calls at its guarded edge, whatever the cell
-    did) removes them and leaves what torch recorded on `run.compiled` (None: nothing compiled)."""
+    did) removes them and leaves what torch recorded on `run.compiled` (None: nothing compiled).
+    The eager share's sampler watches the run's ticks meanwhile (eager_share.py)."""
     def changed() -> None:  # the observers (the live header) see "compiling…" come and go
         if threading.get_ident() == run.capture_thread:
             run.tick(time.perf_counter_ns())  # the observers' guarded edge
@@ -190,11 +214,20 @@ def compile_watched(run: Any) -> Callable[[], None]:
     watch = CompileWatch(run.recorder.origin_ns or time.perf_counter_ns(), changed)
     run.compile_watch = watch
     watch.start()
+    sampler = EagerSampler(watch.compiled_here, watch.compiles, lambda: watch.compiling)
+    if "torch" in sys.modules:
+        run.observe(sampler)
 
     def finish() -> None:
-        run.compile_watch = None
-        watch.changed = None
-        watch.stop()
-        run.compiled = watch.record()
+        run.stop_observing(sampler)
+        try:
+            sampler.stop(run)  # a sample still running (before the watch stops: its count)
+        finally:
+            run.compile_watch = None
+            watch.changed = None
+            watch.stop()
+            run.compiled = record = watch.record()
+        if record is not None:  # (a failure reading the sample leaves the rest of the record)
+            record["eager"] = sampler.read(watch.origin_ns)
 
     return finish

@@ -9,8 +9,9 @@ import copy
 import os
 import sys
 import sysconfig
-from typing import Any, TypedDict
+from typing import Any
 
+from ...facts.loader import CodeSite, LoaderFacts, NotedSite, PythonObjects
 from ...failures import never_raise, read_or
 from .probes import attribute, plain_count, safe_len, type_name
 
@@ -36,40 +37,6 @@ def unwrap_loader(iterable: Any) -> Any:
         if iterable is None:
             return None
     return None
-
-
-class LoaderFacts(TypedDict, total=False):
-    """A DataLoader's settings as the checklist reads them (`describe_loader`); None: unknown."""
-
-    type: str
-    num_workers: int | None
-    batch_size: int | None
-    pin_memory: bool | None
-    persistent_workers: bool | None
-    prefetch_factor: int | None
-    multiprocessing_context: str | None
-    collate_fn: str
-    custom_collate: bool
-    dataset_type: str
-    dataset_module: str
-    len: int | None
-    n_samples: int | None
-    python_objects: list[PythonObjects]
-
-
-class NotedSite(TypedDict, total=False):
-    """Where a DataLoader was built ("file", "line") and its dataset's `__getitem__` written."""
-
-    file: str
-    line: int
-    dataset_file: str
-    dataset_line: int
-    dataset_class: str
-
-
-# Where the run says a loader was built ({"file", "line"}) or a dataset's __getitem__ is
-# written ({"file", "line", "class"}): "class" is a keyword, hence the functional form.
-CodeSite = TypedDict("CodeSite", {"file": str, "line": int, "class": str}, total=False)
 
 
 def describe_loader(loader: Any) -> LoaderFacts:
@@ -113,15 +80,6 @@ def _copy_without_iterator(loader: Any) -> Any:
 
 
 PYTHON_OBJECTS_MIN = 10_000  # a container this long makes copy-on-read growth worth naming
-
-
-class PythonObjects(TypedDict):
-    """A dataset attribute that holds many Python objects (`python_objects`)."""
-
-    attribute: str  # "records", or "dataset.records" inside a Subset
-    kind: str  # list, tuple, dict or set
-    length: int
-    items: str  # the type of its first item
 
 
 def python_objects(dataset: Any, prefix: str = "", depth: int = 1) -> list[PythonObjects]:

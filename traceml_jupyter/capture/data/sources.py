@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+from ...facts.loader import LoaderFacts, PhaseRow, SourceRow
 from ...failures import read_or
 from ..steps.step_model import LEVEL_NAMES, Source
-from .dataloaders import LoaderFacts
 from .probes import attribute, user_namespace
 
 PHASE_WORDS = (("val", "validation"), ("test", "test"), ("eval", "evaluation"), ("dev", "validation"))
@@ -27,8 +27,8 @@ class SourceFacts:
     """What fed the steps, read while the cell ran: the sources and phases, the kind of step, the
     optimizer, batches per step and the batch's size and kind."""
 
-    sources: list[dict[str, Any]] = field(default_factory=list)
-    phases: list[dict[str, Any]] = field(default_factory=list)
+    sources: list[SourceRow] = field(default_factory=list)
+    phases: list[PhaseRow] = field(default_factory=list)
     step_kind: str = "none"
     optimizer: str | None = None  # the class of the first optimizer seen stepping
     batches_per_step: float | None = None
@@ -235,7 +235,7 @@ def describe_run_sources(run: Any, capture: Any) -> SourceFacts:
         name = bound_name(obj, namespace)
         info = run.loader_settings(src.key)
         feeder = describe_feeder(run, src, namespace)
-        row = {
+        row: SourceRow = {
             "label": _label(src, name, feeder),
             "kind": src.kind,
             "type": feeder["type"],

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...facts.gpu import CudaGraphs
 from ...failures import failure_text
 from ..instrument.patches import patched
 from .cuda_state import cuda_initialized, cuda_or
@@ -146,7 +147,7 @@ class GraphWatch:
         if self.replayed is not None:
             self.replayed(*(held[0], held[1]()) if held is not None else (None, None))
 
-    def summary(self, n_steps: int) -> dict[str, Any] | None:
+    def summary(self, n_steps: int) -> CudaGraphs | None:
         """What the report says of the cell's graphs; None when it used none."""
         skipped = _STATE.skipped - self._skipped_before
         if not (self.captures or self.replays or self._stack or _STATE.foreign):

@@ -45,17 +45,17 @@ from typing import Any, TypedDict
 
 import numpy as np
 
+from ...facts.gpu import Copies, SyncStalls, SyncTop
 from ...failures import failure_text, never_raise
 from ..instrument.dynamo import compile_check
 from ..steps.step_tally import StepTally
 from . import hidden_waits
 from .cuda_graphs import capturing
 from .cuda_state import cuda_initialized, cuda_or, torch_cuda
-from .h2d import COPY_COLUMNS, CopiesResult, CopyWatch, EventPool, copies_timed
+from .h2d import COPY_COLUMNS, CopyWatch, EventPool, copies_timed
 from .syncs import (
     EMPTY_CACHE,
     SYNC_COLUMNS,
-    SyncsResult,
     SyncWatch,
     sync_warnings_counted,
     syncs_timed,
@@ -70,18 +70,6 @@ class HostLine(TypedDict):
     ms_per_step: Any
     share: Any
     gpu_ms_per_step: Any
-
-
-class SyncTop(TypedDict):
-    """The line whose syncs cost the host most (the first of `SyncsResult`'s sites)."""
-
-    line: int
-    in_cell: bool
-    call: str | None
-    calls_per_step: float
-    every_step: bool
-    wait_ms_per_step: float | None
-    share: float | None
 
 
 class WatchSummary(TypedDict, total=False):
@@ -487,7 +475,7 @@ class GpuWatch:
         for name in dropped:
             run.extra_columns.pop(name, None)
         h2d = copies.result(n) if copies is not None and copies.off is None else None
-        stalls: SyncsResult | None = None
+        stalls: SyncStalls | None = None
         if syncs is not None and syncs.off is None:
             stalls = syncs.result(n, total, run.cell_source)
             stalls["counted_implicit"] = self.counting_sync_warnings
@@ -525,7 +513,7 @@ def costliest_host_line(costs: Mapping[str, Any] | None) -> HostLine | None:
     )
 
 
-def watch_summary(h2d: CopiesResult | None, syncs: SyncsResult | None) -> WatchSummary:
+def watch_summary(h2d: Copies | None, syncs: SyncStalls | None) -> WatchSummary:
     """The few facts of the copy and sync watches that the verdict quotes: the cell lines that
     copy to the GPU, the line whose syncs cost the host most, and whether every synchronising
     call was seen (else the host's issue time is not known)."""

@@ -20,8 +20,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from time import perf_counter_ns
 from types import FrameType
-from typing import Any, TypedDict, TypeVar
+from typing import Any, TypeVar
 
+from ...facts import gpu as gpu_facts
 from ...failures import failure_text
 from ..instrument.patches import patched
 from ..steps.step_tally import StepTally
@@ -44,36 +45,6 @@ from .cuda_graphs import capturing
 COPY_COLUMNS = ("h2d_ms", "h2d_bytes", "h2d_pinned_bytes", "h2d_async_bytes")
 
 T = TypeVar("T")
-
-
-class CopySiteRow(TypedDict):
-    """A cell line that copies to the GPU, per watched step (`CopyWatch.result`'s `sites`)."""
-
-    filename: str
-    line: int
-    in_cell: bool
-    copies: int
-    timed: int
-    copies_per_step: float
-    bytes_per_step: float
-    ms_per_step: float | None  # None: none of its copies was timed
-    gb_per_s: float | None
-    pinned: int
-    non_blocking: int
-    pageable_non_blocking: int
-    side_stream: int
-    waited: int
-    waited_ms_per_step: float
-
-
-class CopiesResult(TypedDict):
-    """What the report and the checklist read of the copies (the run's `h2d`)."""
-
-    copies: int
-    bytes: int
-    ms: float
-    steps: int
-    sites: list[CopySiteRow]
 
 
 class EventPool:
@@ -345,7 +316,7 @@ class CopyWatch:
         for tally in self.tallies.values():
             tally.watch_from(step)
 
-    def result(self, n_steps: int) -> CopiesResult:
+    def result(self, n_steps: int) -> gpu_facts.Copies:
         """What the report and the checklist read: totals and the copying lines, costliest first.
         Per step means per watched step (the watch starts once the loop is seen on the GPU)."""
         per = max(1, n_steps - (self.tallies["h2d_bytes"].first_step or 0))

@@ -16,8 +16,9 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter_ns
 from types import FrameType
-from typing import Any, Protocol, TypedDict, cast
+from typing import Any, Protocol, cast
 
+from ...facts import gpu as gpu_facts
 from ...failures import failure_text
 from ..instrument.patches import patched
 from ..steps.step_tally import StepTally
@@ -47,36 +48,6 @@ class SyncSite:
     steps: int = 0  # distinct steps with at least one call
     last_step: int = -1
     kinds: set[str] = field(default_factory=set)
-
-
-class SyncSiteRow(TypedDict):
-    """A cell line that synchronises, per watched step (`SyncWatch.result`'s `sites`)."""
-
-    filename: str
-    line: int
-    in_cell: bool
-    call: str | None  # the call as written in the cell
-    kinds: list[str]
-    calls: int
-    untimed: int
-    calls_per_step: float
-    steps: int
-    every_step: bool
-    wait_ms_per_step: float | None  # None: no call of it was timed
-    share: float | None
-
-
-class SyncsResult(TypedDict, total=False):
-    """The run's `sync_stalls`: `result()` gives the first four; the GPU watch adds the rest."""
-
-    calls: int
-    untimed: int
-    steps: int
-    sites: list[SyncSiteRow]
-    counted_implicit: bool  # torch's sync warnings were counted
-    all_counted: bool
-    hidden: list[str]  # why some waits may have gone unseen (hidden_waits.py)
-    warning_us: float | None
 
 
 class SyncWatch:
@@ -165,13 +136,13 @@ class SyncWatch:
         for tally in self.tallies.values():
             tally.watch_from(step)
 
-    def result(self, n_steps: int, step_ms_total: float, cell_source: str | None) -> SyncsResult:
+    def result(self, n_steps: int, step_ms_total: float, cell_source: str | None) -> gpu_facts.SyncStalls:
         """The syncing lines, longest wait first, each with the call as written in the cell. Per
         step means per watched step (the watch starts once the loop is seen on the GPU)."""
         watched = max(0, n_steps - (self.tallies["sync_calls"].first_step or 0))
         per = max(1, watched)
         sites = sorted(self.sites.values(), key=lambda s: (-s.wait_ns, -s.calls, s.line))
-        rows: list[SyncSiteRow] = []
+        rows: list[gpu_facts.SyncSite] = []
         for s in sites:
             in_cell = s.filename == self.cell_filename
             wait_ms = s.wait_ns / 1e6 if s.timed else None

@@ -27,8 +27,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from time import perf_counter_ns
-from typing import Any, TypedDict
+from typing import Any
 
+from ...facts.resources import GpuMemoryFacts, HeldBefore, HeldDevice, OomFacts
 from ...failures import failure_text, read_or
 from ..gpu.cuda_state import cuda_initialized, torch_cuda
 from ..steps.step_tally import StepTally
@@ -45,64 +46,6 @@ READ_EVERY_MAX = 1024
 SCAN_BUDGET_S = 0.05  # the scan of the namespace for what earlier cells hold stops after this
 SCAN_MAX_ITEMS = 10_000  # elements of one list, tuple, set or dict looked at
 TOP_HOLDERS = 5
-
-
-class GpuMemoryFacts(TypedDict):
-    """What the run keeps of the GPU memory watch (docs/resources.md): the device, its capacity
-    (MiB), whether the peak was reset each step, how many steps were read, one in how many,
-    a read's host cost (µs), and why the figures stopped (None: they did not)."""
-
-    device: int | None
-    capacity_mib: float | None
-    peak_reset_each_step: bool
-    steps_read: int
-    read_every: int
-    read_us: float
-    note: str | None
-
-
-class Holder(TypedDict):
-    """A name of the namespace and the device memory it holds (MiB)."""
-
-    name: str
-    mib: float
-
-
-class HeldDevice(TypedDict):
-    """What a device had allocated when the cell started (MiB), its capacity, the biggest
-    holders by name, what they hold together, whether the scan stopped at its budget."""
-
-    device: int
-    allocated_mib: float
-    capacity_mib: float | None
-    holders: list[Holder]
-    named_mib: float
-    scan_stopped: bool
-
-
-class HeldBefore(TypedDict):
-    """What earlier cells hold on the GPUs when a traced cell starts, and the scan's cost (ms)."""
-
-    devices: list[HeldDevice]
-    scan_ms: float
-
-
-class _OomStep(TypedDict, total=False):
-    step: int  # the step it happened in (1-based), once the watch knows it
-    completed_steps: int
-
-
-class OomFacts(_OomStep):
-    """An out-of-memory error's facts (MiB; None where unknown): the request, the device and
-    its capacity, what was free, allocated, reserved and the peak; then the step it hit."""
-
-    requested_mib: float | None
-    device: int | None
-    capacity_mib: float | None
-    free_mib: float | None
-    allocated_mib: float | None
-    reserved_mib: float | None
-    peak_mib: float | None
 
 
 # The CUDA module the memory watch reads (a seam: tests put a fake GPU here).

@@ -31,10 +31,11 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
 
 import numpy as np
 
+from ...facts.resources import HostFacts, WorkerFacts
 from ...failures import failure_text
 from ..steps.step_history import StepHistory
 from .samples import SampleBuffer, Sampler
@@ -145,40 +146,6 @@ def usable_cpus() -> int:
 
 
 # -- the sampler ------------------------------------------------------------------------------
-
-
-class WorkerFacts(TypedDict):
-    """A DataLoader worker as the run keeps it (docs/resources.md): its pid, when it was seen,
-    CPU seconds, memory first, last and at peak (MiB; None before a read), the DataLoader."""
-
-    pid: int
-    first_s: float | None
-    last_s: float | None
-    cpu_s: float
-    rss_first_mib: float | None
-    rss_last_mib: float | None
-    rss_max_mib: float | None
-    uss_first_mib: float | None
-    uss_last_mib: float | None
-    uss_max_mib: float | None
-    uss_reads: int
-    exited: bool
-    loader: int  # id() of the DataLoader whose iterator started it
-
-
-class HostFacts(TypedDict):
-    """What the run keeps of the host (docs/resources.md): the samples (HOST_COLUMNS, numpy
-    columns), each worker, the cores this process may use and the machine's, the memory
-    available at the end (MiB), the last private-memory reads' cost, torch's threads, notes."""
-
-    available_mib: float | None
-    samples: dict[str, np.ndarray]
-    workers: list[WorkerFacts]
-    usable_cores: float
-    machine_cpus: int | None
-    uss_cost_ms: float
-    torch_threads: int | None
-    notes: list[str]
 
 
 @dataclass

@@ -6,8 +6,8 @@ from __future__ import annotations
 import platform
 import sys
 from functools import cache
-from typing import TypedDict
 
+from ...facts.machine import MachineFacts
 from ..gpu.cuda_state import cuda_initialized
 
 
@@ -33,20 +33,6 @@ def gpu_name(cuda_device: int | None, nvml_device: str | None) -> str | None:
     if cuda_device is not None and cuda_initialized():  # torch is imported: its CUDA answers
         return str(sys.modules["torch"].cuda.get_device_name(cuda_device))
     return nvml_device.split(",")[0].strip() if nvml_device else None
-
-
-class MachineFacts(TypedDict):
-    """What a run ran on (None: not known): Python's, torch's and CUDA's versions, the platform,
-    the CPU's model, the cores this process may use, the GPU's name, this package's version."""
-
-    python: str
-    torch: str | None
-    cuda: str | None
-    platform: str
-    cpu: str | None
-    cpus: int | None
-    gpu: str | None
-    traceml_jupyter: str | None
 
 
 def describe_machine(

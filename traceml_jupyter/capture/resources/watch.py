@@ -14,6 +14,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any, Literal
 
+from ...facts.resources import HeldBefore, OomFacts
 from ...failures import never_raise, read_or
 from ..data.probes import user_namespace
 from ..gpu.cuda_state import cuda_initialized
@@ -21,8 +22,6 @@ from ..steps.step_model import ITERATION
 from . import gpu_memory
 from .gpu_memory import (
     GpuMemory,
-    HeldBefore,
-    OomFacts,
     held_before,
     is_cuda_oom,
     oom_facts,
