@@ -6,6 +6,7 @@ the watch uses) to a file of its process in `log_dir`: the figures the tests jud
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -77,6 +78,36 @@ class Stream(IterableDataset[Any]):
             time.sleep(self.ms / 1000)
             _log(self.log_dir, "getitem", k * 100_000 + i, t0, time.monotonic_ns())
             yield torch.full((8,), float(i)), k
+
+
+class Dying(Dataset[Any]):
+    """`n` samples of 1 ms; the worker that loads sample `at` fails there as `how` says: "exit"
+    (os._exit(3)), "kill" (SIGKILL itself, as the OOM killer does), "segv" (SIGSEGV, as a native
+    library's crash), "raise" (ValueError), "hang" (sleeps `hang_s`). Before it fails it writes
+    its pid and worker id to `log_dir`/dying-<pid>.txt (the test knows who it was), then waits
+    `delay_s`: the loop waits for that batch in torch's code by then, as in a run without traceml."""
+
+    def __init__(self, n: int, at: int, how: str, log_dir: str, hang_s: float = 30.0, delay_s: float = 0.5) -> None:
+        self.n, self.at, self.how, self.log_dir, self.hang_s, self.delay_s = n, at, how, log_dir, hang_s, delay_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.001)
+        if i == self.at:
+            info = get_worker_info()
+            with open(os.path.join(self.log_dir, f"dying-{os.getpid()}.txt"), "w") as f:
+                f.write(f"{os.getpid()} {info.id if info is not None else -1} {i}\n")
+            time.sleep(self.delay_s)  # (the loop is waiting for this batch by then, in torch's code)
+            if self.how == "exit":
+                os._exit(3)
+            if self.how in ("kill", "segv"):
+                os.kill(os.getpid(), signal.SIGKILL if self.how == "kill" else signal.SIGSEGV)
+            if self.how == "hang":
+                time.sleep(self.hang_s)
+            raise ValueError(f"sample {i} is corrupt")
+        return torch.full((4,), float(i))
 
 
 class SlowCollate:

@@ -7,12 +7,28 @@ so hooks that run every step keep their own try/except."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 D = TypeVar("D")
+
+
+def raised_by_a_signal_handler(exc: BaseException) -> bool:
+    """`exc` came out of a Python signal handler (torch's SIGCHLD handler when a DataLoader
+    worker dies, a user's alarm): the user's, wherever it interrupted a block of ours."""
+    codes = set()
+    tb = exc.__traceback__
+    while tb is not None:
+        codes.add(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    for number in signal.valid_signals():
+        handler = signal.getsignal(number)
+        if getattr(getattr(handler, "__func__", handler), "__code__", None) in codes:
+            return True
+    return False
 
 
 def failure_text(exc: BaseException) -> str:
@@ -25,7 +41,8 @@ class never_raise:  # lower case: it reads as a statement, `with never_raise(run
 
     `with never_raise(run.notes, "Resources not reported"):` appends "Resources not reported:
     TypeError: ..." to `run.notes` when the block raises; `with never_raise():` drops the error.
-    KeyboardInterrupt, SystemExit and other BaseExceptions pass through: they are the user's.
+    KeyboardInterrupt, SystemExit and other BaseExceptions pass through: they are the user's, as
+    is an error a signal handler raised while the block ran (a DataLoader worker died).
     After the block, `guard.error` is the Exception it swallowed (None when the block ran
     through), for a caller that must do one more thing on failure."""
 
@@ -42,7 +59,7 @@ class never_raise:  # lower case: it reads as a statement, `with never_raise(run
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
-        if not isinstance(exc, Exception):
+        if not isinstance(exc, Exception) or raised_by_a_signal_handler(exc):
             return False
         self.error = exc
         if self.notes is not None:

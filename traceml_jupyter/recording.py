@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import kernel_state
 from .analysis.compile import CompileFacts
-from .analysis.loader_inside import LoaderInside, inside_next
+from .analysis.loader_inside import LoaderInside, Watched, inside_next
 from .analysis.loader_inside import summarise as summarise_inside
 from .analysis.phases import step_definition
 from .analysis.summary_keys import LineCosts, RankRow
@@ -314,9 +314,10 @@ class Recording:
             self._result = self._build()
         return self._result
 
-    def inside_watched(self, watched: tuple[list[tuple[int, ...]], list[tuple[int, int, int]], int, list[tuple[int, int]]] | None) -> None:
+    def inside_watched(self, watched: Watched | None) -> None:
         """What the watch inside the DataLoader's workers gave at the capture's end (records,
-        receptions, start, pinned batches), summarised; None: no worker was watched."""
+        receptions, start, pinned batches, failed next(), workers' exits), summarised; None: no
+        worker was watched."""
         self.loader_inside = summarise_inside(*watched) if watched else None
 
     def _build(self) -> RunResult:

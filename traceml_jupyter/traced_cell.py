@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 from IPython.core.error import UsageError
 
 from . import kernel_state, ranks
+from .analysis.loader_inside import stop_lines
 from .analysis.summary import auto_warmup
 from .capture.inside.line_costs import line_costs
 from .capture.instrument.cell_functions import (
@@ -432,6 +433,8 @@ def _report(run: Run, error: BaseException | None, view: LiveView | None, comman
             from .analysis.resources import finding_lines
 
             print("\n".join(f"traceml: {line}" for line in finding_lines(run.summary)))
+        for line in stop_lines(result.data.inside):  # a DataLoader worker that died, raised, was late
+            print(f"traceml: {line}")
     elif result.steps.kind == "none" and result.loop.line is None:
         kernel_state.RUNS.remove(run)
         print(children.no_training_line(result, commands) or NO_LOOP)

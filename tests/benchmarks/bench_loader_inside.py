@@ -118,8 +118,8 @@ def lanes_read_cost(total: int, per_tick: int, workers: int = 4) -> tuple[float,
             for i in range(per_tick):
                 w = i % workers
                 k, t = made[w], (tick * per_tick + i) * 1_000_000
-                files[w].write(worker_side.RECORD.pack(1000 + w, w, k, t, t + 600_000, t + 900_000, 1, 8, 64, *([-1, 0] * 4)))
-                watch.receptions.append((1000 + w, t + 800_000, t + 1_000_000))
+                files[w].write(worker_side.RECORD.pack(0, 1000 + w, w, 0, k, k, t, t + 600_000, t + 900_000, 1, 8, 64, *([-1, 0] * 4)))
+                watch.receptions.append((1000 + w, 0, k, t + 800_000, t + 1_000_000))
                 made[w] += 1
             t0 = time.perf_counter_ns()
             lanes.read()
@@ -160,8 +160,8 @@ def refresh_cost(with_lanes: bool, refreshes: int = 200, per_tick: int = 250) ->
         for tick in range(refreshes):
             for i in range(per_tick):
                 w, t = i % 4, (tick * per_tick + i) * 1_000_000
-                files[w].write(worker_side.RECORD.pack(1000 + w, w, made[w], t, t + 600_000, t + 900_000, 1, 8, 64, *([-1, 0] * 4)))
-                watch.receptions.append((1000 + w, t + 800_000, t + 1_000_000))
+                files[w].write(worker_side.RECORD.pack(0, 1000 + w, w, 0, made[w], made[w], t, t + 600_000, t + 900_000, 1, 8, 64, *([-1, 0] * 4)))
+                watch.receptions.append((1000 + w, 0, made[w], t + 800_000, t + 1_000_000))
                 made[w] += 1
                 o = run.recorder.origin_ns + step * 1_000_000
                 run.recorder.add(o, o + 100_000, o + 1_000_000)

@@ -85,3 +85,24 @@ def test_a_read_lets_the_users_interrupt_through() -> None:
 
     with pytest.raises(KeyboardInterrupt):
         read_or(None, interrupted)
+
+
+def test_an_error_a_signal_handler_raised_inside_the_block_is_the_users() -> None:
+    # torch's SIGCHLD handler raises "DataLoader worker (pid X) is killed by signal" wherever the
+    # main thread is when a worker dies: inside a block of ours, it must reach the user's cell.
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed.")
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    notes: list[str] = []
+    try:
+        with pytest.raises(RuntimeError, match="pid 4242"), never_raise(notes, "The live view stopped"):
+            signal.raise_signal(signal.SIGUSR1)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert notes == []
+    with never_raise(notes, "still ours"):  # (the handler gone: an error of ours is ours again)
+        raise RuntimeError("ours")
+    assert notes == ["still ours: RuntimeError: ours"]

@@ -5,6 +5,7 @@ workers were still producing" and "handing over", and the findings with the fix 
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Sequence
 from dataclasses import replace
 from statistics import median
@@ -19,6 +20,20 @@ SLOW_SAMPLE_MIN_MS = 2.0  # and at least this long
 SLOW_SAMPLES_KEPT = 8
 LANE_BARS = 400  # batches the lane picture keeps (the first ones)
 SLOWEST = 4  # (index, ns) pairs a worker's record holds
+# The fields of a worker's record (capture/loader/worker_side.py): both kinds begin with these,
+KIND, PID, WORKER, PASS, ORDINAL, TASK = range(6)
+# then a BATCH record's (kind 0), after the fetch,
+START, COLLATE, END, GETITEM, ITEMS, BYTES, SLOW = range(6, 13)
+# and a STARTED record's (kind 1), before it: the number of samples, whether their indices run
+# on from the first, the first indices (-1: none).
+IN_BATCH, CONSECUTIVE, INDICES = 7, 8, 9
+BATCH, STARTED = 0, 1
+# What the capture hands over (capture/loader/watch.py's Watched): the records, the loop's
+# receptions (pid, pass, task, asked, received), the start (ns), the pin-memory thread's
+# batches (start, end), the loop's failed next() (worker, pid, pass, task, error) and the
+# workers that ended with a code other than 0 (worker, pid, code; -N: signal N).
+Watched = tuple[list[tuple[int, ...]], list[tuple[int, int, int, int, int]], int, list[tuple[int, int]],
+                list[tuple[int, int, int, int, str]], list[tuple[int, int, int]]]  # fmt: skip
 
 
 class WorkerRow(TypedDict):
@@ -62,7 +77,8 @@ class LoaderInside(TypedDict, total=False):
     hand-over (ready in the worker -> received by the loop), MB a batch, the median sample,
     the slowest samples, the loop's data wait on the batches matched split into producing and
     handing over, the lane picture's bars and the loop's waits beneath them ([asked, received]
-    in ms from the cell's start), the pin-memory thread's ms a batch and batches."""
+    in ms from the cell's start), the pin-memory thread's ms a batch and batches, the workers
+    that stopped the loop (died, raised, late)."""
 
     batches: int
     received: int
@@ -81,6 +97,26 @@ class LoaderInside(TypedDict, total=False):
     waits: list[list[float]]
     pin_ms: float | None
     pinned: int
+    stopped: list[WorkerStop]
+
+
+class WorkerStop(TypedDict):
+    """A worker that stopped the loop (died, raised, or was late past the loader's timeout):
+    who, how (`died`: `code` is its exit code, or -N for signal N; `raised`; `late`), the
+    error the loop got, the batch it was making (its first sample indices, how many, whether
+    they run on from the first: "samples 40-47", whether they are an IterableDataset's places in
+    the worker's stream; [] and None when not known) and the batches it had made before."""
+
+    worker: int
+    pid: int
+    how: str
+    code: int | None
+    error: str | None
+    samples: list[int]
+    in_batch: int | None
+    consecutive: bool
+    stream: bool
+    batches: int
 
 
 class Finding(TypedDict):
@@ -96,82 +132,105 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def summarise(records: Sequence[Sequence[int]], receptions: Sequence[Sequence[int]], began_ns: int,
-              pinned: Sequence[Sequence[int]] = ()) -> LoaderInside:  # fmt: skip
-    """The workers' records (worker_side.RECORD: pid, worker, ordinal, start, collate start,
-    end, getitem ns, items, bytes, SLOWEST (index, ns)), the loop's receptions (pid, wait
-    start, received; in order per worker) and the pin-memory thread's batches (start, end) as
-    the run keeps them. Every time: monotonic ns."""
+              pinned: Sequence[Sequence[int]] = (), stops: Sequence[tuple[int, int, int, int, str]] = (),
+              exits: Sequence[Sequence[int]] = ()) -> LoaderInside:  # fmt: skip
+    """The workers' records (worker_side: BATCH and STARTED, the fields above), the loop's
+    receptions (pid, pass, task, asked, received), the pin-memory thread's batches (start,
+    end), the loop's failed next() and the workers' exit codes, as the run keeps them (Watched).
+    Every time: monotonic ns."""
+    batches = [r for r in records if r[KIND] == BATCH]
     by_pid: dict[int, list[Sequence[int]]] = {}
-    for r in records:
-        by_pid.setdefault(r[0], []).append(r)
+    for r in batches:
+        by_pid.setdefault(r[PID], []).append(r)
     workers: list[WorkerRow] = []
     samples: list[SlowSample] = []
     per_item: list[float] = []
-    for pid, rows in sorted(by_pid.items(), key=lambda kv: (kv[1][0][1], kv[0])):
-        rows.sort(key=lambda r: r[2])
-        getitem = [r[6] / MS for r in rows]
-        collate = [(r[5] - r[4]) / MS for r in rows]
-        items = sum(r[7] for r in rows)
-        per_item += [r[6] / MS / r[7] for r in rows if r[7]]
+    for pid, rows in sorted(by_pid.items(), key=lambda kv: (kv[1][0][WORKER], kv[0])):
+        rows.sort(key=lambda r: r[ORDINAL])
+        getitem = [r[GETITEM] / MS for r in rows]
+        items = sum(r[ITEMS] for r in rows)
+        per_item += [r[GETITEM] / MS / r[ITEMS] for r in rows if r[ITEMS]]
         for r in rows:
-            samples += [SlowSample(index=r[9 + 2 * k], ms=r[10 + 2 * k] / MS, worker=r[1]) for k in range(SLOWEST) if r[9 + 2 * k] >= 0 or r[10 + 2 * k] > 0]
+            samples += [SlowSample(index=r[SLOW + 2 * k], ms=r[SLOW + 1 + 2 * k] / MS, worker=r[WORKER])
+                        for k in range(SLOWEST) if r[SLOW + 2 * k] >= 0 or r[SLOW + 1 + 2 * k] > 0]  # fmt: skip
         workers.append(WorkerRow(
-            worker=rows[0][1], pid=pid, batches=len(rows), items=items,
-            getitem_ms=sum(getitem) / len(rows), collate_ms=sum(collate) / len(rows),
-            batch_ms=sum((r[5] - r[3]) / MS for r in rows) / len(rows),
-            busy_ms=sum((r[5] - r[3]) / MS for r in rows), item_ms=sum(getitem) / items if items else None,
+            worker=rows[0][WORKER], pid=pid, batches=len(rows), items=items,
+            getitem_ms=sum(getitem) / len(rows), collate_ms=sum((r[END] - r[COLLATE]) / MS for r in rows) / len(rows),
+            batch_ms=sum((r[END] - r[START]) / MS for r in rows) / len(rows),
+            busy_ms=sum((r[END] - r[START]) / MS for r in rows), item_ms=sum(getitem) / items if items else None,
         ))  # fmt: skip
-    matched = _matched(by_pid, receptions)
+    made = {(r[PID], r[PASS], r[TASK]): r for r in batches if r[TASK] >= 0}
+    matched = []  # (ready, asked, received) of each batch received: by its worker, pass and task
+    for pid, passes, task, asked, got in receptions:
+        batch = made.get((pid, passes, task))
+        if batch is not None:
+            matched.append((batch[END], asked, got))
     handover = [(got - max(ready, asked)) / MS for ready, asked, got in matched]
     producing = [max(0, ready - asked) / MS for ready, asked, got in matched]
-    sizes = [r[8] for r in records if r[8] >= 0]
+    sizes = [r[BYTES] for r in batches if r[BYTES] >= 0]
     samples.sort(key=lambda s: -s["ms"])
-    n = len(records)
     return LoaderInside(
-        batches=n, received=len(matched), workers=workers,
-        getitem_ms=_mean([r[6] / MS for r in records]), collate_ms=_mean([(r[5] - r[4]) / MS for r in records]),
-        batch_ms=_mean([(r[5] - r[3]) / MS for r in records]), handover_ms=_mean(handover),
+        batches=len(batches), received=len(matched), workers=workers,
+        getitem_ms=_mean([r[GETITEM] / MS for r in batches]), collate_ms=_mean([(r[END] - r[COLLATE]) / MS for r in batches]),
+        batch_ms=_mean([(r[END] - r[START]) / MS for r in batches]), handover_ms=_mean(handover),
         mb_per_batch=sum(sizes) / len(sizes) / 1e6 if sizes else None,
         item_ms=median(per_item) if per_item else None, slow_samples=samples[:SLOW_SAMPLES_KEPT],
         wait_ms=sum((got - asked) / MS for _, asked, got in matched) if matched else None,
         producing_ms=sum(producing) if matched else None, handing_over_ms=sum(handover) if matched else None,
-        lanes=_lanes(records, by_pid, receptions, began_ns),
-        waits=[[(asked - began_ns) / MS, (got - began_ns) / MS] for _, asked, got in list(receptions)[:LANE_BARS]],
+        lanes=_lanes(batches, made, receptions, began_ns),
+        waits=[[(r[3] - began_ns) / MS, (r[4] - began_ns) / MS] for r in list(receptions)[:LANE_BARS]],
         pin_ms=_mean([(t1 - t0) / MS for t0, t1 in pinned]), pinned=len(pinned),
+        stopped=stopped_workers(records, stops, exits),
     )  # fmt: skip
 
 
-def _matched(by_pid: dict[int, list[Sequence[int]]], receptions: Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:
-    """(ready in the worker, the loop asked, the loop received) of each batch received: the
-    n-th batch the loop received from a worker is the n-th that worker made."""
-    seen: dict[int, int] = {}
-    out = []
-    for pid, asked, got in receptions:
-        k = seen.get(pid, 0)
-        seen[pid] = k + 1
-        rows = by_pid.get(pid)
-        if rows is not None and k < len(rows):
-            out.append((rows[k][5], asked, got))
-    return out
-
-
-def _lanes(records: Sequence[Sequence[int]], by_pid: dict[int, list[Sequence[int]]], receptions: Sequence[Sequence[int]], began_ns: int) -> list[LaneBar]:
-    received: dict[tuple[int, int], int] = {}
-    seen: dict[int, int] = {}
-    for pid, _, got in receptions:
-        k = seen.get(pid, 0)
-        seen[pid] = k + 1
-        received[(pid, k)] = got
-    first = sorted(records, key=lambda r: r[3])[:LANE_BARS]
-    ordinal = {id(r): k for rows in by_pid.values() for k, r in enumerate(rows)}
+def _lanes(batches: Sequence[Sequence[int]], made: dict[tuple[int, int, int], Sequence[int]],
+           receptions: Sequence[Sequence[int]], began_ns: int) -> list[LaneBar]:  # fmt: skip
+    received = {id(made[(pid, passes, task)]): got for pid, passes, task, _, got in receptions if (pid, passes, task) in made}
     bars = []
-    for r in first:
-        at = received.get((r[0], ordinal[id(r)]))
+    for r in sorted(batches, key=lambda r: r[START])[:LANE_BARS]:
+        at = received.get(id(r))
         bars.append(LaneBar(
-            worker=r[1], start_ms=(r[3] - began_ns) / MS, collate_ms=(r[4] - began_ns) / MS,
-            end_ms=(r[5] - began_ns) / MS, received_ms=(at - began_ns) / MS if at is not None else None,
+            worker=r[WORKER], start_ms=(r[START] - began_ns) / MS, collate_ms=(r[COLLATE] - began_ns) / MS,
+            end_ms=(r[END] - began_ns) / MS, received_ms=(at - began_ns) / MS if at is not None else None,
         ))  # fmt: skip
     return bars
+
+
+def stopped_workers(records: Sequence[Sequence[int]], stops: Sequence[tuple[int, int, int, int, str]],
+                    exits: Sequence[Sequence[int]]) -> list[WorkerStop]:  # fmt: skip
+    """The workers that stopped the loop: each that ended with a code other than 0 (died), else
+    the worker whose batch the loop awaited when torch re-raised its error (raised) or when
+    the loader's timeout passed (late); with the batch it was making (its last fetch STARTED
+    and not done, for a worker that raised or was late: the batch awaited) and its batches made."""
+    out: list[WorkerStop] = []
+    errors = [text for *_, text in stops]
+    for worker, pid, code in exits:
+        error = next((text for w, p, *_, text in stops if p == pid), errors[0] if errors else None)
+        out.append(_stop(records, worker, pid, "died", code, error, None))
+    if out:
+        return out
+    for worker, pid, passes, task, text in stops:
+        how = "late" if "DataLoader timed out" in text else "raised" if "in DataLoader worker process" in text else None
+        if how is not None and pid >= 0:
+            out.append(_stop(records, worker, pid, how, None, text, (passes, task)))
+    return out[:1]
+
+
+def _stop(records: Sequence[Sequence[int]], worker: int, pid: int, how: str, code: int | None,
+          error: str | None, awaited: tuple[int, int] | None) -> WorkerStop:  # fmt: skip
+    mine = [r for r in records if r[PID] == pid]  # (in the order the worker wrote them)
+    done = {r[ORDINAL] for r in mine if r[KIND] == BATCH}
+    if awaited is None:  # a worker that died: its last record, if a fetch it had begun
+        last = mine[-1] if mine and mine[-1][KIND] == STARTED else None
+    else:  # the fetch of the batch awaited, begun and not done
+        last = next((r for r in mine if r[KIND] == STARTED and (r[PASS], r[TASK]) == awaited and r[ORDINAL] not in done), None)
+    return WorkerStop(
+        worker=worker, pid=pid, how=how, code=code, error=error,
+        samples=[i for i in last[INDICES:] if i >= 0] if last else [], in_batch=last[IN_BATCH] if last else None,
+        consecutive=bool(last[CONSECUTIVE]) if last else False, stream=bool(last and last[CONSECUTIVE] == 2),
+        batches=len(done),
+    )  # fmt: skip
 
 
 # -- findings ---------------------------------------------------------------------------------------
@@ -248,16 +307,87 @@ def wait_split(inside: LoaderInside) -> str | None:
             f"workers were still producing them, {handing:.0f} ms handing them over")
 
 
+CRASHES = {"SIGSEGV", "SIGABRT", "SIGILL", "SIGFPE"}  # native code that crashed
+
+
+def stop_findings(inside: LoaderInside) -> list[Finding]:
+    """Each worker that stopped the loop, named (WORKER DIED, WORKER RAISED, WORKER LATE) with
+    what it was loading and the fix that fits how it stopped: critical."""
+    return [_stop_finding(s) for s in inside.get("stopped") or []]
+
+
+def _stop_finding(stop: WorkerStop) -> Finding:
+    who = f"DataLoader worker {stop['worker']} (pid {stop['pid']})"
+    samples = _samples(stop)
+    loading = f" while loading {samples}" if samples else ""
+    made = f", after {stop['batches']} batch{'es' if stop['batches'] != 1 else ''}"
+    error = stop["error"] or ""
+    if stop["how"] == "raised":
+        kind = error.split(":", 1)[0] or "an error"
+        return Finding(label="WORKER RAISED", text=f"{who} raised {kind}{loading}{made}",
+                       fix="the traceback above is the worker's own: it names the line of __getitem__ (or collate_fn) that raised")
+    if stop["how"] == "late":
+        return Finding(label="WORKER LATE", text=f"{who} was still loading {samples or 'its batch'} when the loader's timeout passed{made}",
+                       fix="a sample that takes longer than the DataLoader's timeout (a slow or stuck read): look at those samples, or a larger timeout")
+    code = stop["code"]
+    name = _signal_name(-code) if code is not None and code < 0 else None
+    if code is None or code >= 0:
+        how = f"exited with code {code}" if code is not None else "died"
+        fix = ("__getitem__, or a library it calls, ended the process (os._exit, sys.exit in a worker, a C library's exit): "
+               "load those samples with num_workers=0 to see where")
+    elif name == "SIGKILL":
+        how = "died (killed by signal 9, SIGKILL: out of memory?)"
+        fix = ("the system's out-of-memory killer sends SIGKILL: fewer workers (num_workers), a smaller prefetch_factor or "
+               "batch_size, or a dataset that does not hold copies of what it reads in each worker (`dmesg` shows the kill)")
+    elif name == "SIGBUS":
+        how = "died (signal 7, SIGBUS: shared memory full?)"
+        fix = ("workers hand batches over in shared memory (/dev/shm): a larger one (a container's --shm-size), "
+               "fewer workers or a smaller prefetch_factor")
+    elif name in CRASHES:
+        how = f"crashed (signal {-code}, {name})"
+        fix = ("native code under __getitem__ crashed (an image, audio or video decoder, a C extension): load those samples "
+               "with num_workers=0 to see which, and update or replace that library")
+    else:
+        how = f"died (killed by signal {-code}{', ' + name if name else ''})"
+        fix = "something outside the loader ended it (a job scheduler, a resource limit, a kill): look at what sends that signal"
+    return Finding(label="WORKER DIED", text=f"{who} {how}{loading}{made}", fix=fix)
+
+
+def _signal_name(number: int) -> str | None:
+    return {s.value: s.name for s in signal.Signals}.get(number)
+
+
+def _samples(stop: WorkerStop) -> str:
+    """"samples 40-47" ("samples 3, 17, ... (8 in the batch)" when they do not run on; "" unknown)."""
+    samples, n = stop["samples"], stop["in_batch"]
+    if not samples or not n:
+        return ""
+    if stop["stream"]:  # (an IterableDataset: no index, the items' places in the worker's stream)
+        return f"item {samples[0]} of its stream" if n == 1 else f"items {samples[0]}-{samples[0] + n - 1} of its stream"
+    if n == 1:
+        return f"sample {samples[0]}"
+    if stop["consecutive"]:
+        return f"samples {samples[0]}-{samples[0] + n - 1}"
+    shown = ", ".join(str(i) for i in samples[:6])
+    return f"samples {shown}{', ...' if n > 6 else ''} ({n} in the batch)"
+
+
 def findings(inside: LoaderInside) -> list[Finding]:
     """The findings inside the loader, in order: a slow worker, slow samples, the dominant stage."""
     return [f for f in (slow_worker(inside), slow_samples(inside), dominant_stage(inside)) if f is not None]
 
 
+def stop_lines(inside: LoaderInside | None) -> list[str]:
+    """The workers that stopped the loop, a line each with its fix (also under the one line of a
+    cell that stopped before its first step)."""
+    return [f"inside the loader, {f['label']}: {f['text']} - {f['fix']}" for f in stop_findings(inside)] if inside else []
+
+
 def inside_lines(inside: LoaderInside | None) -> list[str]:
     """The text box's Also lines: each finding with its fix, then the wait's split."""
-    if not inside or not inside.get("batches"):
+    if not inside:
         return []
-    lines = [f"inside the loader, {f['label']}: {f['text']} - {f['fix']}" for f in findings(inside)]
+    lines = stop_lines(inside) + [f"inside the loader, {f['label']}: {f['text']} - {f['fix']}" for f in findings(inside)]
     split = wait_split(inside)
     if split:
         lines.append(f"inside the loader, {split}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
-from ..failures import failure_text
+from ..failures import failure_text, raised_by_a_signal_handler
 from .inside.line_costs import LineClock
 from .inside.step_parts import StepParts
 from .instrument import hooks
@@ -92,6 +92,8 @@ class Stamping:
             self.level_pos = 0 if self.model.deferred is not None else -1
         except Exception as exc:  # ours: never raised into the user's loop
             stamps.discard()
+            if raised_by_a_signal_handler(exc):  # (torch's when a DataLoader worker died: the user's)
+                raise
             self.run.notes.append(f"traceml failed replaying the steps' stamps: {failure_text(exc)}")
             self.broken = True
             self.report_now()

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..analysis.loader_inside import LaneBar, LoaderInside, findings, wait_split
+from ..analysis.loader_inside import (
+    Finding,
+    LaneBar,
+    LoaderInside,
+    findings,
+    stop_findings,
+    wait_split,
+)
 from .report_style import (
     BORDER,
     CELL,
@@ -31,22 +38,28 @@ LANE_H, WIDTH, LEFT = 14, 560, 64
 def loader_inside_html(result: RunResult) -> str:
     """The part, or "" when no worker was watched."""
     inside = result.data.inside
-    if not inside or not inside.get("batches"):
+    if not inside or not (inside.get("batches") or inside.get("stopped")):
         return ""
-    colour, background = SEVERITY["warn"]
     out = section_title("Inside the DataLoader")
-    for f in findings(inside):
-        out += (
-            f'<div class="tml-inside-finding" style="margin-top:6px;padding:6px 10px;border-left:4px solid {colour};'
-            f'border-radius:6px;background-color:{background}"><b style="color:{colour}">{esc(f["label"])}</b>'
-            f'<div style="margin-top:2px">{with_code(f["text"])}</div>'
-            f'<div style="margin-top:2px"><b>Next</b> {with_code(f["fix"])}</div></div>'
-        )
+    out += "".join(_finding(f, "critical", "tml-inside-stopped") for f in stop_findings(inside))
+    out += "".join(_finding(f, "warn", "tml-inside-finding") for f in findings(inside))
     split = wait_split(inside)
     if split:
         out += f'<div class="tml-inside-wait" style="margin-top:6px">{esc(split[:1].upper() + split[1:])}.</div>'
-    out += _worker_table(inside) + lanes_svg(inside.get("lanes") or [], inside.get("waits") or [])
+    if inside.get("workers"):
+        out += _worker_table(inside)
+    out += lanes_svg(inside.get("lanes") or [], inside.get("waits") or [])
     return f'<div class="tml-inside">{out}</div>'
+
+
+def _finding(f: Finding, severity: str, kind: str) -> str:
+    colour, background = SEVERITY[severity]
+    return (
+        f'<div class="{kind}" style="margin-top:6px;padding:6px 10px;border-left:4px solid {colour};'
+        f'border-radius:6px;background-color:{background}"><b style="color:{colour}">{esc(f["label"])}</b>'
+        f'<div style="margin-top:2px">{with_code(f["text"])}</div>'
+        f'<div style="margin-top:2px"><b>Next</b> {with_code(f["fix"])}</div></div>'
+    )
 
 
 def _worker_table(inside: LoaderInside) -> str:

@@ -20,6 +20,7 @@ from helpers import shell_fixture, traced_and_result
 from loader_cases import own_timings
 
 import traceml_jupyter
+from traceml_jupyter.capture.loader import watch
 from traceml_jupyter.result.codec import from_dict, to_dict
 
 SETUP = """
@@ -49,11 +50,27 @@ def traced_over(shell: Any, build: str, tmp: Any, name: str) -> tuple[Any, str]:
     return got, result.shown
 
 
-def our_directories() -> set[str]:
-    """The private directories of the watch in the temporary folder."""
-    import tempfile
+MADE: list[str] = []  # the private directories the watch made in this test
 
-    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("traceml-loader-")}
+
+@pytest.fixture(autouse=True)
+def _directories_noted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each private directory the watch makes, noted (other processes of the machine make theirs
+    in the same temporary folder: only ours are judged)."""
+    MADE.clear()
+    mkdtemp = watch.tempfile.mkdtemp
+
+    def noted(*args: Any, **kwargs: Any) -> str:
+        path = mkdtemp(*args, **kwargs)
+        MADE.append(path)
+        return path
+
+    monkeypatch.setattr(watch.tempfile, "mkdtemp", noted)
+
+
+def our_directories() -> set[str]:
+    """The private directories of the watch made in this test that are still there."""
+    return {d for d in MADE if os.path.basename(d).startswith("traceml-loader-") and os.path.exists(d)}
 
 
 def nothing_left(shell: Any, before: set[str]) -> None:
@@ -266,3 +283,20 @@ def test_a_dataset_read_a_batch_at_a_time_is_timed_as_one_call(shell: Any, tmp_p
     own = own_timings(str(tmp_path), "getitem")  # the samples' own timings, 4 a batch
     assert len(own) == 16 and inside["getitem_ms"] is not None
     assert inside["getitem_ms"] >= 4 * min((t1 - t0) / 1e6 for _, t0, t1 in own)
+
+
+def test_after_an_early_break_persistent_workers_batches_are_matched_to_the_ones_the_loop_got(shell: Any, tmp_path: Any) -> None:
+    # Persistent workers: the first pass takes one batch and breaks (the batches prefetched for
+    # it are made and never received), the second takes all 6. Each batch received is matched
+    # to the one its worker made for that pass: the ones left behind are those made before the
+    # second pass asked for its first batch (the loop's own wait, on the same clock).
+    run(shell, "data = loader(Samples(48, 1.0), batch_size=8, num_workers=2, persistent_workers=True, multiprocessing_context='fork')")
+    cell = "for x, y in data:\n    break\ntime.sleep(0.05)\nfor x, y in data:\n    model(x).sum().backward()\n"
+    got, _ = traced_and_result(shell, cell, "--no-live --name early-break")
+    inside = got.result.data.inside
+    assert inside is not None and inside["received"] == 1 + 6 == len(inside["waits"])
+    second_asked = inside["waits"][1][0]
+    left = [bar for bar in inside["lanes"] if bar["received_ms"] is None]
+    assert len(left) == inside["batches"] - 7 and left  # (prefetched for the first pass)
+    assert all(bar["end_ms"] <= second_asked for bar in left)
+    assert all(bar["received_ms"] >= bar["end_ms"] for bar in inside["lanes"] if bar["received_ms"] is not None)

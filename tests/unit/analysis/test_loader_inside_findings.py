@@ -20,14 +20,16 @@ MS = 1_000_000
 
 
 def record(pid: int, worker: int, k: int, start_ms: float, getitem_ms: float, collate_ms: float, items: int = 4,
-           nbytes: int = 1_000_000, slow: tuple[tuple[int, float], ...] = ()) -> tuple[int, ...]:  # fmt: skip
-    """A worker's record as worker_side.RECORD holds it (times in ms from 0)."""
+           nbytes: int = 1_000_000, slow: tuple[tuple[int, float], ...] = (), task: int | None = None,
+           passes: int = 0) -> tuple[int, ...]:  # fmt: skip
+    """A worker's BATCH record as worker_side.RECORD holds it (times in ms from 0): its k-th
+    fetch, torch's task `task` (k unless told) of pass `passes`."""
     start = int(start_ms * MS)
     collate = start + int(getitem_ms * MS)
     end = collate + int(collate_ms * MS)
     pairs = [v for i, ms in slow for v in (i, int(ms * MS))]
     pairs += [-1, 0] * (4 - len(slow))
-    return (pid, worker, k, start, collate, end, int(getitem_ms * MS), items, nbytes, *pairs)
+    return (0, pid, worker, passes, k, k if task is None else task, start, collate, end, int(getitem_ms * MS), items, nbytes, *pairs)
 
 
 def two_workers(slow_ms: float = 10.0, collate_ms: float = 1.0) -> list[tuple[int, ...]]:
@@ -53,7 +55,7 @@ def test_the_wait_split_into_producing_and_handing_over() -> None:
     rows = [record(100, 0, 0, 0.0, 8.0, 2.0), record(100, 0, 1, 10.0, 8.0, 2.0)]  # ready at 10 and 20 ms
     # The loop asked at 5 ms (the batch still in the making: 5 ms producing) and got it at 12;
     # asked the second at 25 ms (ready since 20) and got it at 26 (all of it handing over).
-    receptions = [(100, 5 * MS, 12 * MS), (100, 25 * MS, 26 * MS)]
+    receptions = [(100, 0, 0, 5 * MS, 12 * MS), (100, 0, 1, 25 * MS, 26 * MS)]  # (pid, pass, task, asked, received)
     inside = summarise(rows, receptions, 0)
     assert inside["received"] == 2
     assert inside["wait_ms"] == 8.0 and inside["producing_ms"] == 5.0 and inside["handing_over_ms"] == 3.0
@@ -87,7 +89,7 @@ def test_the_dominant_stage_and_its_figure() -> None:
     found = dominant_stage(summarise(two_workers(collate_ms=40.0), [], 0))
     assert found is not None and found["label"] == "COLLATE" and found["text"].startswith("40.0 ms a batch in collate_fn")
     rows = [record(100, 0, 0, 0.0, 1.0, 1.0, nbytes=25_000_000)]
-    found = dominant_stage(summarise(rows, [(100, 2 * MS, 30 * MS)], 0))
+    found = dominant_stage(summarise(rows, [(100, 0, 0, 2 * MS, 30 * MS)], 0))
     assert found is not None and found["label"] == "TRANSFER" and found["text"].startswith("25.0 MB a batch, 28.0 ms")
     assert dominant_stage(summarise([], [], 0)) is None
 

@@ -230,7 +230,7 @@ def _run_with_lanes(tmp_path: Any, records: int) -> Any:
     for worker in (0, 1):
         with open(tmp_path / f"w{worker}-{100 + worker}.bin", "wb") as f:
             for k in range(records):
-                f.write(RECORD.pack(100 + worker, worker, k, k * 10**6, k * 10**6 + 500_000, k * 10**6 + 900_000, 1, 1, 1, *([-1, 0] * 4)))
+                f.write(RECORD.pack(0, 100 + worker, worker, 0, k, k, k * 10**6, k * 10**6 + 500_000, k * 10**6 + 900_000, 1, 1, 1, *([-1, 0] * 4)))
     run.loader_lanes = LiveLanes(types.SimpleNamespace(directory=str(tmp_path), receptions=[], began_ns=0))
     return handle
 

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .worker_side import MAX_RECORDS, PREFIX, RECORD
+from .worker_side import BATCH, MAX_RECORDS, PREFIX, RECORD
 
 LANE_KEEP = 64  # the newest batches a lane keeps for the chart
 BARS_KEPT = 512  # and at most this many over all the lanes (many workers: fewer each)
@@ -28,19 +28,20 @@ STALE = 16  # a worker file that did not grow for this many reads is looked at e
 MS = 1e6  # ns in a ms
 FILE_CAP = MAX_RECORDS * RECORD.size  # the most a worker's file holds
 # worker_side.RECORD as numpy reads it (little-endian, packed): the fields the lanes read named
+# (a STARTED record, of the same size, reads with its kind and is left out)
 RECORDS = np.dtype(
-    [("pid", "<i4"), ("worker", "<i4"), ("ordinal", "<i8"), ("start", "<i8"), ("collate", "<i8"), ("end", "<i8"),
-     ("rest", "<i8", (RECORD.size - 40) // 8)]
+    [("kind", "<i4"), ("pid", "<i4"), ("worker", "<i4"), ("pass", "<i4"), ("ordinal", "<i8"), ("task", "<i8"),
+     ("start", "<i8"), ("collate", "<i8"), ("end", "<i8"), ("rest", "<i8", (RECORD.size - 56) // 8)]
 )  # fmt: skip
 
 
 class Watched(Protocol):
     """What the lanes read of the watch (watch.LoaderInside): its private directory while the
-    cell runs (None before and after), the loop's receptions (worker pid, asked, received;
-    appended in order) and when the watch began (monotonic ns)."""
+    cell runs (None before and after), the loop's receptions (worker pid, pass, task, asked,
+    received; appended in order) and when the watch began (monotonic ns)."""
 
     directory: str | None
-    receptions: list[tuple[int, int, int]]
+    receptions: list[tuple[int, int, int, int, int]]
     began_ns: int
 
 
@@ -55,16 +56,16 @@ class LiveLanes:
         self.batches: dict[int, int] = {}  # worker id -> its batches read so far
         self.busy_ns: dict[int, int] = {}  # worker id -> its batches' time (start to end)
         self.bars: dict[int, deque[list[int]]] = {}  # worker id -> newest [start, collate, end, received or -1]
-        self.unreceived: dict[int, deque[tuple[int, list[int]]]] = {}  # pid -> (ordinal, bar) not received yet
-        self.received: dict[int, int] = {}  # pid -> the loop's receptions of its batches so far
+        # (pid, pass, task) -> the bar of a batch not received yet (the newest BARS_KEPT)
+        self.unreceived: dict[tuple[int, int, int], list[int]] = {}
         self.receptions_read = 0
         self.waits = np.zeros((0, 2), dtype=np.int64)  # the newest (asked, received), at most WAITS_KEPT
-        self.records = 0  # records read in all
+        self.records = 0  # batches read in all
         self.reads = 0
         self.read_ns = 0  # the reads' time (the benchmark's figure)
 
     def read(self) -> int:
-        """What the workers wrote and the loop received since the last read; the records read."""
+        """What the workers wrote and the loop received since the last read; the batches read."""
         watch = self.watch
         directory = watch.directory if watch is not None else None
         if watch is None or directory is None:
@@ -110,13 +111,15 @@ class LiveLanes:
             return 0
         n = len(data) // RECORD.size
         self.offsets[name], self.idle[name] = offset + n * RECORD.size, 0
-        if n:
-            self._add(np.frombuffer(data, dtype=RECORDS, count=n))
-        return n
+        return self._add(np.frombuffer(data, dtype=RECORDS, count=n)) if n else 0
 
-    def _add(self, rows: np.ndarray) -> None:
+    def _add(self, rows: np.ndarray) -> int:
         """A worker file's new records (one worker process a file): its lane's count and busy
-        time in bulk; its newest batches kept as bars, awaiting the loop's reception."""
+        time in bulk; its newest batches kept as bars, awaiting the loop's reception (by the
+        batch's pass and torch's task in it, as the report matches)."""
+        rows = rows[rows["kind"] == BATCH]
+        if not len(rows):
+            return 0
         worker, pid = int(rows["worker"][0]), int(rows["pid"][0])
         lane = self.bars.get(worker)
         if lane is None:
@@ -124,35 +127,31 @@ class LiveLanes:
             self.batches[worker] = self.busy_ns[worker] = 0
         self.batches[worker] += len(rows)
         self.busy_ns[worker] += int(rows["end"].sum() - rows["start"].sum())
-        pending = self.unreceived.get(pid)
-        if pending is None:
-            pending = self.unreceived[pid] = deque(maxlen=LANE_KEEP)
+        pending = self.unreceived
         newest = rows[-LANE_KEEP:]
-        columns = (newest[c].tolist() for c in ("ordinal", "start", "collate", "end"))
-        for ordinal, start, collate, end in zip(*columns, strict=True):
+        columns = (newest[c].tolist() for c in ("pass", "task", "start", "collate", "end"))
+        for passes, task, start, collate, end in zip(*columns, strict=True):
             bar = [start, collate, end, -1]
             lane.append(bar)
-            pending.append((ordinal, bar))
+            if task >= 0:
+                pending[(pid, passes, task)] = bar
+        while len(pending) > BARS_KEPT:  # (the oldest first: a batch never received, left behind)
+            del pending[next(iter(pending))]
+        return len(rows)
 
-    def _read_receptions(self, receptions: list[tuple[int, int, int]]) -> None:
-        """The loop's new receptions: its waits, and each matched to its batch (the n-th batch
-        the loop received from a worker is the n-th that worker made, as the report matches)."""
+    def _read_receptions(self, receptions: list[tuple[int, int, int, int, int]]) -> None:
+        """The loop's new receptions: its waits, and each matched to its batch (by its worker,
+        pass and torch's task, as the report matches)."""
         new = receptions[self.receptions_read :]
         if not new:
             return
         self.receptions_read += len(new)
-        got = np.array([r[:3] for r in new], dtype=np.int64)
-        self.waits = np.concatenate([self.waits, got[-WAITS_KEPT:, 1:]])[-WAITS_KEPT:]
-        pids = got[:, 0]
-        for pid in np.unique(pids).tolist():
-            first = self.received.get(pid, 0)  # the ordinal of this read's first batch of pid
-            pending = self.unreceived.get(pid)
-            times = got[pids == pid, 2].tolist()
-            self.received[pid] = last = first + len(times)
-            while pending and pending[0][0] < last:
-                ordinal, bar = pending.popleft()
-                if ordinal >= first:
-                    bar[3] = times[ordinal - first]
+        got = np.array([r[3:5] for r in new[-WAITS_KEPT:]], dtype=np.int64)
+        self.waits = np.concatenate([self.waits, got])[-WAITS_KEPT:]
+        for pid, passes, task, _, received in new:
+            bar = self.unreceived.pop((pid, passes, task), None)
+            if bar is not None:
+                bar[3] = received
 
     # -- what the live view draws -----------------------------------------------------------
     def counts(self) -> dict[int, tuple[int, float]]:

@@ -1,7 +1,9 @@
 """The training process's side of the inside-the-loader watch (docs/loader-inside.md): for the
 traced cell, `iter(loader)` on a loader with workers starts them with worker_side.WorkerInit
 chained before the user's `worker_init_fn` (put back as soon as the workers started), and each
-`next()` on that iterator notes when the loop asked and when it received which worker's batch.
+`next()` on that iterator notes when the loop asked and when it received which worker's batch
+(torch's task in that pass), or, when it raised, which batch it awaited and the workers' exit
+codes (a worker that died, raised or was late is named: analysis/loader_inside.py).
 At the cell's end the workers' records are read from the run's private directory, which is
 then removed (a persistent worker stops timing at its next batch).
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -26,8 +29,28 @@ from ..instrument.patches import patched
 from .worker_side import WorkerInit, known_fetchers, read_records
 
 MAX_RECEPTIONS = 200_000  # the loop's batches noted (then no more)
-# What a run's watch gives its recording: (records, receptions, began_ns, pinned)
-Watched = tuple[list[tuple[int, ...]], list[tuple[int, int, int]], int, list[tuple[int, int]]]
+MAX_STOPS = 16  # the loop's failed next() noted
+# The loop received a batch: (the worker's pid, pass, task, asked, received; monotonic ns).
+Reception = tuple[int, int, int, int, int]
+# The loop's next() raised: (the worker id and pid whose batch it awaited, -1 when unknown;
+# pass; task; the error, "Type: its first line").
+Stop = tuple[int, int, int, int, str]
+# A worker that ended with an exit code other than 0: (worker id, pid, exit code; -N: signal N).
+Exit = tuple[int, int, int]
+# What a run's watch gives its recording: (records, receptions, began_ns, pinned, stops, exits)
+Watched = tuple[list[tuple[int, ...]], list[Reception], int, list[tuple[int, int]], list[Stop], list[Exit]]
+
+
+class _Iterator:
+    """A watched iterator: its workers (torch's process objects, for their exit codes; their
+    pids by worker id) and its passes so far (`iter()` again on persistent workers: one more)."""
+
+    __slots__ = ("pids", "processes", "passes")
+
+    def __init__(self, processes: list[Any]) -> None:
+        self.processes = processes
+        self.pids = [p if type(p) is int else -1 for p in (read_or(None, _pid_of, w) for w in processes)]
+        self.passes = 0
 
 
 class LoaderInside:
@@ -38,8 +61,10 @@ class LoaderInside:
         self.thread, self.pid = get_ident(), os.getpid()
         self.directory: str | None = None
         self.began_ns = time.monotonic_ns()
-        self.iterators: dict[int, list[int]] = {}  # id(iterator) -> its workers' pids by worker id
-        self.receptions: list[tuple[int, int, int]] = []  # (worker pid, asked, received)
+        self.iterators: dict[int, _Iterator] = {}  # by id(iterator)
+        self.receptions: list[Reception] = []
+        self.stops: list[Stop] = []
+        self.exits: list[Exit] = []  # the workers found ended when next() raised
         self.unmeasured = 0  # passes whose workers started before the cell (persistent)
         self.pinned: list[tuple[int, int]] = []  # the pin-memory thread's batches: (start, end)
 
@@ -67,10 +92,10 @@ class LoaderInside:
 
         def __next__(it: Any) -> Any:
             __tracebackhide__ = True  # noqa: F841
-            pids = watch.iterators.get(id(it))
-            if pids is None:
+            watched = watch.iterators.get(id(it))
+            if watched is None:
                 return inner_next(it)
-            return watch.received(it, pids, inner_next)
+            return watch.received(it, watched, inner_next)
 
         with ExitStack() as stack:
             stack.enter_context(patched(loader_class, {"__iter__": __iter__}))
@@ -105,33 +130,56 @@ class LoaderInside:
         finally:
             if armed:
                 read_or(False, _set_init, loader, user)
-        if armed:  # (batches handed out of order, `in_order=False`: not matched to their worker)
-            self.iterators[id(it)] = read_or([], _pids, it) if getattr(it, "_in_order", True) is not False else []
-        elif workers and not fresh and id(it) not in self.iterators:
+        watched = self.iterators.get(id(it))
+        if armed:
+            self.iterators[id(it)] = _Iterator(read_or([], _workers_of, it))
+        elif watched is not None:  # persistent workers, started in this cell: their next pass
+            watched.passes += 1
+        elif workers and not fresh:
             self.unmeasured += 1
         return it
 
-    def received(self, it: Any, pids: list[int], inner: Any) -> Any:
-        """`next()` on a watched iterator: which worker's batch, asked and received when."""
+    def received(self, it: Any, watched: _Iterator, inner: Any) -> Any:
+        """`next()` on a watched iterator: which worker's batch (torch's task: its index in the
+        pass, and the worker it was sent to), asked and received when; or, when next() raised
+        (a worker's error, a timeout, a worker that died), which batch the loop awaited."""
+        __tracebackhide__ = True  # noqa: F841
         before = getattr(it, "_rcvd_idx", None)
+        before = before if type(before) is int else -1
         info = getattr(it, "_task_info", None)
-        task = info.get(before) if isinstance(info, dict) else None
+        task = info.get(before) if isinstance(info, dict) and getattr(it, "_in_order", True) is not False else None
+        worker = task[0] if isinstance(task, tuple) and task and type(task[0]) is int and 0 <= task[0] < len(watched.pids) else -1
         asked = time.monotonic_ns()
-        item = inner(it)
+        done = False
+        try:
+            item = inner(it)
+            done = True
+        finally:
+            if not done:
+                self.failed(watched, worker, before, sys.exc_info()[1])
         got = time.monotonic_ns()
-        if (
-            isinstance(task, tuple) and task and isinstance(task[0], int) and 0 <= task[0] < len(pids)
-            and getattr(it, "_rcvd_idx", None) == (before + 1 if isinstance(before, int) else None)
-            and len(self.receptions) < MAX_RECEPTIONS
-        ):  # fmt: skip
-            self.receptions.append((pids[task[0]], asked, got))
+        if worker >= 0 and getattr(it, "_rcvd_idx", None) == before + 1 and len(self.receptions) < MAX_RECEPTIONS:
+            self.receptions.append((watched.pids[worker], watched.passes, before, asked, got))
         return item
+
+    def failed(self, watched: _Iterator, worker: int, task: int, error: BaseException | None) -> None:
+        """next() raised `error` while the loop awaited `task` from `worker` (the end of a
+        pass, an interrupt: not noted). Runs while the error goes up: nothing here raises."""
+        if not isinstance(error, Exception) or isinstance(error, StopIteration) or len(self.stops) >= MAX_STOPS:
+            return
+        text = read_or("", str, error).strip().split("\n", 1)[0][:300]
+        pid = watched.pids[worker] if worker >= 0 else -1
+        self.stops.append((worker, pid, watched.passes, task, f"{type(error).__name__}: {text}"))
+        self.exits.extend(e for e in _exits(watched) if e not in self.exits)  # (read now: torch may end the others next)
 
     def close(self, notes: list[str]) -> Watched | None:
         """The cell ended: the workers' records, the loop's receptions, the start (monotonic
-        ns) and the pin-memory thread's batches, or None when no worker was watched; the
-        directory removed. What could not be watched: a note."""
+        ns), the pin-memory thread's batches, the loop's failed next() and the workers that
+        ended with a code other than 0, or None when no worker was watched; the directory
+        removed (a plain read of files: nothing waits on a dead worker). What could not be
+        watched: a note."""
         directory, self.directory = self.directory, None
+        iterators = list(self.iterators.values())
         self.iterators.clear()
         if os.getpid() != self.pid:  # a forked process closing what it inherited: the directory is its parent's
             return None
@@ -141,7 +189,11 @@ class LoaderInside:
             return None
         records = read_records(directory)
         shutil.rmtree(directory, ignore_errors=True)
-        return (records, self.receptions, self.began_ns, self.pinned) if records else None
+        # Found ended at the cell's end: a worker that died while the loop was elsewhere (torch's
+        # SIGCHLD handler raised in the user's code). Not SIGTERM: torch's own end of a worker
+        # that did not stop in time.
+        exits = self.exits + [e for w in iterators for e in _exits(w) if e[2] != -signal.SIGTERM and e not in self.exits]
+        return (records, self.receptions, self.began_ns, self.pinned, self.stops, exits) if records or exits else None
 
 
 def _num_workers(loader: Any) -> int:
@@ -162,5 +214,19 @@ def _set_init(loader: Any, init: Any) -> bool:
     return True
 
 
-def _pids(it: Any) -> list[int]:
-    return [int(w.pid) for w in it._workers]
+def _workers_of(it: Any) -> list[Any]:
+    return list(it._workers)
+
+
+def _pid_of(process: Any) -> Any:
+    return process.pid
+
+
+def _exit_code(process: Any) -> Any:
+    return process.exitcode  # (multiprocessing's: None while it runs; a poll, never a wait)
+
+
+def _exits(watched: _Iterator) -> list[Exit]:
+    """The workers that ended with an exit code other than 0 (-N: killed by signal N)."""
+    codes = [read_or(None, _exit_code, w) for w in watched.processes]
+    return [(k, watched.pids[k], code) for k, code in enumerate(codes) if type(code) is int and code != 0]

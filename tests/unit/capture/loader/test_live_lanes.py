@@ -14,16 +14,19 @@ import numpy as np
 import pytest
 
 from traceml_jupyter.capture.loader import lanes as live_lanes
-from traceml_jupyter.capture.loader.worker_side import RECORD
+from traceml_jupyter.capture.loader.worker_side import BATCH, RECORD, STARTED, STARTED_RECORD
 from traceml_jupyter.views.live_lanes import bars_per_lane, lane_lines
 
 MS = 1_000_000
 
 
-def record(pid: int, worker: int, ordinal: int, start_ms: float, collate_ms: float, end_ms: float) -> bytes:
-    """One batch's record as a worker writes it (times in ms from the watch's start, 0)."""
+def record(pid: int, worker: int, ordinal: int, start_ms: float, collate_ms: float, end_ms: float, task: int | None = None) -> bytes:
+    """One batch's records as a worker writes them: STARTED, then BATCH (times in ms from the
+    watch's start, 0; torch's task in pass 0: the ordinal unless told)."""
     start, collate, end = int(start_ms * MS), int(collate_ms * MS), int(end_ms * MS)
-    return RECORD.pack(pid, worker, ordinal, start, collate, end, collate - start, 4, 64, *([-1, 0] * 4))
+    task = ordinal if task is None else task
+    began = STARTED_RECORD.pack(STARTED, pid, worker, 0, ordinal, task, start, 4, 1, *range(4), *[-1] * 7)
+    return began + RECORD.pack(BATCH, pid, worker, 0, ordinal, task, start, collate, end, collate - start, 4, 64, *([-1, 0] * 4))
 
 
 def append(directory: Any, worker: int, pid: int, data: bytes) -> None:
@@ -82,14 +85,15 @@ def test_a_workers_file_that_appears_late_gets_its_own_lane(tmp_path: Any) -> No
 def test_the_loops_receptions_are_matched_to_the_batch_each_worker_made(tmp_path: Any) -> None:
     watch = watched(tmp_path)
     lanes = live_lanes.LiveLanes(watch)
-    append(tmp_path, 0, 100, record(100, 0, 0, 0, 5, 10) + record(100, 0, 1, 10, 15, 20))
-    append(tmp_path, 1, 101, record(101, 1, 0, 0, 6, 12))
-    watch.receptions += [(100, 8 * MS, 11 * MS), (101, 11 * MS, 13 * MS)]
+    # torch's tasks 0 and 2 went to worker 0, task 1 to worker 1 (receptions: pid, pass, task, asked, received)
+    append(tmp_path, 0, 100, record(100, 0, 0, 0, 5, 10, task=0) + record(100, 0, 1, 10, 15, 20, task=2))
+    append(tmp_path, 1, 101, record(101, 1, 0, 0, 6, 12, task=1))
+    watch.receptions += [(100, 0, 0, 8 * MS, 11 * MS), (101, 0, 1, 11 * MS, 13 * MS)]
     lanes.read()
     bars, waits = lanes.window()
     bars = by_worker(bars)
     assert bars[0][0, 3] == 11 and np.isnan(bars[0][1, 3]) and bars[1][0, 3] == 13
-    watch.receptions.append((100, 13 * MS, 21 * MS))  # the next read: worker 0's second batch
+    watch.receptions.append((100, 0, 2, 13 * MS, 21 * MS))  # the next read: worker 0's second batch
     lanes.read()
     bars, waits = lanes.window()
     bars = by_worker(bars)
@@ -103,7 +107,7 @@ def test_what_a_lane_keeps_is_bounded_however_many_batches(tmp_path: Any) -> Non
     n = 5_000
     for worker in (0, 1):
         append(tmp_path, worker, 100 + worker, b"".join(record(100 + worker, worker, k, k, k + 0.5, k + 0.9) for k in range(n)))
-        watch.receptions += [(100 + worker, k * MS, int((k + 1) * MS)) for k in range(n)]
+        watch.receptions += [(100 + worker, 0, k, k * MS, int((k + 1) * MS)) for k in range(n)]
     assert lanes.read() == 2 * n
     assert {w: c for w, (c, _) in lanes.counts().items()} == {0: n, 1: n}
     bars, waits = lanes.window()
