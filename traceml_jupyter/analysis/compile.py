@@ -107,6 +107,7 @@ class CompileReading:
     recompiles: tuple[Recompile, ...]
     breaks: tuple[GraphBreak, ...]
     graph_breaks: int | None  # torch's counter
+    unplaced: tuple[tuple[str, int], ...]  # breaks torch counted that no compiled frame places: reason, count
     own_frames: int  # compiles of traceml's own hooks (Dynamo traced into them)
     limit_hit: str | None  # the function whose compiled code was abandoned at the recompile limit
     eager: EagerShare | None = None  # the share of a step run eagerly between graphs (sampled)
@@ -229,6 +230,14 @@ def graph_breaks(facts: CompileFacts) -> list[GraphBreak]:
     return list(found.values())
 
 
+def unplaced_breaks(facts: CompileFacts, placed: Sequence[GraphBreak]) -> tuple[tuple[str, int], ...]:
+    """The graph breaks torch counted whose reason no placed break gives: Dynamo compiled no
+    frame after them (a break in a library's code, `logging` in a trainer), so no line is
+    known; each reason with torch's count."""
+    named = {b.reason for b in placed}
+    return tuple((r, n) for r, n in facts["graph_break_reasons"].items() if r and r not in named)
+
+
 def read_compile(
     facts: CompileFacts, columns: Mapping[str, np.ndarray], wall_ms: float | None
 ) -> CompileReading:
@@ -254,11 +263,12 @@ def read_compile(
             frame["recompile_reason"], cause, fix,
         ))
     limit = next((_named(f, facts["frames"]) for f in facts["frames"] if f["failed"] and "limit" in f["failed"].lower()), None)
+    placed = graph_breaks(facts)
     return CompileReading(
         seconds=seconds, per_step=per_step,
         share_of_cell=seconds / (wall_ms / 1e3) if wall_ms else None,
-        compiling_steps=compiling, recompiles=tuple(recompiles), breaks=tuple(graph_breaks(facts)),
-        graph_breaks=facts["graph_breaks"], limit_hit=limit,
+        compiling_steps=compiling, recompiles=tuple(recompiles), breaks=tuple(placed),
+        graph_breaks=facts["graph_breaks"], unplaced=unplaced_breaks(facts, placed), limit_hit=limit,
         own_frames=sum(1 for f in facts["frames"] if OWN_CODE.search(f["filename"])),
         eager=facts.get("eager"),
     )
@@ -312,6 +322,9 @@ def compile_lines(reading: CompileReading, cell_filename: str | None = None) -> 
     for b in reading.breaks:
         place = f"line {b.line}" if b.filename == cell_filename else f"{_short(b.filename)}:{b.line}"
         lines.append(f"graph break in {b.function}() at {place}: {b.reason} — {b.fix}")
+    for reason, n in reading.unplaced:
+        times = f" ×{n}" if n > 1 else ""
+        lines.append(f"graph break{times}, no line (torch compiled nothing after it): {reason} — {break_fix(reason)}")
     return lines
 
 

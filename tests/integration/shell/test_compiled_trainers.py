@@ -120,6 +120,11 @@ def assert_compile_facts_are_torchs(result: Any, counts: Compiled) -> None:
     assert reading is not None and reading.per_step[0] > 0
     assert 0 in result.summary["compiling_steps"]
     assert any(line.startswith("compiling: ") and "step 1" in line for _, line in lines_after_verdict(result))
+    # every break torch counted is said: at its line, or (in a library's code, where torch
+    # compiled nothing after it) by its reason and count
+    said = [line for _, line in lines_after_verdict(result) if line.startswith("graph break")]
+    placed = sum(1 for b in reading.breaks) + sum(n for _, n in reading.unplaced)
+    assert (placed >= 1) == (counts.graph_breaks > 0) and len(said) == len(reading.breaks) + len(reading.unplaced)
 
 
 @pytest.mark.parametrize("where", ["__init__", "configure_model"])

@@ -95,6 +95,21 @@ def test_a_graph_break_is_named_at_the_cells_line_with_its_reason_and_fix() -> N
     ))
 
 
+def test_a_break_that_no_compiled_frame_places_is_said_with_torchs_reason_and_count() -> None:
+    # A library's `logging` call in compiled code: torch counts the break, but compiles no frame
+    # after it (no resume function), so no line is known; its reason and count are still said.
+    logger = "logging.Logger method not supported for non-export cases"
+    reading = read_compile(
+        facts(graph_breaks=4, graph_break_reasons={**facts()["graph_break_reasons"], logger: 3}),
+        columns([2000.0] + [10.0] * 39), 2400.0,
+    )
+    assert reading.unplaced == ((logger, 3),)
+    lines = compile_lines(reading, "<cell>")
+    assert f"graph break ×3, no line (torch compiled nothing after it): {logger} — take the print out" in "\n".join(lines)
+    assert sum(line.startswith("graph break") for line in lines) == 2  # the cell's break, and this one
+    assert read_compile(facts(), columns([2000.0] + [10.0] * 39), 2400.0).unplaced == ()
+
+
 def test_each_kind_of_graph_break_has_its_fix() -> None:
     assert ".item()" in break_fix("Unsupported Tensor.item() call with capture_scalar_outputs=False")
     assert "torch.where" in break_fix("Data-dependent branching")
