@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
 
 def _log(log_dir: str | None, kind: str, key: int, t0: int, t1: int) -> None:
@@ -133,6 +134,25 @@ class CountInits:
     def __call__(self, worker_id: int) -> None:
         with open(os.path.join(self.log_dir, f"init-{os.getpid()}.txt"), "a") as f:
             f.write(f"{worker_id}\n")
+
+
+class Buckets(Sampler[list[int]]):
+    """A batch sampler of the kind that groups samples by length: batches of `sizes` in turn
+    over `n` samples, in an order of its own (odd indices first), as lists of indices."""
+
+    def __init__(self, n: int, sizes: tuple[int, ...]) -> None:
+        self.n, self.sizes = n, sizes
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = [*range(1, self.n, 2), *range(0, self.n, 2)]
+        k = 0
+        while order:
+            size = self.sizes[k % len(self.sizes)]
+            yield order[:size]
+            order, k = order[size:], k + 1
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def loader(dataset: Any, **settings: Any) -> DataLoader[Any]:

@@ -26,7 +26,7 @@ from traceml_jupyter.result.codec import from_dict, to_dict
 SETUP = """
 import os, tempfile, time, torch
 from torch import nn
-from loader_cases import Batched, Samples, SlowCollate, Stream, CountInits, loader
+from loader_cases import Batched, Buckets, Samples, SlowCollate, Stream, CountInits, loader
 model = nn.Linear(8, 2)
 """
 
@@ -242,6 +242,22 @@ def test_the_batches_are_the_same_bit_for_bit(shell: Any, context: str, tmp_path
     assert sorted(own_timings_lines(str(tmp_path), "init")) == ["0", "0", "1", "1"]
     assert len(plain) == len(watched) == 6
     assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
+
+
+def test_a_batch_sampler_of_its_own_gives_the_same_batches_and_its_slow_samples_are_named(shell: Any, tmp_path: Any) -> None:
+    # A batch_sampler that groups samples (batches of 3, 5 and 8 in turn, odd indices first), as
+    # a length-bucketing sampler does: the same batches as without the magic, each batch's
+    # samples as the sampler chose them, and the slow ones named by the indices it gave.
+    shell.user_ns["log"] = str(tmp_path)
+    build = ("loader(Samples(32, 1.0, slow=(5, 12), slow_ms=40, log_dir=log), batch_sampler=Buckets(32, (3, 5, 8)), "
+             "num_workers=2, multiprocessing_context='fork')")
+    plain = batches_of(shell, build, traced=False)
+    watched = batches_of(shell, build, traced=True)
+    assert [len(b) for b in watched] == [3, 5, 8, 3, 5, 8]
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
+    inside = traceml_inside(shell)
+    assert inside is not None and inside["batches"] == 6 and sum(w["items"] for w in inside["workers"]) == 32
+    assert sorted(s["index"] for s in inside["slow_samples"][:2]) == [5, 12]
 
 
 def traceml_inside(shell: Any) -> Any:
