@@ -51,7 +51,7 @@ model = torch.compile(Net(BREAKS), backend=BACKEND)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 eager_times, step_times = [], []
 compiled_at = None
-while compiled_at is None or time.perf_counter() - compiled_at < 1.2:  # 1.2 s of steps after compiling
+while compiled_at is None or time.perf_counter() - compiled_at < 2.5:  # 2.5 s of steps after compiling: room for the sample to start at a tick and see whole steps on a loaded machine
     t = time.perf_counter()
     opt.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
