@@ -64,7 +64,7 @@ def test_a_slow_dataset_is_input_bound_with_the_injected_wait(shell: Any) -> Non
     assert got is not None and got.name == "slow"
     assert got.verdict == "INPUT-BOUND" and got.severity == "critical"
     assert got.clock == "cpu" and got.n_steps == 30
-    assert got.summary["data_wait_ms"] == pytest.approx(20.0, rel=0.05)
+    assert 20.0 <= got.summary["data_wait_ms"] <= 23.0  # the injected 20 ms, and what sleep() oversleeps on a busy machine
     assert got.summary["data_wait_share"] >= 0.2
     assert got.result.steps.batch_size == 16 and got.result.loop.line == 2
     text = r.shown
