@@ -113,3 +113,19 @@ def gpu_fixture(setup: str | None = None, **machine: Any) -> Callable[..., Itera
         FakeTensor.gpu = None
 
     return gpu_in_shell
+
+
+def note_watch_directories(monkeypatch: Any, made: list[str]) -> None:
+    """Each private directory the DataLoader watch makes (tempfile.mkdtemp), appended to `made`
+    as it makes it: other processes of the machine make theirs in the same temporary folder,
+    so only these are judged."""
+    from traceml_jupyter.capture.loader import watch
+
+    mkdtemp = watch.tempfile.mkdtemp
+
+    def noted(*args: Any, **kwargs: Any) -> str:
+        path = mkdtemp(*args, **kwargs)
+        made.append(path)
+        return path
+
+    monkeypatch.setattr(watch.tempfile, "mkdtemp", noted)

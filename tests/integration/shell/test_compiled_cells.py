@@ -107,6 +107,22 @@ class Compiled:
     losses: torch.Tensor
     weights: torch.Tensor
 
+    @staticmethod
+    def now(losses: torch.Tensor, weights: torch.Tensor) -> Compiled:
+        """What torch counted so far (its compilation metrics and counters), with what was computed."""
+        from torch._dynamo.utils import counters, get_compilation_metrics
+
+        metrics = get_compilation_metrics()
+        return Compiled(
+            compiles=len(metrics),
+            recompiles=sum(m.recompile_reason is not None for m in metrics),
+            graphs=counters["stats"]["unique_graphs"],
+            graph_breaks=sum(counters["graph_break"].values()),
+            frames=counters["frames"]["total"],
+            losses=losses,
+            weights=weights,
+        )
+
     def counts(self) -> dict[str, int]:
         return {
             "compiles": self.compiles,
@@ -126,19 +142,8 @@ def fresh_dynamo() -> None:
 
 
 def counted(ip: Any) -> Compiled:
-    from torch._dynamo.utils import counters, get_compilation_metrics
-
-    metrics = get_compilation_metrics()
     ns = ip.user_ns
-    return Compiled(
-        compiles=len(metrics),
-        recompiles=sum(m.recompile_reason is not None for m in metrics),
-        graphs=counters["stats"]["unique_graphs"],
-        graph_breaks=sum(counters["graph_break"].values()),
-        frames=counters["frames"]["total"],
-        losses=torch.stack(ns["losses"]),
-        weights=torch.cat([p.detach().flatten() for p in ns["model"].parameters()]),
-    )
+    return Compiled.now(torch.stack(ns["losses"]), torch.cat([p.detach().flatten() for p in ns["model"].parameters()]))
 
 
 def compiled_run(ip: Any, setup: str, loop: str, *, magic: bool, times: int = 1) -> tuple[Compiled, list[Any]]:

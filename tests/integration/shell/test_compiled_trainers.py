@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import run, traced
-from test_compiled_cells import Compiled, fresh_dynamo
+from test_compiled_cells import Compiled, assert_as_plain, fresh_dynamo
 
 from traceml_jupyter.analysis.compile import read_compile
 from traceml_jupyter.capture.session import COMPILED_MODEL_NOTE, COMPILING_NOTE
@@ -77,21 +77,6 @@ HUGGING_FACE_CELL = "out = Trainer(model=lm, args=hf_args, train_dataset=tokens)
 HUGGING_FACE_STEPS = 12
 
 
-def counted(losses: torch.Tensor, weights: torch.Tensor) -> Compiled:
-    from torch._dynamo.utils import counters, get_compilation_metrics
-
-    metrics = get_compilation_metrics()
-    return Compiled(
-        compiles=len(metrics),
-        recompiles=sum(m.recompile_reason is not None for m in metrics),
-        graphs=counters["stats"]["unique_graphs"],
-        graph_breaks=sum(counters["graph_break"].values()),
-        frames=counters["frames"]["total"],
-        losses=losses,
-        weights=weights,
-    )
-
-
 def trained(ip: Any, setup: str, cell: str, *, magic: bool) -> tuple[Compiled, Any]:
     """`setup` then `cell`, plainly or traced, from a fresh Dynamo: what torch counted (the
     losses: the LightningModule's, or Trainer's mean loss), and the traced run."""
@@ -104,7 +89,7 @@ def trained(ip: Any, setup: str, cell: str, *, magic: bool) -> tuple[Compiled, A
     else:
         losses, model = torch.tensor([ns["out"].training_loss], dtype=torch.float64), ns["lm"]
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-    return counted(losses, weights), (got if magic else None)
+    return Compiled.now(losses, weights), (got if magic else None)
 
 
 def assert_compile_facts_are_torchs(result: Any, counts: Compiled) -> None:
@@ -134,9 +119,7 @@ def test_a_lightning_module_with_a_compiled_model_trains_as_without_the_magic(ip
     plain, _ = trained(ip, setup, LIGHTNING_CELL, magic=False)
     assert plain.compiles >= 1 and len(plain.losses) == LIGHTNING_STEPS
     with_magic, got = trained(ip, setup, LIGHTNING_CELL, magic=True)
-    assert with_magic.counts() == plain.counts()
-    assert torch.equal(with_magic.losses, plain.losses)
-    assert torch.equal(with_magic.weights, plain.weights)
+    assert_as_plain(plain, with_magic)
     result = got.result
     assert result.steps.kind == "optimizer" and result.steps.n_steps == LIGHTNING_STEPS
     assert_compile_facts_are_torchs(result, with_magic)
@@ -160,9 +143,7 @@ def test_the_hugging_face_trainer_with_torch_compile_trains_as_without_the_magic
     plain, _ = trained(ip, setup, HUGGING_FACE_CELL, magic=False)
     assert plain.compiles >= 1  # accelerate compiled the model
     with_magic, got = trained(ip, setup, HUGGING_FACE_CELL, magic=True)
-    assert with_magic.counts() == plain.counts()
-    assert torch.equal(with_magic.losses, plain.losses)
-    assert torch.equal(with_magic.weights, plain.weights)
+    assert_as_plain(plain, with_magic)
     result = got.result
     assert result.steps.kind == "optimizer" and result.steps.n_steps == HUGGING_FACE_STEPS
     assert_compile_facts_are_torchs(result, with_magic)

@@ -15,12 +15,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import note_watch_directories, shell_fixture, traced_and_result
 from helpers import run as run_cell
-from helpers import shell_fixture, traced_and_result
 from loader_cases import own_timings
 
 import traceml_jupyter
-from traceml_jupyter.capture.loader import watch
 from traceml_jupyter.result.codec import from_dict, to_dict
 
 SETUP = """
@@ -58,14 +57,7 @@ def _directories_noted(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each private directory the watch makes, noted (other processes of the machine make theirs
     in the same temporary folder: only ours are judged)."""
     MADE.clear()
-    mkdtemp = watch.tempfile.mkdtemp
-
-    def noted(*args: Any, **kwargs: Any) -> str:
-        path = mkdtemp(*args, **kwargs)
-        MADE.append(path)
-        return path
-
-    monkeypatch.setattr(watch.tempfile, "mkdtemp", noted)
+    note_watch_directories(monkeypatch, MADE)
 
 
 def our_directories() -> set[str]:

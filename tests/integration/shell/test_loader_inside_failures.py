@@ -15,11 +15,10 @@ import time
 from typing import Any
 
 import pytest
-from helpers import run, shell_fixture
+from helpers import note_watch_directories, run, shell_fixture
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 import traceml_jupyter
-from traceml_jupyter.capture.loader import watch
 from traceml_jupyter.result.codec import to_dict
 from traceml_jupyter.views.report import report_html
 
@@ -71,14 +70,7 @@ def ours(made: list[str]) -> list[str]:
 def our_directories(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The private directories the watch makes (tempfile.mkdtemp), as it makes them."""
     made: list[str] = []
-    mkdtemp = watch.tempfile.mkdtemp
-
-    def noted(*args: Any, **kwargs: Any) -> str:
-        path = mkdtemp(*args, **kwargs)
-        made.append(path)
-        return path
-
-    monkeypatch.setattr(watch.tempfile, "mkdtemp", noted)
+    note_watch_directories(monkeypatch, made)
     return made
 
 
